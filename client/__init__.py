@@ -1,0 +1,11 @@
+"""What inference workers import: attach to expertd, get zero-copy views and a ready model.
+
+Never imports server code or Triton.
+"""
+
+from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, RestoreError
+
+from .client import ExpertClient
+from .restore import RestoreResult, restore
+
+__all__ = ["ExpertClient", "restore", "RestoreResult", "ExpertdError", "DaemonError", "DaemonTimeout", "RestoreError"]

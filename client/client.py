@@ -1,0 +1,146 @@
+"""ExpertClient: attach to a running daemon and get zero-copy views and a ready transformers model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from expertd.errors import DaemonError, DaemonTimeout
+from expertd.index import TensorIndex
+
+from .connection import Connection
+from .restore import expected_dtypes, restore
+from .shm import map_segment, segment_bytes, view
+
+log = logging.getLogger("expertd.client")
+
+DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
+
+
+class ExpertClient:
+    """A lease on a daemon's published weights.
+
+    Attaching maps each segment once, read-only; `tensors()` and `load_model()` return views
+    into those mappings. Leaving the `with` (or `close()`) releases the lease; views and models
+    stay valid while the worker holds them, even if the daemon exits.
+    """
+
+    def __init__(self, endpoint: str | None = None, *, timeout: float = 30.0, heartbeat: bool = True,
+                 copy_on_write: bool = False):
+        self.endpoint = endpoint or os.environ.get("EXPERTD_ENDPOINT", DEFAULT_ENDPOINT)
+        self.timeout = timeout
+        self.copy_on_write = copy_on_write
+        self._conn = Connection(self.endpoint, timeout)
+        self._conn.hello()
+        reply = self._conn.request("lease", pid=os.getpid())
+        self.lease = reply["client"]
+        self.lease_timeout_s = float(reply["lease_timeout_s"])
+        self._index: TensorIndex | None = None
+        self._segments: dict[str, torch.Tensor] | None = None
+        self._closed = threading.Event()
+        self._heartbeat = None
+        if heartbeat:
+            self._heartbeat = threading.Thread(target=self._beat, name="expertd-heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    # --- what users call -------------------------------------------------------------------
+
+    def index(self) -> TensorIndex:
+        """The daemon's tensor index, waiting (up to the timeout) while it is still loading."""
+        if self._index is None:
+            deadline = time.monotonic() + self.timeout
+            while True:
+                try:
+                    self._index = TensorIndex.from_dict(self._conn.request("index", client=self.lease)["index"])
+                    break
+                except DaemonError as exc:
+                    if getattr(exc, "kind", None) != "NotReady":
+                        raise
+                    if time.monotonic() > deadline:
+                        raise DaemonTimeout(f"daemon at {self.endpoint} still loading after {self.timeout:.0f}s") from exc
+                    time.sleep(0.05)
+        return self._index
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor by its checkpoint name, as a read-only view (bf16 where dequantized)."""
+        segments = self._attach()
+        return {name: view(segments, entry) for name, entry in self.index().checkpoint_entries().items()}
+
+    def served_tensors(self) -> dict[str, torch.Tensor]:
+        """Every served tensor by the model's parameter name (fused experts as whole blocks)."""
+        segments = self._attach()
+        return {entry.name: view(segments, entry) for entry in self.index().tensors}
+
+    def load_model(self, dtype: torch.dtype = torch.bfloat16):
+        """The transformers model for the served config, in eval mode, every weight a shared view.
+
+        The model is built under accelerate's `init_empty_weights`, then each parameter is bound to
+        its view with the dtype `from_pretrained(dtype=dtype)` would give it (fp32 where
+        transformers keeps a module in fp32, such as DeepSeek-V3's `e_score_correction_bias`).
+        """
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        from expertd.hf import model_config
+
+        index = self.index()
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(model_config(index.config), dtype=dtype)
+        want = expected_dtypes(model, dtype)
+        views = self.served_tensors()
+        for name, tensor in views.items():
+            if name in want and tensor.dtype != want[name]:
+                log.warning("%s is served as %s but the model needs %s: using a private copy", name, tensor.dtype, want[name])
+                views[name] = tensor.to(want[name])
+        restore(model, views, strict=True, dtypes=want)
+        model.eval()
+        return model
+
+    def status(self) -> dict:
+        return self._conn.request("status")
+
+    def close(self) -> None:
+        """Release the lease. Views already handed out stay valid."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self._conn.request("release", client=self.lease)
+        except (DaemonError, DaemonTimeout):
+            pass  # the daemon is gone or already dropped us: nothing to release
+        finally:
+            self._conn.close()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=self.timeout)
+
+    def __enter__(self) -> "ExpertClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _attach(self) -> dict[str, torch.Tensor]:
+        if self._segments is None:
+            index = self.index()
+            self._segments = {
+                s.name: segment_bytes(map_segment(s.name, s.nbytes, writable=self.copy_on_write)) for s in index.segments
+            }
+        return self._segments
+
+    def _beat(self) -> None:
+        conn = Connection(self.endpoint, timeout=min(self.timeout, self.lease_timeout_s))
+        period = max(0.05, self.lease_timeout_s / 3)
+        try:
+            while not self._closed.wait(period):
+                try:
+                    conn.request("heartbeat", client=self.lease)
+                except (DaemonError, DaemonTimeout) as exc:
+                    log.warning("heartbeat failed: %s", exc)
+        finally:
+            conn.close()

@@ -1,0 +1,69 @@
+"""A REQ connection to the daemon's control socket with a receive timeout turned into a typed error."""
+
+from __future__ import annotations
+
+import threading
+
+import zmq
+
+from expertd.errors import DaemonError, DaemonTimeout, ProtocolError
+from expertd.protocol import PROTOCOL_VERSION, pack
+
+import msgpack
+
+
+class Connection:
+    """One REQ socket; after a timeout the socket is rebuilt (a REQ socket that missed a reply is stuck)."""
+
+    def __init__(self, endpoint: str, timeout: float = 10.0, context: zmq.Context | None = None):
+        self.endpoint = endpoint
+        self.timeout_ms = max(1, int(timeout * 1000))
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._sock = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+            sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def request(self, op: str, **fields) -> dict:
+        """Send one request and return the reply map; raises DaemonTimeout or DaemonError."""
+        with self._lock:
+            sock = self._socket()
+            try:
+                sock.send(pack({"op": op, **fields}))
+                frame = sock.recv()
+            except zmq.Again as exc:
+                self._reset()
+                raise DaemonTimeout(
+                    f"expertd daemon at {self.endpoint} did not answer {op!r} within {self.timeout_ms / 1000:.1f}s"
+                ) from exc
+        try:
+            reply = msgpack.unpackb(frame, raw=False)
+        except Exception as exc:
+            raise ProtocolError(f"daemon reply to {op!r} is not msgpack: {exc}") from exc
+        if not isinstance(reply, dict) or "ok" not in reply:
+            raise ProtocolError(f"daemon reply to {op!r} is malformed")
+        if not reply["ok"]:
+            err = DaemonError(f"daemon refused {op!r}: {reply.get('error')}: {reply.get('message')}")
+            err.kind = reply.get("error")
+            raise err
+        return reply
+
+    def hello(self) -> dict:
+        return self.request("hello", protocol=PROTOCOL_VERSION)
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()

@@ -1,0 +1,122 @@
+"""Bind shared-memory views into a model's parameters and buffers, without copying a byte.
+
+Works for models whose names match the checkpoint (transformers 4.x per-expert layout, plain
+modules) and for transformers 5.x fused experts: a fused `[E, 2I, H]` parameter is rebuilt as
+one view over its per-expert views when those lie back to back in one storage, which is how the
+daemon lays them out.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from expertd.errors import RestoreError
+from expertd.hf import fusions_for
+
+
+@dataclass
+class RestoreResult:
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    bound: int = 0
+
+
+def expected_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype `from_pretrained(dtype=dtype)` gives each floating parameter/buffer (keep-in-fp32 rules)."""
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    pattern = re.compile("|".join(re.escape(p) for p in plan)) if plan else None
+    out = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.is_floating_point():
+            out[name] = torch.float32 if pattern is not None and pattern.search(name) else dtype
+    return out
+
+
+def _fused_view(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | None:
+    """One tensor over `parts` when they lie back to back in one storage, else None."""
+    first = parts[0]
+    storage = first.untyped_storage()
+    step = first.numel()
+    for k, part in enumerate(parts):
+        if (
+            part.dtype != first.dtype or not part.is_contiguous() or part.numel() != step
+            or part.untyped_storage().data_ptr() != storage.data_ptr()
+            or part.storage_offset() != first.storage_offset() + k * step
+        ):
+            return None
+    fused = torch.empty(0, dtype=first.dtype, device=first.device)
+    fused.set_(storage, first.storage_offset(), shape)
+    return fused
+
+
+def _resolve(name: str, target: torch.Tensor, views: dict[str, torch.Tensor], fusions) -> torch.Tensor | None:
+    if name in views:
+        return views[name]
+    for fusion in fusions:
+        names = fusion.source_names(name, target.shape[0]) if target.dim() >= 2 else None
+        if names and all(n in views for n in names):
+            fused = _fused_view([views[n] for n in names], target.shape)
+            if fused is None:
+                raise RestoreError(
+                    f"per-expert views for {name!r} are not laid out back to back in one buffer; "
+                    "binding them would need a copy"
+                )
+            return fused
+    return None
+
+
+def restore(model: nn.Module, views: dict[str, torch.Tensor], strict: bool = True,
+            dtypes: dict[str, torch.dtype] | None = None) -> RestoreResult:
+    """Bind `views` into `model` in place, no copies; returns missing and unexpected names.
+
+    Raises RestoreError naming the parameter on a shape or dtype mismatch. `dtypes` gives the
+    dtype each name must have (default: the model's current dtypes); with `strict`, any
+    persistent parameter or buffer left without a view is an error.
+    """
+    fusions = fusions_for(getattr(getattr(model, "config", None), "model_type", None))
+    result = RestoreResult()
+    used: set[str] = set()
+    state_names = set(model.state_dict().keys())
+    members = [(n, t, True) for n, t in model.named_parameters(remove_duplicate=False)]
+    members += [(n, t, False) for n, t in model.named_buffers(remove_duplicate=False) if n in state_names]
+    for name, current, is_param in members:
+        source = _resolve(name, current, views, fusions)
+        if source is None:
+            result.missing.append(name)
+            continue
+        want_dtype = (dtypes or {}).get(name, current.dtype)
+        if tuple(source.shape) != tuple(current.shape):
+            raise RestoreError(
+                f"view of shape {list(source.shape)} cannot be bound to {name!r} (which has shape {list(current.shape)})"
+            )
+        if source.dtype != want_dtype:
+            raise RestoreError(f"view of dtype {source.dtype} cannot be bound to {name!r} (which must be {want_dtype})")
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name) if module_name else model
+        if is_param:
+            module._parameters[attr] = nn.Parameter(source, requires_grad=False)
+        else:
+            module._buffers[attr] = source
+        used.add(name)
+        result.bound += 1
+    result.unexpected = sorted(n for n in views if n not in used and not _is_fused_source(n, used, fusions))
+    if strict and result.missing:
+        raise RestoreError(f"{len(result.missing)} parameter(s) have no view: {', '.join(result.missing[:8])}")
+    return result
+
+
+def _is_fused_source(name: str, bound: set[str], fusions) -> bool:
+    for fusion in fusions:
+        for pattern in fusion.sources:
+            head, _, tail = pattern.partition("*")
+            i = name.find(head)
+            if i < 0 or not name.endswith(tail):
+                continue
+            middle = name[i + len(head): len(name) - len(tail)]
+            if middle.isdigit() and name[:i] + fusion.target in bound:
+                return True
+    return False

@@ -1,0 +1,67 @@
+"""Read-only mappings of the daemon's segments and tensor views over them (no copies).
+
+A mapping stays valid after the daemon unlinks its segment, until the last process unmaps it;
+every view keeps its mapping alive, so no mapping is ever closed under a live tensor. Views are
+read-only at the page level: a worker that writes into one dies with SIGSEGV instead of
+changing what other workers see.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import warnings
+
+import posix_ipc
+import torch
+
+from expertd.errors import ShmError
+from expertd.index import DTYPE_NAMES, TensorEntry
+
+DTYPES = {name: getattr(torch, name.removeprefix("torch.")) for name in DTYPE_NAMES}
+
+
+def to_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ShmError(f"index names unknown dtype {name!r}") from None
+
+
+def map_segment(name: str, nbytes: int, writable: bool = False) -> mmap.mmap:
+    """Map a segment read-only (or copy-on-write private when `writable`)."""
+    try:
+        shm = posix_ipc.SharedMemory(name, 0, read_only=True)
+    except posix_ipc.ExistentialError as exc:
+        raise ShmError(f"shared-memory segment {name} does not exist (daemon gone or restarted?)") from exc
+    except posix_ipc.PermissionsError as exc:
+        raise ShmError(f"no permission to open shared-memory segment {name}") from exc
+    try:
+        if shm.size < nbytes:
+            raise ShmError(f"segment {name} has {shm.size} bytes, index says {nbytes}")
+        if writable:
+            return mmap.mmap(shm.fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(shm.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        shm.close_fd()
+
+
+def segment_bytes(mapping: mmap.mmap) -> torch.Tensor:
+    """The whole mapping as one uint8 tensor: every view of a segment shares this one storage."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": intended
+        return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def view(segments: dict[str, torch.Tensor], entry: TensorEntry) -> torch.Tensor:
+    """A tensor over an index entry's bytes, sharing its segment's storage."""
+    dtype = to_dtype(entry.dtype)
+    count = math.prod(entry.shape)
+    if count * dtype.itemsize != entry.nbytes:
+        raise ShmError(f"index entry {entry.name}: {entry.shape} {entry.dtype} is not {entry.nbytes} bytes")
+    seg = segments.get(entry.segment)
+    if seg is None or entry.offset < 0 or entry.offset + entry.nbytes > seg.numel():
+        raise ShmError(f"index entry {entry.name} lies outside segment {entry.segment}")
+    if count == 0:
+        return torch.empty(entry.shape, dtype=dtype)
+    return seg[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)

@@ -1,0 +1,78 @@
+"""One error hierarchy for server, client and kernels.
+
+Each error also inherits the standard exception a caller would naturally catch, so
+`except ValueError` keeps working for code that does not know expertd.
+"""
+
+
+class ExpertdError(Exception):
+    """Base class of every error expertd raises on purpose."""
+
+
+class ConfigError(ExpertdError, ValueError):
+    """The daemon's YAML config is unreadable, has unknown keys or bad values."""
+
+
+class CheckpointError(ExpertdError, ValueError):
+    """A checkpoint is malformed; the message names the file and the tensor."""
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        where = []
+        if file is not None:
+            where.append(f"file {file}")
+        if tensor is not None:
+            where.append(f"tensor {tensor!r}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        self.file = file
+        self.tensor = tensor
+
+
+class MissingShardError(CheckpointError, FileNotFoundError):
+    """A shard named by the index (or the checkpoint itself) does not exist."""
+
+
+class ShardFormatError(CheckpointError):
+    """A shard is not a readable safetensors file (truncated, bad header, lying offsets)."""
+
+
+class MissingTensorError(CheckpointError, KeyError):
+    """A tensor the model or the index needs is not in the checkpoint."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+class ScaleError(CheckpointError):
+    """An FP8 weight has no `*_scale_inv`, or the scale has the wrong shape, dtype or values."""
+
+
+class ShapeError(CheckpointError):
+    """A tensor's shape or dtype does not fit the model the config describes."""
+
+
+class UnsupportedDtypeError(CheckpointError, TypeError):
+    """A tensor is stored in a dtype expertd cannot serve."""
+
+
+class ShmError(ExpertdError, OSError):
+    """Creating, sizing or mapping a shared-memory segment failed."""
+
+
+class ShmSpaceError(ShmError):
+    """/dev/shm has less free space than the model needs."""
+
+
+class ProtocolError(ExpertdError, ValueError):
+    """A control message is malformed, of an unknown op, or of another protocol version."""
+
+
+class DaemonError(ExpertdError, RuntimeError):
+    """The daemon answered a request with an error."""
+
+
+class DaemonTimeout(ExpertdError, TimeoutError):
+    """The daemon did not answer within the client's timeout."""
+
+
+class RestoreError(ExpertdError, ValueError):
+    """A view does not fit the model parameter it should be bound to."""

@@ -1,0 +1,126 @@
+"""The tensor index: where every served tensor lives in shared memory.
+
+A versioned, typed structure shared by server and client. The server writes it as JSON
+(atomically) and sends the same dict over the control socket; the client reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+from .errors import ProtocolError
+
+SCHEMA_VERSION = 1
+
+# dtype names as `str(torch.dtype)` writes them; the index stores these strings, the client
+# maps them back without importing server code.
+DTYPE_NAMES = (
+    "torch.bfloat16",
+    "torch.float16",
+    "torch.float32",
+    "torch.float64",
+    "torch.float8_e4m3fn",
+    "torch.float8_e5m2",
+    "torch.int64",
+    "torch.int32",
+    "torch.int16",
+    "torch.int8",
+    "torch.uint8",
+    "torch.bool",
+)
+
+
+@dataclass
+class SegmentEntry:
+    name: str
+    nbytes: int
+
+
+@dataclass
+class TensorEntry:
+    """One tensor in a segment: a served tensor, or a checkpoint-named view inside one.
+
+    `sources` lists the checkpoint tensors a served tensor was built from; `base` names the
+    served tensor a view lies inside (None for served tensors).
+    """
+
+    name: str
+    segment: str
+    offset: int
+    nbytes: int
+    shape: list[int]
+    dtype: str
+    sources: list[str] = field(default_factory=list)
+    base: str | None = None
+
+
+@dataclass
+class TensorIndex:
+    generation: int
+    namespace: str
+    model_type: str
+    layout: str
+    config: dict
+    segments: list[SegmentEntry]
+    tensors: list[TensorEntry]
+    views: list[TensorEntry]
+    schema: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TensorIndex":
+        if not isinstance(data, dict):
+            raise ProtocolError(f"tensor index must be a mapping, got {type(data).__name__}")
+        if data.get("schema") != SCHEMA_VERSION:
+            raise ProtocolError(
+                f"tensor index schema {data.get('schema')!r} is not supported (expected {SCHEMA_VERSION})"
+            )
+        try:
+            return cls(
+                schema=data["schema"],
+                generation=int(data["generation"]),
+                namespace=str(data["namespace"]),
+                model_type=str(data["model_type"]),
+                layout=str(data["layout"]),
+                config=dict(data["config"]),
+                segments=[SegmentEntry(**s) for s in data["segments"]],
+                tensors=[TensorEntry(**t) for t in data["tensors"]],
+                views=[TensorEntry(**t) for t in data["views"]],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed tensor index: {exc}") from exc
+
+    def checkpoint_entries(self) -> dict[str, TensorEntry]:
+        """Every checkpoint tensor name -> where its bytes are (a served tensor or a view)."""
+        out = {t.name: t for t in self.tensors if t.sources == [t.name]}
+        out.update({v.name: v for v in self.views})
+        return out
+
+    def total_bytes_by_dtype(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for t in self.tensors:
+            totals[t.dtype] = totals.get(t.dtype, 0) + t.nbytes
+        return totals
+
+
+def write_json_atomic(path: str, data: dict) -> None:
+    """Write JSON to `path` via a temp file in the same folder and rename, so readers never see half a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

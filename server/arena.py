@@ -1,0 +1,134 @@
+"""The shared-memory arena: POSIX segments the daemon creates, fills and finally unlinks.
+
+Segments are created 0600 with O_EXCL, reserved with posix_fallocate before the first write
+(tmpfs then fails with ENOSPC instead of killing the writer with SIGBUS, and pre-faulted pages
+fill several times faster), and mapped read-write only in the daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import mmap
+import os
+from dataclasses import dataclass
+
+import posix_ipc
+import torch
+
+from expertd.errors import ShmError, ShmSpaceError
+from expertd.index import SegmentEntry
+
+ALIGN = 4096  # every tensor starts on a page: views are aligned for any dtype and vector width
+SHM_DIR = "/dev/shm"
+
+
+@dataclass
+class Placement:
+    segment: str
+    offset: int
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+class Arena:
+    """Segments named `/{namespace}.{pid}.{generation}.{i}`; tensors packed in order, page-aligned."""
+
+    def __init__(self, namespace: str, generation: int, segment_bytes: int):
+        self.prefix = f"/{namespace}.{os.getpid()}.{generation}."
+        self.segment_bytes = segment_bytes
+        self.segments: list[SegmentEntry] = []
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def place(self, sizes: list[int]) -> list[Placement]:
+        """Assign each size a segment and offset; a tensor never spans segments."""
+        placements, used = [], None
+        for size in sizes:
+            size = max(align_up(size), ALIGN)
+            if used is None or used + size > self.segment_bytes:
+                self.segments.append(SegmentEntry(f"{self.prefix}{len(self.segments):03d}", 0))
+                used = 0
+            placements.append(Placement(self.segments[-1].name, used))
+            used += size
+            self.segments[-1].nbytes = used
+        return placements
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def create(self, shm_dir: str = SHM_DIR) -> None:
+        """Create, reserve and map every planned segment; on any failure remove what was made."""
+        need, free = self.nbytes, shm_free_bytes(shm_dir)
+        if need > free:
+            raise ShmSpaceError(
+                f"{shm_dir} has {free / 2**20:.1f} MiB free but the model needs {need / 2**20:.1f} MiB; "
+                f"give the container more shared memory (docker run --shm-size={math.ceil(need * 1.1 / 2**30)}g, "
+                f"or shm_size: in docker-compose) or free space in {shm_dir}"
+            )
+        try:
+            for seg in self.segments:
+                self._create_one(seg)
+        except BaseException:
+            self.unlink()
+            raise
+
+    def _create_one(self, seg: SegmentEntry) -> None:
+        try:
+            shm = posix_ipc.SharedMemory(seg.name, posix_ipc.O_CREX, mode=0o600)
+        except posix_ipc.ExistentialError as exc:
+            raise ShmError(f"shared-memory segment {seg.name} already exists") from exc
+        try:
+            self._maps[seg.name] = None  # created: unlink() must remove it from here on
+            try:
+                os.posix_fallocate(shm.fd, 0, seg.nbytes)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                    raise ShmSpaceError(
+                        f"no space to reserve {seg.nbytes / 2**20:.1f} MiB for segment {seg.name} in {SHM_DIR}; "
+                        "give the container more shared memory (--shm-size / shm_size)"
+                    ) from exc
+                raise ShmError(f"reserving segment {seg.name}: {exc}") from exc
+            self._maps[seg.name] = mmap.mmap(shm.fd, seg.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            shm.close_fd()
+
+    def tensor(self, placement: Placement, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A writable tensor over a placement's bytes (daemon side only)."""
+        count = math.prod(shape)
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        buf = self._maps[placement.segment]
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=placement.offset).view(shape)
+
+    def names(self) -> list[str]:
+        return list(self._maps)
+
+    def unmap(self) -> None:
+        """Drop the daemon's own writable mappings once loading is done.
+
+        Workers then hold the only mappings (so each of N workers accounts for 1/N of the pages),
+        and no stray write of the daemon can reach served bytes. The caller must hold no tensor
+        over these mappings any more: closing under a live tensor would leave it dangling.
+        """
+        for name, mapping in self._maps.items():
+            if mapping is not None:
+                mapping.close()
+            self._maps[name] = None
+
+    def unlink(self) -> None:
+        """Remove every segment this arena created. Mappings stay valid until their last user unmaps."""
+        for name in list(self._maps):
+            try:
+                posix_ipc.unlink_shared_memory(name)
+            except posix_ipc.ExistentialError:
+                pass
+        # The daemon's own mappings are dropped with the arena object, never closed under live tensors.
+        self._maps.clear()

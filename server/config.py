@@ -1,0 +1,94 @@
+"""The daemon's YAML config: a few keys, checked strictly."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, fields
+
+import yaml
+
+from expertd.errors import ConfigError
+
+DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass
+class DaemonConfig:
+    checkpoint: str
+    endpoint: str = DEFAULT_ENDPOINT
+    namespace: str = "expertd"
+    run_dir: str | None = None  # where the index JSON goes; default: the ipc socket's folder
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N": where dequant runs
+    segment_bytes: int = 1 << 32  # tensors are packed into segments of at most this size
+    lease_timeout_s: float = 30.0
+    progress: bool = True
+
+    @property
+    def index_path(self) -> str:
+        return os.path.join(self.resolved_run_dir, f"{self.namespace}.index.json")
+
+    @property
+    def resolved_run_dir(self) -> str:
+        if self.run_dir:
+            return self.run_dir
+        if self.endpoint.startswith("ipc://"):
+            return os.path.dirname(self.endpoint[len("ipc://"):]) or "."
+        return os.path.join("/tmp", f"expertd-{self.namespace}")
+
+
+def load_config(path: str) -> DaemonConfig:
+    """Read a config file; relative paths in it resolve against the file's folder."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path} must be a mapping of keys, got {type(raw).__name__}")
+    return config_from_dict(raw, base_dir=os.path.dirname(os.path.abspath(path)), source=path)
+
+
+def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -> DaemonConfig:
+    known = {f.name for f in fields(DaemonConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"config {source}: unknown key(s) {', '.join(map(str, unknown))}; known keys: {', '.join(sorted(known))}")
+    if "checkpoint" not in raw or not isinstance(raw["checkpoint"], str):
+        raise ConfigError(f"config {source}: 'checkpoint' (a folder path) is required")
+    values = dict(raw)
+    values["checkpoint"] = _resolve(raw["checkpoint"], base_dir)
+    if values.get("run_dir"):
+        values["run_dir"] = _resolve(str(values["run_dir"]), base_dir)
+    if "endpoint" in values:
+        values["endpoint"] = resolve_endpoint(str(values["endpoint"]), base_dir, source)
+    cfg = DaemonConfig(**values)
+    if not isinstance(cfg.namespace, str) or not _NAMESPACE_RE.match(cfg.namespace):
+        raise ConfigError(f"config {source}: namespace {cfg.namespace!r} must be 1-64 of [A-Za-z0-9_.-]")
+    if not isinstance(cfg.segment_bytes, int) or cfg.segment_bytes < 4096:
+        raise ConfigError(f"config {source}: segment_bytes must be an integer >= 4096")
+    if not isinstance(cfg.lease_timeout_s, (int, float)) or cfg.lease_timeout_s <= 0:
+        raise ConfigError(f"config {source}: lease_timeout_s must be a positive number")
+    if not (cfg.device in ("auto", "cpu", "cuda") or re.match(r"^cuda:\d+$", str(cfg.device))):
+        raise ConfigError(f"config {source}: device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
+    return cfg
+
+
+def resolve_endpoint(endpoint: str, base_dir: str = ".", source: str = "<config>") -> str:
+    """Check an endpoint; a relative ipc:// path resolves against `base_dir`."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        if not path:
+            raise ConfigError(f"config {source}: endpoint {endpoint!r} names no socket path")
+        return "ipc://" + _resolve(path, base_dir)
+    if re.match(r"^tcp://[^:/]+:\d+$", endpoint):
+        return endpoint
+    raise ConfigError(f"config {source}: endpoint {endpoint!r} must be ipc://PATH or tcp://HOST:PORT")
+
+
+def _resolve(path: str, base_dir: str) -> str:
+    path = os.path.expanduser(path)
+    return path if os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))

@@ -1,0 +1,199 @@
+"""Plan what the daemon serves: one entry per model parameter, in the layout the worker's model uses.
+
+With transformers 5.x, MoE experts are fused: `mlp.experts.gate_up_proj` is [E, 2I, H] (each
+expert's gate rows, then its up rows) and `mlp.experts.down_proj` is [E, H, I]. The plan reads
+these fusions from transformers' own conversion mapping for the model type, builds the model
+skeleton on the meta device to learn every expected name and shape, and checks the checkpoint
+against it: every tensor present, every FP8 weight with a well-formed scale, expert shapes
+consistent. Each served tensor is the concatenation of its checkpoint sources in order, so each
+per-expert checkpoint tensor stays addressable as a contiguous view of its fused block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from expertd.errors import CheckpointError, MissingTensorError, ScaleError, ShapeError
+from expertd.hf import fusions_for, model_config
+
+from .reader import Checkpoint, TensorInfo
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+SCALE_SUFFIX = "_scale_inv"
+
+
+@dataclass
+class Source:
+    """One checkpoint tensor feeding a served tensor; `scale` is set for FP8 weights."""
+
+    name: str
+    info: TensorInfo
+    scale: TensorInfo | None = None
+
+
+@dataclass
+class PlannedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sources: list[Source] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def source_shape(self) -> tuple[int, ...]:
+        return self.sources[0].info.shape
+
+
+@dataclass
+class Plan:
+    model_type: str
+    layout: str  # "transformers-fused" when any fusion applies, else "checkpoint"
+    block_size: tuple[int, int]
+    tensors: list[PlannedTensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def meta_state(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every parameter and persistent buffer of the model the config describes: name -> (shape, dtype)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = model_config(config)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except Exception as exc:
+        raise CheckpointError(f"config.json does not describe a model transformers can build: {exc}") from exc
+    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+
+
+def block_size_of(config: dict) -> tuple[int, int]:
+    qc = config.get("quantization_config") or {}
+    block = qc.get("weight_block_size", [128, 128])
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise CheckpointError(f"quantization_config.weight_block_size {block!r} must be [rows, cols] of positive ints")
+    if block[0] != block[1]:
+        raise CheckpointError(f"quantization_config.weight_block_size {block!r}: only square blocks are supported")
+    return block[0], block[1]
+
+
+def _attach_scale(ckpt: Checkpoint, info: TensorInfo, block: tuple[int, int]) -> TensorInfo | None:
+    if info.dtype not in FP8_DTYPES:
+        return None
+    scale = ckpt.tensors.get(info.name + SCALE_SUFFIX)
+    if scale is None:
+        raise ScaleError(
+            f"FP8 weight has no {info.name + SCALE_SUFFIX!r}; refusing to serve FP8 bytes as if they were bf16",
+            file=info.file,
+            tensor=info.name,
+        )
+    if len(info.shape) != 2:
+        raise ShapeError(f"FP8 weight must be 2-D for block dequant, has shape {list(info.shape)}", file=info.file, tensor=info.name)
+    want = (math.ceil(info.shape[0] / block[0]), math.ceil(info.shape[1] / block[1]))
+    if scale.shape != want:
+        raise ScaleError(
+            f"scale shape {list(scale.shape)} does not fit weight {list(info.shape)} with {block[0]}x{block[1]} blocks; "
+            f"expected {list(want)}",
+            file=scale.file,
+            tensor=scale.name,
+        )
+    if scale.dtype != torch.float32:
+        raise ScaleError(f"scale dtype {scale.dtype} is not torch.float32", file=scale.file, tensor=scale.name)
+    return scale
+
+
+def check_scale_values(ckpt: Checkpoint, scale: TensorInfo) -> None:
+    """Scales must be finite and positive: a NaN or zero scale silently ruins a whole block."""
+    values = ckpt.read(scale.name)
+    bad = ~(torch.isfinite(values) & (values > 0))
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise ScaleError(
+            f"scale has non-finite or non-positive values (first at block {list(where)}: {values[where].item()})",
+            file=scale.file,
+            tensor=scale.name,
+        )
+
+
+def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
+    """Check the checkpoint against the model its config describes and plan every served tensor."""
+    config = ckpt.config
+    model_type = config.get("model_type", "")
+    block = block_size_of(config)
+    expected = meta_state(config)
+    fusions = fusions_for(model_type)
+    used: set[str] = set()
+    planned: list[PlannedTensor] = []
+
+    def source(name: str, param: str) -> Source:
+        info = ckpt.tensors.get(name)
+        if info is None:
+            raise MissingTensorError(
+                f"checkpoint lacks a tensor the model needs (for parameter {param!r})", file=ckpt.folder, tensor=name
+            )
+        used.add(name)
+        scale = _attach_scale(ckpt, info, block)
+        if scale is not None:
+            used.add(scale.name)
+        return Source(name, info, scale)
+
+    for param, (shape, _) in expected.items():
+        names = fusion = None
+        for fusion in fusions:
+            names = fusion.source_names(param, shape[0]) if len(shape) >= 2 else None
+            if names is not None:
+                break
+        if names is None:
+            if param not in ckpt.tensors and param.endswith(SCALE_SUFFIX):
+                continue
+            src = source(param, param)
+            served = served_dtype(src)
+            if src.info.shape != shape:
+                raise ShapeError(
+                    f"shape {list(src.info.shape)} does not match the model's {list(shape)}", file=src.info.file, tensor=param
+                )
+            planned.append(PlannedTensor(param, shape, served, [src]))
+            continue
+        srcs = [source(n, param) for n in names]
+        per_source = (shape[1] // len(fusion.sources), *shape[2:])
+        dtypes = {served_dtype(s) for s in srcs}
+        for s in srcs:
+            if s.info.shape != per_source or shape[1] % len(fusion.sources):
+                raise ShapeError(
+                    f"expert tensor shape {list(s.info.shape)} does not fit {param} {list(shape)} "
+                    f"(each expert's tensor must be {list(per_source)})",
+                    file=s.info.file,
+                    tensor=s.name,
+                )
+        if len(dtypes) != 1:
+            raise ShapeError(f"experts of {param} mix dtypes {sorted(map(str, dtypes))}", file=srcs[0].info.file, tensor=srcs[0].name)
+        planned.append(PlannedTensor(param, shape, dtypes.pop(), srcs))
+
+    # Tensors the model does not use (e.g. DeepSeek-V3's multi-token-prediction layer) are still
+    # served under their checkpoint names, so `tensors()` covers the whole checkpoint.
+    for name, info in ckpt.tensors.items():
+        if name in used or name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in ckpt.tensors:
+            continue
+        src = Source(name, info, _attach_scale(ckpt, info, block))
+        planned.append(PlannedTensor(name, info.shape, served_dtype(src), [src]))
+
+    if check_values:
+        for t in planned:
+            for s in t.sources:
+                if s.scale is not None:
+                    check_scale_values(ckpt, s.scale)
+    layout = "transformers-fused" if any(len(t.sources) > 1 for t in planned) else "checkpoint"
+    return Plan(model_type, layout, block, planned)
+
+
+def served_dtype(src: Source) -> torch.dtype:
+    """FP8 weights are served dequantized to bf16; everything else in its stored dtype."""
+    return torch.bfloat16 if src.scale is not None else src.info.dtype

@@ -1,0 +1,123 @@
+"""The one place the stages meet: checkpoint → plan → dequant → shared memory → tensor index."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from tqdm import tqdm
+
+from expertd.index import TensorEntry, TensorIndex, write_json_atomic
+
+from .arena import Arena
+from .layout import Plan, plan_checkpoint
+from .reader import Checkpoint
+
+log = logging.getLogger("expertd.loader")
+
+
+class Cancelled(Exception):
+    """Loading was interrupted by a stop request or a signal."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class Loaded:
+    """A published model: its arena (segments to unlink at exit) and its index."""
+
+    def __init__(self, arena: Arena, index: TensorIndex):
+        self.arena = arena
+        self.index = index
+
+    def close(self) -> None:
+        self.arena.unlink()
+
+
+def prepare(checkpoint: str) -> tuple[Checkpoint, Plan]:
+    """Open and fully validate a checkpoint; nothing is written."""
+    ckpt = Checkpoint.open(checkpoint)
+    return ckpt, plan_checkpoint(ckpt)
+
+
+def load(
+    ckpt: Checkpoint,
+    plan: Plan,
+    *,
+    namespace: str,
+    generation: int,
+    segment_bytes: int = 1 << 32,
+    device: str = "auto",
+    index_path: str | None = None,
+    progress: bool = False,
+    should_stop=None,
+) -> Loaded:
+    """Place every planned tensor in fresh shared memory; publish the index only once all are written."""
+    from expertd.kernels import weight_dequant  # the daemon needs kernels; the client never imports them
+
+    dev = resolve_device(device)
+    arena = Arena(namespace, generation, segment_bytes)
+    placements = arena.place([t.nbytes for t in plan.tensors])
+    arena.create()
+    started = time.perf_counter()
+    tensors, views = [], []
+    try:
+        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="expertd load", disable=not progress)
+        for planned, where in zip(plan.tensors, placements):
+            if should_stop is not None and should_stop():
+                raise Cancelled("loading stopped before it finished")
+            out = arena.tensor(where, planned.shape, planned.dtype)
+            chunks = out.view(len(planned.sources), *planned.source_shape) if len(planned.sources) > 1 else out.view(1, *planned.shape)
+            chunk_bytes = planned.nbytes // len(planned.sources)
+            for k, src in enumerate(planned.sources):
+                data = ckpt.read(src.name)
+                if src.scale is not None:
+                    weight_dequant(
+                        data, ckpt.read(src.scale.name), plan.block_size[0],
+                        out=chunks[k], out_dtype=planned.dtype, name=src.name, device=dev,
+                    )
+                else:
+                    chunks[k].copy_(data.view(chunks[k].shape))
+                del data
+                if len(planned.sources) > 1:
+                    views.append(
+                        TensorEntry(src.name, where.segment, where.offset + k * chunk_bytes, chunk_bytes,
+                                    list(planned.source_shape), str(planned.dtype), [src.name], planned.name)
+                    )
+            tensors.append(
+                TensorEntry(planned.name, where.segment, where.offset, planned.nbytes, list(planned.shape),
+                            str(planned.dtype), [s.name for s in planned.sources])
+            )
+            del out, chunks
+            bar.update(planned.nbytes)
+        bar.close()
+        arena.unmap()  # every tensor over the mappings is gone by now
+        index = TensorIndex(
+            generation=generation,
+            namespace=namespace,
+            model_type=plan.model_type,
+            layout=plan.layout,
+            config=ckpt.config,
+            segments=list(arena.segments),
+            tensors=tensors,
+            views=views,
+        )
+        if index_path is not None:
+            os.makedirs(os.path.dirname(index_path) or ".", exist_ok=True)
+            write_json_atomic(index_path, index.to_dict())
+    except BaseException:
+        arena.unlink()
+        raise
+    finally:
+        ckpt.close()
+    elapsed = time.perf_counter() - started
+    log.info(
+        "published generation %d: %d tensors, %.1f MiB in %d segment(s) in %.2fs (%.2f GB/s)",
+        generation, len(tensors), arena.nbytes / 2**20, len(arena.segments), elapsed, plan.nbytes / max(elapsed, 1e-9) / 1e9,
+    )
+    return Loaded(arena, index)

@@ -1,0 +1,217 @@
+"""Read a HuggingFace safetensors checkpoint: structure checked up front, tensors one at a time.
+
+`Checkpoint.open` parses config.json, the shard index and every shard header, and refuses
+anything malformed before a byte is loaded. Tensor data is then read through safetensors'
+own mmap-backed API, one tensor at a time, so memory stays bounded by the largest tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from expertd.errors import (
+    CheckpointError,
+    MissingShardError,
+    MissingTensorError,
+    ShardFormatError,
+    UnsupportedDtypeError,
+)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_HEADER_BYTES = 100 << 20
+
+# safetensors dtype tag -> (torch dtype, bytes per element)
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _reject_duplicate_keys(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def read_json(path: str, what: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(), object_pairs_hook=_reject_duplicate_keys)
+    except FileNotFoundError as exc:
+        raise MissingShardError(f"{what} not found", file=path) from exc
+    except OSError as exc:
+        raise CheckpointError(f"{what} is unreadable: {exc.strerror}", file=path) from exc
+    except ValueError as exc:
+        raise CheckpointError(f"{what} is not valid JSON: {exc}", file=path) from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{what} must hold a JSON object", file=path)
+    return data
+
+
+def read_shard_header(path: str) -> dict[str, TensorInfo]:
+    """Parse and check one safetensors header: dtypes known, offsets inside the file, no overlaps."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ShardFormatError(f"file of {size} bytes is too short for a safetensors header", file=path)
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+                raise ShardFormatError(
+                    f"header length {header_len} runs past the end of the {size}-byte file (truncated?)", file=path
+                )
+            raw = f.read(header_len)
+    except FileNotFoundError as exc:
+        raise MissingShardError("shard not found", file=path) from exc
+    except IsADirectoryError as exc:
+        raise ShardFormatError("shard is a directory, not a safetensors file", file=path) from exc
+    except PermissionError as exc:
+        raise CheckpointError(f"shard is unreadable: {exc.strerror}", file=path) from exc
+    try:
+        header = json.loads(raw, object_pairs_hook=_reject_duplicate_keys)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ShardFormatError(f"safetensors header is not valid JSON: {exc}", file=path) from exc
+    if not isinstance(header, dict):
+        raise ShardFormatError("safetensors header must be a JSON object", file=path)
+    data_len = size - 8 - header_len
+    infos: dict[str, TensorInfo] = {}
+    spans = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+            raise ShardFormatError("header entry needs dtype, shape and data_offsets", file=path, tensor=name)
+        tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if tag not in SAFETENSORS_DTYPES:
+            raise UnsupportedDtypeError(
+                f"dtype {tag!r} is not supported (supported: {', '.join(SAFETENSORS_DTYPES)})", file=path, tensor=name
+            )
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise ShardFormatError(f"shape {shape!r} is not a list of non-negative integers", file=path, tensor=name)
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            raise ShardFormatError(f"data_offsets {offsets!r} is not [begin, end]", file=path, tensor=name)
+        dtype = SAFETENSORS_DTYPES[tag]
+        nbytes = math.prod(shape) * dtype.itemsize
+        begin, end = offsets
+        if begin < 0 or end < begin or end - begin != nbytes:
+            raise ShardFormatError(
+                f"data_offsets {offsets} span {end - begin} bytes but {tag}{shape} needs {nbytes}", file=path, tensor=name
+            )
+        if end > data_len:
+            raise ShardFormatError(
+                f"data_offsets {offsets} run past the end of the data ({data_len} bytes; truncated shard?)",
+                file=path,
+                tensor=name,
+            )
+        spans.append((begin, end, name))
+        infos[name] = TensorInfo(name, path, dtype, tuple(shape), nbytes)
+    spans.sort()
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0 and e0 > b0 and e1 > b1:
+            raise ShardFormatError(f"data of {n0!r} [{b0}, {e0}) overlaps {n1!r} [{b1}, {e1})", file=path, tensor=n1)
+    return infos
+
+
+class Checkpoint:
+    """A checked checkpoint folder: config, tensor catalogue, and one-at-a-time tensor reads."""
+
+    def __init__(self, folder: str, config: dict, tensors: dict[str, TensorInfo]):
+        self.folder = folder
+        self.config = config
+        self.tensors = tensors
+        self._handles: dict[str, object] = {}
+
+    @classmethod
+    def open(cls, folder: str) -> "Checkpoint":
+        folder = os.path.abspath(folder)
+        if not os.path.isdir(folder):
+            raise MissingShardError("checkpoint folder does not exist or is not a folder", file=folder)
+        if not os.access(folder, os.R_OK | os.X_OK):
+            raise CheckpointError("checkpoint folder is unreadable (permission denied)", file=folder)
+        config = read_json(os.path.join(folder, "config.json"), "config.json")
+        index_path = os.path.join(folder, INDEX_FILE)
+        if os.path.exists(index_path):
+            weight_map = read_json(index_path, INDEX_FILE).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError("'weight_map' must map tensor names to shard file names", file=index_path)
+        elif os.path.exists(os.path.join(folder, SINGLE_FILE)):
+            index_path, weight_map = None, None
+        else:
+            raise MissingShardError(f"checkpoint has neither {INDEX_FILE} nor {SINGLE_FILE}", file=folder)
+
+        shard_names = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]
+        tensors: dict[str, TensorInfo] = {}
+        for shard in shard_names:
+            path = os.path.join(folder, shard)
+            if os.path.dirname(os.path.normpath(shard)) not in ("",):
+                raise CheckpointError(f"shard name {shard!r} must be a file name inside the checkpoint", file=index_path)
+            for name, info in read_shard_header(path).items():
+                if name in tensors:
+                    raise CheckpointError(
+                        f"duplicate tensor: also stored in {os.path.basename(tensors[name].file)}", file=path, tensor=name
+                    )
+                tensors[name] = info
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                info = tensors.get(name)
+                if info is None:
+                    raise MissingTensorError(
+                        f"index names tensor in shard {shard} but that shard's header lacks it",
+                        file=os.path.join(folder, shard),
+                        tensor=name,
+                    )
+                if os.path.basename(info.file) != shard:
+                    raise CheckpointError(
+                        f"index places tensor in {shard} but it is stored in {os.path.basename(info.file)}",
+                        file=index_path,
+                        tensor=name,
+                    )
+            tensors = {name: tensors[name] for name in weight_map}
+        return cls(folder, config, tensors)
+
+    def read(self, name: str) -> torch.Tensor:
+        """Read one tensor into memory through safetensors (mmap-backed)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise MissingTensorError("tensor not in checkpoint", file=self.folder, tensor=name)
+        handle = self._handles.get(info.file)
+        try:
+            if handle is None:
+                handle = self._handles[info.file] = safe_open(info.file, framework="pt")
+            return handle.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own types; name the file and tensor
+            raise ShardFormatError(f"reading failed: {exc}", file=info.file, tensor=name) from exc
+
+    def close(self) -> None:
+        self._handles.clear()

@@ -1,0 +1,105 @@
+"""The real daemon process on a generated FP8 checkpoint, two real worker processes, real shared memory."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import HERE
+from reference import INPUT_IDS, reference_tensors, write_reference_bf16
+
+
+def start_worker(endpoint: str, namespace: str, out_dir: str) -> subprocess.Popen:
+    os.makedirs(out_dir, exist_ok=True)
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "worker_probe.py"), endpoint, namespace, out_dir],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def reference_logits(tiny_checkpoint, tmp_path_factory) -> torch.Tensor:
+    """transformers' own load of a bf16 checkpoint holding the reference-dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    folder = write_reference_bf16(tiny_checkpoint, str(tmp_path_factory.mktemp("ref") / "bf16"))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    with torch.no_grad():
+        return model(torch.tensor(INPUT_IDS)).logits, {k: str(v.dtype) for k, v in model.state_dict().items()}
+
+
+def test_two_workers_share_exact_weights(tiny_checkpoint, start_daemon, namespace, tmp_path, reference_logits):
+    daemon = start_daemon(tiny_checkpoint)
+    workers = [start_worker(daemon.endpoint, namespace, str(tmp_path / f"w{i}")) for i in range(2)]
+    try:
+        for w in workers:
+            line = w.stdout.readline()
+            assert line.strip() == "READY", w.stderr.read()
+        status = daemon.status()
+        assert len(status["leases"]) == 2
+        reports = []
+        for w in workers:
+            w.stdin.write("go\n")
+            w.stdin.flush()
+            reports.append(json.loads(w.stdout.readline()))
+        for w in workers:
+            assert w.wait(60) == 0, w.stderr.read()
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+            w.stdin.close()
+            w.stdout.close()
+            w.stderr.close()
+
+    ref_logits, ref_dtypes = reference_logits
+    expected = reference_tensors(tiny_checkpoint)
+    for i, report in enumerate(reports):
+        # exact numerics and dtypes of transformers' own load
+        logits = torch.load(tmp_path / f"w{i}" / "logits.pt")
+        assert torch.equal(logits, ref_logits)
+        assert {k: v for k, v in report["dtypes"].items() if k in ref_dtypes} == ref_dtypes
+        assert report["dtypes"]["model.layers.1.mlp.gate.e_score_correction_bias"] == "torch.float32"
+        assert not report["training"]
+        # zero copy: every parameter's storage lies in a read-only shared mapping
+        assert report["outside"] == []
+        assert report["writable_maps"] == 0
+        # tensors(): every checkpoint tensor bitwise the reference dequant
+        views = load_file(str(tmp_path / f"w{i}" / "tensors.safetensors"))
+        assert views.keys() == expected.keys()
+        for name, ref in expected.items():
+            assert views[name].dtype == ref.dtype, name
+            assert torch.equal(views[name].view(torch.uint8), ref.contiguous().view(torch.uint8)), name
+        # the pages are shared: each of the two workers accounts for about half of every mapping
+        assert report["size"] >= status["bytes"]["total"]
+        assert 0.4 <= report["pss"] / report["size"] <= 0.6, report
+
+    # leases released on close
+    assert daemon.status()["leases"] == []
+    assert daemon.stop() == 0
+    assert not glob.glob(f"/dev/shm/{namespace}*")
+    assert not os.path.exists(daemon.endpoint[len("ipc://"):])
+
+
+def test_status_cli_reports_what_is_served(tiny_checkpoint, start_daemon):
+    daemon = start_daemon(tiny_checkpoint)
+    status = daemon.status()
+    assert status["state"] == "serving" and status["generation"] == 1
+    assert status["tensors"] > 0 and status["bytes"]["torch.bfloat16"] > 0
+    assert status["bytes"]["torch.float32"] > 0  # e_score_correction_bias stays F32
+    text = subprocess.run([sys.executable, "-m", "expertd.server.cli", "status", "--config", daemon.config],
+                          capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0 and "generation  1" in text.stdout and "torch.bfloat16" in text.stdout
+    stop = subprocess.run([sys.executable, "-m", "expertd.server.cli", "stop", "--config", daemon.config],
+                          capture_output=True, text=True, timeout=60)
+    assert stop.returncode == 0
+    assert daemon.proc.wait(30) == 0
+    gone = subprocess.run([sys.executable, "-m", "expertd.server.cli", "status", "--endpoint", daemon.endpoint,
+                           "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
+    assert gone.returncode != 0 and "did not answer" in gone.stderr
