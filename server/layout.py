@@ -133,12 +133,15 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
     used: set[str] = set()
     planned: list[PlannedTensor] = []
 
-    def source(name: str, param: str) -> Source:
+    def source(name: str, param: str, want_shape: tuple[int, ...], what: str) -> Source:
+        """The checkpoint tensor `name` for `param`, shape checked before its scale."""
         info = ckpt.tensors.get(name)
         if info is None:
             raise MissingTensorError(
                 f"checkpoint lacks a tensor the model needs (for parameter {param!r})", file=ckpt.folder, tensor=name
             )
+        if info.shape != want_shape:
+            raise ShapeError(f"shape {list(info.shape)} does not match {what} {list(want_shape)}", file=info.file, tensor=name)
         used.add(name)
         scale = _attach_scale(ckpt, info, block)
         if scale is not None:
@@ -152,27 +155,14 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
             if names is not None:
                 break
         if names is None:
-            if param not in ckpt.tensors and param.endswith(SCALE_SUFFIX):
-                continue
-            src = source(param, param)
-            served = served_dtype(src)
-            if src.info.shape != shape:
-                raise ShapeError(
-                    f"shape {list(src.info.shape)} does not match the model's {list(shape)}", file=src.info.file, tensor=param
-                )
-            planned.append(PlannedTensor(param, shape, served, [src]))
+            src = source(param, param, shape, "the model's")
+            planned.append(PlannedTensor(param, shape, served_dtype(src), [src]))
             continue
-        srcs = [source(n, param) for n in names]
+        if shape[1] % len(fusion.sources):
+            raise ShapeError(f"{param} {list(shape)} cannot be split into {len(fusion.sources)} parts per expert")
         per_source = (shape[1] // len(fusion.sources), *shape[2:])
+        srcs = [source(n, param, per_source, f"one expert's part of {param} {list(shape)}:") for n in names]
         dtypes = {served_dtype(s) for s in srcs}
-        for s in srcs:
-            if s.info.shape != per_source or shape[1] % len(fusion.sources):
-                raise ShapeError(
-                    f"expert tensor shape {list(s.info.shape)} does not fit {param} {list(shape)} "
-                    f"(each expert's tensor must be {list(per_source)})",
-                    file=s.info.file,
-                    tensor=s.name,
-                )
         if len(dtypes) != 1:
             raise ShapeError(f"experts of {param} mix dtypes {sorted(map(str, dtypes))}", file=srcs[0].info.file, tensor=srcs[0].name)
         planned.append(PlannedTensor(param, shape, dtypes.pop(), srcs))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,8 @@ import uuid
 import pytest
 import yaml
 
+from expertd.client.connection import Connection
+from expertd.errors import ExpertdError
 from expertd.server.generate import generate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,10 +59,15 @@ class DaemonProcess:
         self.proc = subprocess.Popen(expertd_cmd("start", "--config", config), stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True)
 
-    def status(self, timeout: float = 5.0) -> dict | None:
-        out = subprocess.run(expertd_cmd("status", "--endpoint", self.endpoint, "--json", "--timeout", "1"),
-                             capture_output=True, text=True, timeout=timeout + 30)
-        return json.loads(out.stdout) if out.returncode == 0 else None
+    def status(self, timeout: float = 2.0) -> dict | None:
+        """The daemon's status reply, or None when it does not answer."""
+        conn = Connection(self.endpoint, timeout=timeout)
+        try:
+            return conn.request("status")
+        except ExpertdError:
+            return None
+        finally:
+            conn.close()
 
     def wait_serving(self, timeout: float = 120.0) -> dict:
         deadline = time.monotonic() + timeout

@@ -42,12 +42,13 @@ def test_two_workers_share_exact_weights(tiny_checkpoint, start_daemon, namespac
             assert line.strip() == "READY", w.stderr.read()
         status = daemon.status()
         assert len(status["leases"]) == 2
-        reports = []
         for w in workers:
-            w.stdin.write("go\n")
+            w.stdin.write("measure\n")
             w.stdin.flush()
-            reports.append(json.loads(w.stdout.readline()))
+        reports = [json.loads(w.stdout.readline()) for w in workers]
         for w in workers:
+            w.stdin.write("exit\n")
+            w.stdin.flush()
             assert w.wait(60) == 0, w.stderr.read()
     finally:
         for w in workers:

@@ -1,7 +1,8 @@
 """A real worker process for the end-to-end tests: attach, run the model, report what it sees.
 
 Usage: worker_probe.py ENDPOINT NAMESPACE OUT_DIR. Prints READY once it has touched every weight,
-waits for a line on stdin, then prints one JSON line with the Pss of its shared mappings.
+waits for a line on stdin, then prints one JSON line with the Pss of its shared mappings, and
+exits after one more line (so that every worker measures while all are attached).
 """
 
 import json
@@ -72,6 +73,7 @@ def main() -> None:
         sys.stdin.readline()
         report.update(shm_pss(namespace))
         print(json.dumps(report), flush=True)
+        sys.stdin.readline()  # stay attached until every worker has measured
 
 
 if __name__ == "__main__":

@@ -1,0 +1,52 @@
+"""Shared-memory segments: naming, permissions, reservation, placement, clean removal."""
+
+import glob
+import os
+import stat
+
+import pytest
+import torch
+
+from expertd.client.shm import map_segment, segment_bytes, view
+from expertd.errors import ShmSpaceError
+from expertd.index import TensorEntry
+from expertd.server import arena as arena_mod
+from expertd.server.arena import ALIGN, Arena
+
+
+def test_segments_are_private_reserved_and_removed(namespace):
+    arena = Arena(namespace, 1, segment_bytes=3 * ALIGN)
+    places = arena.place([10, ALIGN + 1, 5, 7 * ALIGN])
+    assert [p.offset for p in places] == [0, ALIGN, 0, 0]
+    assert len(arena.segments) == 3  # the big one gets a segment of its own
+    assert all(s.name.startswith(f"/{namespace}.{os.getpid()}.1.") for s in arena.segments)
+    arena.create()
+    try:
+        for seg in arena.segments:
+            st = os.stat("/dev/shm" + seg.name)
+            assert stat.S_IMODE(st.st_mode) == 0o600
+            assert st.st_size == seg.nbytes
+            assert st.st_blocks * 512 >= seg.nbytes  # posix_fallocate reserved the pages
+        t = arena.tensor(places[1], (3, 4), torch.bfloat16)
+        t.copy_(torch.arange(12, dtype=torch.bfloat16).view(3, 4))
+        del t
+        arena.unmap()
+        # a reader maps it read-only and sees the bytes
+        seg0 = arena.segments[0]
+        segments = {seg0.name: segment_bytes(map_segment(seg0.name, seg0.nbytes))}
+        v = view(segments, TensorEntry("t", seg0.name, ALIGN, 24, [3, 4], "torch.bfloat16"))
+        assert torch.equal(v, torch.arange(12, dtype=torch.bfloat16).view(3, 4))
+    finally:
+        arena.unlink()
+    assert not glob.glob(f"/dev/shm/{namespace}*")
+    # the reader's mapping outlives the unlink
+    assert float(v.sum()) == 66.0
+
+
+def test_not_enough_shm_is_a_clear_error_and_leaves_nothing(namespace, monkeypatch):
+    monkeypatch.setattr(arena_mod, "shm_free_bytes", lambda shm_dir="/dev/shm": 64 << 20)
+    arena = Arena(namespace, 1, segment_bytes=1 << 30)
+    arena.place([100 << 20])
+    with pytest.raises(ShmSpaceError, match=r"64.0 MiB free.*100.0 MiB.*--shm-size"):
+        arena.create()
+    assert not glob.glob(f"/dev/shm/{namespace}*")

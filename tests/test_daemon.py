@@ -1,0 +1,100 @@
+"""The control plane of a real daemon process: replies to good and bad messages, leases, timeouts."""
+
+import os
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from expertd.client import DaemonTimeout, ExpertClient
+from expertd.client.connection import Connection
+from expertd.errors import DaemonError
+from expertd.protocol import PROTOCOL_VERSION
+
+
+@pytest.fixture
+def raw(start_daemon, tiny_checkpoint):
+    """A serving daemon and a raw REQ socket factory to poke it with."""
+    daemon = start_daemon(tiny_checkpoint, lease_timeout_s=2.0)
+    ctx = zmq.Context()
+    sockets = []
+
+    def request(payload: bytes, timeout_ms: int = 5000):
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.connect(daemon.endpoint)
+        sockets.append(sock)
+        sock.send(payload)
+        return msgpack.unpackb(sock.recv(), raw=False)
+
+    yield daemon, request
+    for s in sockets:
+        s.close(linger=0)
+    ctx.term()
+
+
+@pytest.mark.parametrize("payload, error", [
+    (b"\xc1garbage", "ProtocolError"),
+    (msgpack.packb([1, 2, 3]), "ProtocolError"),
+    (msgpack.packb({"no": "op"}), "ProtocolError"),
+    (msgpack.packb({"op": 7}), "ProtocolError"),
+    (msgpack.packb({"op": "explode"}), "ProtocolError"),
+    (msgpack.packb({"op": "hello", "protocol": PROTOCOL_VERSION + 1}), "ProtocolError"),
+    (msgpack.packb({"op": "lease", "pid": -5}), "ProtocolError"),
+    (msgpack.packb({"op": "lease", "pid": 2**40}), "ProtocolError"),
+    (msgpack.packb({"op": "heartbeat"}), "ProtocolError"),
+    (msgpack.packb({"op": "heartbeat", "client": "nobody"}), "LeaseExpired"),
+    (msgpack.packb({"op": "release", "client": ["x"]}), "ProtocolError"),
+])
+def test_bad_messages_get_error_replies_and_the_daemon_keeps_serving(raw, payload, error):
+    daemon, request = raw
+    reply = request(payload)
+    assert reply["ok"] is False and reply["error"] == error and reply["message"]
+    assert request(msgpack.packb({"op": "status"}))["state"] == "serving"
+    with ExpertClient(daemon.endpoint, timeout=30) as client:
+        assert len(client.tensors()) > 0
+
+
+def test_lease_lifecycle(raw):
+    daemon, request = raw
+    hello = request(msgpack.packb({"op": "hello", "protocol": PROTOCOL_VERSION}))
+    assert hello["ok"] and hello["ready"] and hello["generation"] == 1
+    lease = request(msgpack.packb({"op": "lease", "pid": os.getpid()}))["client"]
+    assert [l["client"] for l in daemon.status()["leases"]] == [lease]
+    assert request(msgpack.packb({"op": "heartbeat", "client": lease}))["ok"]
+    time.sleep(4.5)  # lease_timeout_s is 2: without heartbeats the lease goes
+    assert daemon.status()["leases"] == []
+    assert request(msgpack.packb({"op": "heartbeat", "client": lease}))["error"] == "LeaseExpired"
+
+
+def test_heartbeats_keep_a_client_lease_alive(raw):
+    daemon, _ = raw
+    with ExpertClient(daemon.endpoint, timeout=30) as client:
+        time.sleep(4.5)
+        assert [l["client"] for l in daemon.status()["leases"]] == [client.lease]
+    assert daemon.status()["leases"] == []
+
+
+def test_no_daemon_is_a_typed_timeout(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(DaemonTimeout, match="did not answer"):
+        ExpertClient(f"ipc://{tmp_path}/nobody.sock", timeout=0.5)
+    assert time.monotonic() - started < 10
+    conn = Connection(f"ipc://{tmp_path}/nobody.sock", timeout=0.2)
+    with pytest.raises(TimeoutError):  # the standard class works too
+        conn.request("status")
+    conn.close()
+
+
+def test_tcp_endpoint(start_daemon, tiny_checkpoint):
+    with zmq.Context() as ctx:
+        probe = ctx.socket(zmq.REP)
+        port = probe.bind_to_random_port("tcp://127.0.0.1")
+        probe.close(linger=0)
+    daemon = start_daemon(tiny_checkpoint, endpoint=f"tcp://127.0.0.1:{port}")
+    with ExpertClient(daemon.endpoint, timeout=30) as client:
+        assert client.status()["endpoint"] == f"tcp://127.0.0.1:{port}"
+        with pytest.raises(DaemonError, match="unknown op"):
+            client._conn.request("explode")
