@@ -39,5 +39,3 @@ def write_reference_bf16(folder: str, dst: str) -> str:
         json.dump(config, f)
     return dst
 
-
-INPUT_IDS = [[0, 5, 17, 42, 99, 180, 250, 301, 7, 3, 64, 128]]

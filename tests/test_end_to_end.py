@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -13,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import HERE
-from reference import INPUT_IDS, reference_tensors, write_reference_bf16
+from inputs import INPUT_IDS
+from reference import reference_tensors, write_reference_bf16
 
 
 def start_worker(endpoint: str, namespace: str, out_dir: str) -> subprocess.Popen:
@@ -68,6 +70,7 @@ def test_two_workers_share_exact_weights(tiny_checkpoint, start_daemon, namespac
         assert {k: v for k, v in report["dtypes"].items() if k in ref_dtypes} == ref_dtypes
         assert report["dtypes"]["model.layers.1.mlp.gate.e_score_correction_bias"] == "torch.float32"
         assert not report["training"]
+        assert report["forbidden_imports"] == []  # the client imports no server or kernel code
         # zero copy: every parameter's storage lies in a read-only shared mapping
         assert report["outside"] == []
         assert report["writable_maps"] == 0
@@ -104,3 +107,38 @@ def test_status_cli_reports_what_is_served(tiny_checkpoint, start_daemon):
     gone = subprocess.run([sys.executable, "-m", "expertd.server.cli", "status", "--endpoint", daemon.endpoint,
                            "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
     assert gone.returncode != 0 and "did not answer" in gone.stderr
+
+
+def test_sigint_stops_cleanly(tiny_checkpoint, start_daemon, namespace):
+    daemon = start_daemon(tiny_checkpoint)
+    assert glob.glob(f"/dev/shm/{namespace}.*")
+    index_path = os.path.join(os.path.dirname(daemon.endpoint[len("ipc://"):]), f"{namespace}.index.json")
+    assert os.path.exists(index_path)
+    daemon.proc.send_signal(signal.SIGINT)
+    assert daemon.proc.wait(30) == 0
+    assert not glob.glob(f"/dev/shm/{namespace}*") and not os.path.exists(index_path)
+
+
+def test_bad_checkpoint_exits_nonzero_and_creates_nothing(tiny_checkpoint, start_daemon, namespace, tmp_path):
+    import shutil
+
+    broken = str(tmp_path / "broken")
+    shutil.copytree(tiny_checkpoint, broken)
+    os.unlink(os.path.join(broken, "model-00002-of-00003.safetensors"))
+    daemon = start_daemon(broken, wait=False)
+    assert daemon.proc.wait(120) != 0
+    err = daemon.proc.stderr.read()
+    assert "MissingShardError" in err and "model-00002-of-00003.safetensors" in err
+    assert not glob.glob(f"/dev/shm/{namespace}*")
+    assert not os.path.exists(daemon.endpoint[len("ipc://"):])
+
+
+def test_example_worker_with_the_bundled_checkpoint(tmp_path, namespace):
+    from conftest import write_config
+
+    root = os.path.dirname(HERE)
+    cfg = write_config(tmp_path, os.path.join(root, "checkpoints", "tiny"), namespace)
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", "worker.py"), "--with-daemon", cfg],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "generated: [0, 5, 17, 42," in out.stdout and "dtypes: ['torch.bfloat16']" in out.stdout

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from expertd.client import ExpertClient
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from reference import INPUT_IDS  # noqa: E402
+from inputs import INPUT_IDS  # noqa: E402
 
 
 def shm_ranges(namespace: str) -> list[tuple[int, int, str]]:
@@ -68,6 +68,8 @@ def main() -> None:
             "training": model.training,
             "touched": touched,
             "nparams": len(state),
+            # (triton itself may be imported by torch._dynamo when installed; client code never imports it)
+            "forbidden_imports": sorted(m for m in sys.modules if m.startswith(("expertd.server", "expertd.kernels"))),
         }
         print("READY", flush=True)
         sys.stdin.readline()
