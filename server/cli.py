@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shards", type=int, default=2)
     p.set_defaults(func=cmd_generate)
+
+    from .tools_cli import add_tool_commands  # convert, inspect, doctor: tools around the weights
+
+    add_tool_commands(sub)
     return parser
 
 
