@@ -30,18 +30,16 @@ class ExpertClient:
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = 30.0, heartbeat: bool = True,
-                 copy_on_write: bool = False):
+                 copy_on_write: bool = False, token: str | None = None):
         self.endpoint = endpoint or os.environ.get("EXPERTD_ENDPOINT", DEFAULT_ENDPOINT)
         self.timeout = timeout
         self.copy_on_write = copy_on_write
-        self._conn = Connection(self.endpoint, timeout)
-        self._conn.hello()
-        reply = self._conn.request("lease", pid=os.getpid())
-        self.lease = reply["client"]
-        self.lease_timeout_s = float(reply["lease_timeout_s"])
+        self.token = token
+        self._conn = Connection(self.endpoint, timeout, token=token)
         self._index: TensorIndex | None = None
         self._segments: dict[str, torch.Tensor] | None = None
         self._closed = threading.Event()
+        self._connect()
         self._heartbeat = None
         if heartbeat:
             self._heartbeat = threading.Thread(target=self._beat, name="expertd-heartbeat", daemon=True)
@@ -103,6 +101,31 @@ class ExpertClient:
     def status(self) -> dict:
         return self._conn.request("status")
 
+    def reconnect(self) -> None:
+        """Attach again, e.g. to a restarted daemon: new lease, fresh index and mappings.
+
+        Views and models taken before stay valid (they keep their old mappings alive) but belong
+        to the old generation; take new ones from `tensors()` / `load_model()`.
+        """
+        self._conn.close()
+        self._index = None
+        self._segments = None
+        self._connect()
+
+    def verify(self) -> list[str]:
+        """Names of served tensors whose bytes in shared memory no longer match the index checksums."""
+        from expertd.index import checksum
+
+        segments = self._attach()
+        bad = []
+        for entry in self.index().tensors:
+            if entry.checksum is None:
+                continue
+            data = view(segments, entry).reshape(-1).view(torch.uint8)
+            if checksum(memoryview(data.numpy()) if data.numel() else b"") != entry.checksum:
+                bad.append(entry.name)
+        return bad
+
     def close(self) -> None:
         """Release the lease. Views already handed out stay valid."""
         if self._closed.is_set():
@@ -125,6 +148,12 @@ class ExpertClient:
 
     # --- internals -------------------------------------------------------------------------
 
+    def _connect(self) -> None:
+        self._conn.hello()
+        reply = self._conn.request("lease", pid=os.getpid())
+        self.lease = reply["client"]
+        self.lease_timeout_s = float(reply["lease_timeout_s"])
+
     def _attach(self) -> dict[str, torch.Tensor]:
         if self._segments is None:
             index = self.index()
@@ -134,13 +163,22 @@ class ExpertClient:
         return self._segments
 
     def _beat(self) -> None:
-        conn = Connection(self.endpoint, timeout=min(self.timeout, self.lease_timeout_s))
+        conn = Connection(self.endpoint, timeout=min(self.timeout, self.lease_timeout_s), token=self.token)
         period = max(0.05, self.lease_timeout_s / 3)
         try:
             while not self._closed.wait(period):
                 try:
                     conn.request("heartbeat", client=self.lease)
-                except (DaemonError, DaemonTimeout) as exc:
+                except DaemonError as exc:
+                    if getattr(exc, "kind", None) != "LeaseExpired":
+                        log.warning("heartbeat refused: %s", exc)
+                        continue
+                    # the daemon forgot us (it restarted, or we were silent too long): take a new lease
+                    try:
+                        self.lease = conn.request("lease", pid=os.getpid())["client"]
+                    except (DaemonError, DaemonTimeout) as again:
+                        log.warning("could not renew the lease: %s", again)
+                except DaemonTimeout as exc:
                     log.warning("heartbeat failed: %s", exc)
         finally:
             conn.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import zmq
@@ -15,8 +16,10 @@ import msgpack
 class Connection:
     """One REQ socket; after a timeout the socket is rebuilt (a REQ socket that missed a reply is stuck)."""
 
-    def __init__(self, endpoint: str, timeout: float = 10.0, context: zmq.Context | None = None):
+    def __init__(self, endpoint: str, timeout: float = 10.0, context: zmq.Context | None = None,
+                 token: str | None = None):
         self.endpoint = endpoint
+        self.token = token if token is not None else os.environ.get("EXPERTD_TOKEN")
         self.timeout_ms = max(1, int(timeout * 1000))
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
@@ -37,7 +40,10 @@ class Connection:
         with self._lock:
             sock = self._socket()
             try:
-                sock.send(pack({"op": op, **fields}))
+                message = {"op": op, **fields}
+                if self.token is not None:
+                    message["token"] = self.token
+                sock.send(pack(message))
                 frame = sock.recv()
             except zmq.Again as exc:
                 self._reset()

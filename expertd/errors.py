@@ -66,6 +66,10 @@ class ProtocolError(ExpertdError, ValueError):
     """A control message is malformed, of an unknown op, or of another protocol version."""
 
 
+class AuthError(ExpertdError, PermissionError):
+    """A request lacked the daemon's auth token or carried a wrong one."""
+
+
 class DaemonError(ExpertdError, RuntimeError):
     """The daemon answered a request with an error."""
 

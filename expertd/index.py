@@ -55,6 +55,7 @@ class TensorEntry:
     dtype: str
     sources: list[str] = field(default_factory=list)
     base: str | None = None
+    checksum: str | None = None  # "xxh3_64:<hex>" of the bytes, computed while loading
 
 
 @dataclass
@@ -106,6 +107,13 @@ class TensorIndex:
         for t in self.tensors:
             totals[t.dtype] = totals.get(t.dtype, 0) + t.nbytes
         return totals
+
+
+def checksum(data) -> str:
+    """The integrity checksum the index records for a tensor's bytes (any buffer)."""
+    import xxhash
+
+    return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
 
 
 def write_json_atomic(path: str, data: dict) -> None:

@@ -8,6 +8,7 @@ fill several times faster), and mapped read-write only in the daemon.
 from __future__ import annotations
 
 import errno
+import grp
 import math
 import mmap
 import os
@@ -41,8 +42,9 @@ def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
 class Arena:
     """Segments named `/{namespace}.{pid}.{generation}.{i}`; tensors packed in order, page-aligned."""
 
-    def __init__(self, namespace: str, generation: int, segment_bytes: int):
+    def __init__(self, namespace: str, generation: int, segment_bytes: int, group: str | None = None):
         self.prefix = f"/{namespace}.{os.getpid()}.{generation}."
+        self.gid = grp.getgrnam(group).gr_gid if group else None
         self.segment_bytes = segment_bytes
         self.segments: list[SegmentEntry] = []
         self._maps: dict[str, mmap.mmap] = {}
@@ -87,6 +89,9 @@ class Arena:
             raise ShmError(f"shared-memory segment {seg.name} already exists") from exc
         try:
             self._maps[seg.name] = None  # created: unlink() must remove it from here on
+            if self.gid is not None:
+                os.fchown(shm.fd, -1, self.gid)
+                os.fchmod(shm.fd, 0o640)
             try:
                 os.posix_fallocate(shm.fd, 0, seg.nbytes)
             except OSError as exc:

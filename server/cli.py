@@ -36,10 +36,20 @@ def cmd_start(args) -> int:
     return Daemon(cfg).run()
 
 
+def _token(args) -> str | None:
+    if getattr(args, "token", None):
+        return args.token
+    if getattr(args, "config", None):
+        from .config import load_config
+
+        return load_config(args.config).auth_token
+    return None
+
+
 def cmd_status(args) -> int:
     from expertd.client.connection import Connection
 
-    conn = Connection(_endpoint(args), timeout=args.timeout)
+    conn = Connection(_endpoint(args), timeout=args.timeout, token=_token(args))
     try:
         status = conn.request("status")
     finally:
@@ -63,12 +73,25 @@ def cmd_status(args) -> int:
 def cmd_stop(args) -> int:
     from expertd.client.connection import Connection
 
-    conn = Connection(_endpoint(args), timeout=args.timeout)
+    conn = Connection(_endpoint(args), timeout=args.timeout, token=_token(args))
     try:
         conn.request("stop")
     finally:
         conn.close()
     return 0
+
+
+def cmd_verify(args) -> int:
+    from expertd.client import ExpertClient
+
+    with ExpertClient(_endpoint(args), timeout=args.timeout, heartbeat=False, token=_token(args)) as client:
+        index = client.index()
+        bad = client.verify()
+    for name in bad:
+        print(f"CHANGED  {name}")
+    print(f"verified {len(index.tensors)} tensors of generation {index.generation}: "
+          f"{'all bytes match the index' if not bad else f'{len(bad)} changed'}")
+    return 1 if bad else 0
 
 
 def cmd_generate(args) -> int:
@@ -88,12 +111,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_start)
 
-    for name, func, help_ in (("status", cmd_status, "show what a daemon serves"), ("stop", cmd_stop, "stop a daemon")):
+    for name, func, help_ in (
+        ("status", cmd_status, "show what a daemon serves"),
+        ("stop", cmd_stop, "stop a daemon"),
+        ("verify", cmd_verify, "re-read shared memory and report tensors whose bytes changed"),
+    ):
         p = sub.add_parser(name, help=help_)
         where = p.add_mutually_exclusive_group()
         where.add_argument("--endpoint", help="ZeroMQ endpoint (ipc://PATH or tcp://HOST:PORT)")
         where.add_argument("--config", help="the daemon's YAML config")
-        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+        p.add_argument("--timeout", type=float, default=5.0 if name != "verify" else 60.0,
+                       help="seconds to wait for an answer")
+        p.add_argument("--token", help="auth token (default: $EXPERTD_TOKEN or the config's auth_token)")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print one JSON object")
         p.set_defaults(func=func)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import os
 import re
 from dataclasses import dataclass, fields
@@ -11,6 +12,7 @@ import yaml
 from expertd.errors import ConfigError
 
 DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -24,6 +26,8 @@ class DaemonConfig:
     segment_bytes: int = 1 << 32  # tensors are packed into segments of at most this size
     lease_timeout_s: float = 30.0
     progress: bool = True
+    auth_token: str | None = None  # required in every request when set; mandatory for a non-local tcp bind
+    group: str | None = None  # serve segments 0640 to this group (shared-group deployments); default 0600
 
     @property
     def index_path(self) -> str:
@@ -72,6 +76,18 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: segment_bytes must be an integer >= 4096")
     if not isinstance(cfg.lease_timeout_s, (int, float)) or cfg.lease_timeout_s <= 0:
         raise ConfigError(f"config {source}: lease_timeout_s must be a positive number")
+    if cfg.auth_token is not None and (not isinstance(cfg.auth_token, str) or len(cfg.auth_token) < 16):
+        raise ConfigError(f"config {source}: auth_token must be a string of at least 16 characters")
+    host = _tcp_host(cfg.endpoint)
+    if host is not None and host not in LOCAL_HOSTS and cfg.auth_token is None:
+        raise ConfigError(
+            f"config {source}: endpoint {cfg.endpoint} binds beyond this host; set auth_token (or bind 127.0.0.1)"
+        )
+    if cfg.group is not None:
+        try:
+            grp.getgrnam(str(cfg.group))
+        except KeyError:
+            raise ConfigError(f"config {source}: group {cfg.group!r} does not exist") from None
     if not (cfg.device in ("auto", "cpu", "cuda") or re.match(r"^cuda:\d+$", str(cfg.device))):
         raise ConfigError(f"config {source}: device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
     return cfg
@@ -87,6 +103,11 @@ def resolve_endpoint(endpoint: str, base_dir: str = ".", source: str = "<config>
     if re.match(r"^tcp://[^:/]+:\d+$", endpoint):
         return endpoint
     raise ConfigError(f"config {source}: endpoint {endpoint!r} must be ipc://PATH or tcp://HOST:PORT")
+
+
+def _tcp_host(endpoint: str) -> str | None:
+    m = re.match(r"^tcp://(.+):\d+$", endpoint)
+    return m.group(1) if m else None
 
 
 def _resolve(path: str, base_dir: str) -> str:

@@ -7,6 +7,8 @@ reply, errors included; no request can stop or block the loop except `stop` itse
 
 from __future__ import annotations
 
+import grp
+import hmac
 import itertools
 import logging
 import os
@@ -17,11 +19,12 @@ from dataclasses import dataclass
 
 import zmq
 
-from expertd.errors import ExpertdError, ProtocolError
+from expertd.errors import AuthError, ExpertdError, ProtocolError
 from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, error_reply, pack, unpack
 
 from .config import DaemonConfig
 from .loader import Cancelled, Loaded, load, prepare
+from .runstate import RunState
 
 log = logging.getLogger("expertd.daemon")
 
@@ -44,16 +47,31 @@ class Daemon:
         self._stop = threading.Event()
         self.started = time.time()
         self.generation = 1
+        self.runstate = RunState(cfg.namespace, cfg.resolved_run_dir)
+        self._segments: list[str] = []
 
     # --- lifecycle -------------------------------------------------------------------------
 
     def run(self) -> int:
         """Serve in the foreground; returns the process exit code."""
+        self.runstate.acquire()
+        try:
+            return self._run()
+        finally:
+            self.runstate.release()
+
+    def _run(self) -> int:
         ckpt, plan = prepare(self.cfg.checkpoint)  # raises before anything is created
         log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
                  self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout)
+        self.runstate.reap()
+        self.generation = self.runstate.next_generation()
         ctx = zmq.Context()
-        sock = self._bind(ctx)
+        try:
+            sock = self._bind(ctx)
+        except BaseException:
+            ctx.term()
+            raise
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         loader = threading.Thread(target=self._load, args=(ckpt, plan), name="expertd-loader", daemon=True)
         loader.start()
@@ -89,6 +107,8 @@ class Daemon:
             path = endpoint[len("ipc://"):]
             folder = os.path.dirname(path) or "."
             os.makedirs(folder, mode=0o700, exist_ok=True)
+            if os.stat(folder).st_mode & 0o077 and not self.cfg.group:
+                log.warning("socket folder %s is accessible to other users; expertd makes its own folders 0700", folder)
             if os.path.exists(path):
                 if _endpoint_answers(ctx, endpoint):
                     raise ExpertdError(f"another daemon already serves {endpoint}")
@@ -103,7 +123,10 @@ class Daemon:
             sock.close(linger=0)
             raise ExpertdError(f"cannot bind control socket {endpoint}: {exc}") from exc
         if endpoint.startswith("ipc://"):
-            os.chmod(endpoint[len("ipc://"):], 0o600)
+            path = endpoint[len("ipc://"):]
+            if self.cfg.group:
+                os.chown(path, -1, grp.getgrnam(self.cfg.group).gr_gid)
+            os.chmod(path, 0o660 if self.cfg.group else 0o600)
         log.info("control socket %s", endpoint)
         return sock
 
@@ -113,13 +136,18 @@ class Daemon:
                 ckpt, plan,
                 namespace=self.cfg.namespace, generation=self.generation, segment_bytes=self.cfg.segment_bytes,
                 device=self.cfg.device, index_path=self.cfg.index_path, progress=self.cfg.progress,
-                should_stop=self._stop.is_set,
+                should_stop=self._stop.is_set, on_placed=self._record_segments, group=self.cfg.group,
             )
+            self.runstate.write_manifest(self.generation, self._segments, "serving", self.cfg.endpoint)
             log.info("serving generation %d on %s", self.generation, self.cfg.endpoint)
         except BaseException as exc:  # reported by the main loop, which then exits non-zero
             if not isinstance(exc, Cancelled):
                 log.error("loading failed: %s", exc)
             self.load_error = exc
+
+    def _record_segments(self, names: list[str]) -> None:
+        self._segments = names
+        self.runstate.write_manifest(self.generation, names, "loading", self.cfg.endpoint)
 
     def _cleanup(self) -> None:
         if self.loaded is not None:
@@ -135,6 +163,7 @@ class Daemon:
                 os.unlink(self.cfg.endpoint[len("ipc://"):])
             except FileNotFoundError:
                 pass
+        self.runstate.write_manifest(self.generation, [], "stopped", self.cfg.endpoint)
 
     # --- requests --------------------------------------------------------------------------
 
@@ -163,6 +192,10 @@ class Daemon:
 
     def handle(self, msg: dict) -> dict:
         op = msg["op"]
+        if self.cfg.auth_token is not None:
+            token = msg.get("token")
+            if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.cfg.auth_token.encode()):
+                raise AuthError("request lacks the daemon's auth token or carries a wrong one")
         if op == "hello":
             version = msg.get("protocol")
             if version != PROTOCOL_VERSION:

@@ -9,7 +9,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from expertd.index import TensorEntry, TensorIndex, write_json_atomic
+from expertd.index import TensorEntry, TensorIndex, checksum, write_json_atomic
 
 from .arena import Arena
 from .layout import Plan, plan_checkpoint
@@ -39,6 +39,10 @@ class Loaded:
         self.arena.unlink()
 
 
+def tensor_checksum(t: torch.Tensor) -> str:
+    return checksum(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+
+
 def prepare(checkpoint: str) -> tuple[Checkpoint, Plan]:
     """Open and fully validate a checkpoint; nothing is written."""
     ckpt = Checkpoint.open(checkpoint)
@@ -56,13 +60,17 @@ def load(
     index_path: str | None = None,
     progress: bool = False,
     should_stop=None,
+    on_placed=None,
+    group: str | None = None,
 ) -> Loaded:
     """Place every planned tensor in fresh shared memory; publish the index only once all are written."""
     from expertd.kernels import weight_dequant  # the daemon needs kernels; the client never imports them
 
     dev = resolve_device(device)
-    arena = Arena(namespace, generation, segment_bytes)
+    arena = Arena(namespace, generation, segment_bytes, group=group)
     placements = arena.place([t.nbytes for t in plan.tensors])
+    if on_placed is not None:
+        on_placed([s.name for s in arena.segments])  # on record before anything exists
     arena.create()
     started = time.perf_counter()
     tensors, views = [], []
@@ -91,7 +99,7 @@ def load(
                     )
             tensors.append(
                 TensorEntry(planned.name, where.segment, where.offset, planned.nbytes, list(planned.shape),
-                            str(planned.dtype), [s.name for s in planned.sources])
+                            str(planned.dtype), [s.name for s in planned.sources], checksum=tensor_checksum(out))
             )
             del out, chunks
             bar.update(planned.nbytes)

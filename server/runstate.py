@@ -1,0 +1,144 @@
+"""What a daemon leaves on record so that the next one can clean up after a crash.
+
+- A lock: an abstract unix socket named after the namespace, held for the daemon's life and
+  released by the kernel whatever way the process ends. A second daemon on the namespace refuses.
+- A manifest `{run_dir}/{namespace}.manifest.json`: pid, process start time, generation, segment
+  names, state. Kept after exit so generations keep counting up across restarts.
+- Reaping: on start, segments `/{namespace}.{pid}.{generation}.{i}` whose owner process is dead
+  are unlinked. Segments of a live daemon, or of another namespace, are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import time
+
+from expertd.errors import ExpertdError
+from expertd.index import write_json_atomic
+
+log = logging.getLogger("expertd.runstate")
+
+SHM_DIR = "/dev/shm"
+
+
+class NamespaceBusy(ExpertdError, RuntimeError):
+    """Another live daemon already serves this namespace."""
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot), or None if no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def segment_pattern(namespace: str) -> re.Pattern:
+    return re.compile(rf"^{re.escape(namespace)}\.(\d+)\.(\d+)\.(\d+)$")
+
+
+def namespace_segments(namespace: str, shm_dir: str = SHM_DIR) -> dict[str, int]:
+    """Every segment of this namespace in /dev/shm: name (with leading /) -> owner pid."""
+    pattern = segment_pattern(namespace)
+    found = {}
+    for entry in os.listdir(shm_dir):
+        m = pattern.match(entry)
+        if m:
+            found["/" + entry] = int(m.group(1))
+    return found
+
+
+class RunState:
+    def __init__(self, namespace: str, run_dir: str):
+        self.namespace = namespace
+        self.run_dir = run_dir
+        self.manifest_path = os.path.join(run_dir, f"{namespace}.manifest.json")
+        self._lock: socket.socket | None = None
+
+    def acquire(self) -> None:
+        """Take the namespace lock; refuse if a live daemon holds it."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(f"\0expertd.{self.namespace}")
+        except OSError as exc:
+            sock.close()
+            previous = self.read_manifest()
+            who = f" (pid {previous['pid']})" if previous and pid_alive(previous.get("pid", -1)) else ""
+            raise NamespaceBusy(
+                f"another expertd daemon{who} already serves namespace {self.namespace!r}; "
+                "stop it first or choose another namespace"
+            ) from exc
+        self._lock = sock
+        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def read_manifest(self) -> dict | None:
+        try:
+            with open(self.manifest_path) as f:
+                data = json.load(f)
+            return data if isinstance(data, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def next_generation(self) -> int:
+        previous = self.read_manifest() or {}
+        gen = previous.get("generation", 0)
+        return gen + 1 if isinstance(gen, int) and gen >= 0 else 1
+
+    def write_manifest(self, generation: int, segments: list[str], state: str, endpoint: str) -> None:
+        write_json_atomic(self.manifest_path, {
+            "pid": os.getpid(), "start_time": process_start_time(os.getpid()), "generation": generation,
+            "namespace": self.namespace, "segments": segments, "state": state, "endpoint": endpoint,
+            "updated": time.time(),
+        })
+
+    def reap(self, shm_dir: str = SHM_DIR) -> list[str]:
+        """Unlink this namespace's segments whose owner is dead; refuse if a live daemon owns some."""
+        reaped = []
+        for name, pid in namespace_segments(self.namespace, shm_dir).items():
+            if pid == os.getpid():
+                continue
+            if pid_alive(pid) and self._is_expertd(pid):
+                raise NamespaceBusy(
+                    f"segment {name} of namespace {self.namespace!r} belongs to live process {pid}; "
+                    "stop that daemon first or choose another namespace"
+                )
+            try:
+                os.unlink(os.path.join(shm_dir, name.lstrip("/")))
+                reaped.append(name)
+            except FileNotFoundError:
+                pass
+        if reaped:
+            log.warning("reaped %d segment(s) left by a dead daemon of namespace %r: %s",
+                        len(reaped), self.namespace, ", ".join(reaped))
+        return reaped
+
+    @staticmethod
+    def _is_expertd(pid: int) -> bool:
+        """A live pid owns its segments unless the pid was reused by a program that is not expertd."""
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            return True  # cannot tell: never touch what may be live
+        return b"expertd" in cmdline
