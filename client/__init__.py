@@ -5,6 +5,7 @@ Never imports server code or Triton.
 
 from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, RestoreError
 
+from .capture import capture
 from .client import ExpertClient
 from .restore import RestoreResult, restore
 

@@ -96,6 +96,9 @@ class ExpertClient:
                 views[name] = tensor.to(want[name])
         restore(model, views, strict=True, dtypes=want)
         model.eval()
+        from .capture import capture_from_env  # EXPERTD_CAPTURE_DIR set: capture activations, no code changes
+
+        capture_from_env(model)
         return model
 
     def status(self) -> dict:
@@ -107,6 +110,10 @@ class ExpertClient:
         Views and models taken before stay valid (they keep their old mappings alive) but belong
         to the old generation; take new ones from `tensors()` / `load_model()`.
         """
+        try:
+            self._conn.request("release", client=self.lease)
+        except (DaemonError, DaemonTimeout):
+            pass  # the daemon that granted it is gone
         self._conn.close()
         self._index = None
         self._segments = None
@@ -153,6 +160,7 @@ class ExpertClient:
         reply = self._conn.request("lease", pid=os.getpid())
         self.lease = reply["client"]
         self.lease_timeout_s = float(reply["lease_timeout_s"])
+        self.lease_lost = False
 
     def _attach(self) -> dict[str, torch.Tensor]:
         if self._segments is None:
@@ -170,14 +178,12 @@ class ExpertClient:
                 try:
                     conn.request("heartbeat", client=self.lease)
                 except DaemonError as exc:
-                    if getattr(exc, "kind", None) != "LeaseExpired":
+                    if getattr(exc, "kind", None) == "LeaseExpired" and not self.lease_lost:
+                        # the daemon forgot us: it restarted, or we were silent too long
+                        log.warning("lease %s lost (%s); call reconnect() to attach again", self.lease, exc)
+                        self.lease_lost = True
+                    elif getattr(exc, "kind", None) != "LeaseExpired":
                         log.warning("heartbeat refused: %s", exc)
-                        continue
-                    # the daemon forgot us (it restarted, or we were silent too long): take a new lease
-                    try:
-                        self.lease = conn.request("lease", pid=os.getpid())["client"]
-                    except (DaemonError, DaemonTimeout) as again:
-                        log.warning("could not renew the lease: %s", again)
                 except DaemonTimeout as exc:
                     log.warning("heartbeat failed: %s", exc)
         finally:

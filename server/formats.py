@@ -190,21 +190,38 @@ class FormatError:
         return 10.0 * math.log10(self.ref_sq / self.err_sq)
 
 
-def measure(x: torch.Tensor, fmt: str) -> FormatError:
-    """The error of format `fmt` on the finite values of `x` (non-finite values count as 0)."""
+def finite_2d(x: torch.Tensor) -> torch.Tensor:
+    """`as_2d(x)` with non-finite values replaced by 0 (formats are compared on the finite values)."""
     ref = as_2d(x)
-    ref = torch.where(torch.isfinite(ref), ref, torch.zeros_like(ref))
-    q = FORMATS[fmt](ref)
-    diff = (ref - q).double()
-    return FormatError(float(diff.square().sum()), float(ref.double().square().sum()))
+    if ref.numel() and not math.isfinite(float(ref.abs().amax())):
+        ref = torch.nan_to_num(ref, nan=0.0, posinf=0.0, neginf=0.0)
+    return ref
+
+
+def sum_squares(x: torch.Tensor) -> float:
+    """sum(x^2) accumulated in float64, scaled so that no float32 square overflows or underflows."""
+    if x.numel() == 0:
+        return 0.0
+    amax = float(x.abs().amax())
+    if amax == 0 or not math.isfinite(amax):
+        return amax
+    if 1e-15 < amax < 1e15:
+        return float(x.square().sum(dtype=torch.float64))
+    return float((x / amax).square().sum(dtype=torch.float64)) * amax * amax
+
+
+def measure(x: torch.Tensor, names=None) -> dict[str, FormatError]:
+    """The error of each format in `names` (default all) on the finite values of `x`."""
+    ref = finite_2d(x)
+    ref_sq = sum_squares(ref)
+    return {name: FormatError(sum_squares(ref - FORMATS[name](ref)), ref_sq) for name in (names or FORMATS)}
 
 
 def relative_error(x: torch.Tensor, q: torch.Tensor) -> float:
-    """||x - q|| / ||x|| in float64."""
-    x, q = x.double(), q.double()
-    return float(torch.linalg.vector_norm(x - q) / torch.linalg.vector_norm(x))
+    """||x - q|| / ||x||."""
+    return FormatError(sum_squares(x.float() - q.float()), sum_squares(x.float())).rel_error
 
 
 def snr_db(x: torch.Tensor, q: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB."""
-    return FormatError(float((x.double() - q.double()).square().sum()), float(x.double().square().sum())).snr_db
+    return FormatError(sum_squares(x.float() - q.float()), sum_squares(x.float())).snr_db

@@ -1,5 +1,138 @@
 """Subcommands for the tools around the weights (convert, inspect, doctor)."""
 
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DTYPES = ("bfloat16", "float16", "float32")  # --dtype of doctor; torch is imported only when a tool runs
+
+
+def _size(text: str) -> int:
+    from .convert import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _formats(text: str) -> list[str]:
+    from .formats import FORMATS
+
+    if text == "all":
+        return list(FORMATS)
+    if text == "none":
+        return []
+    names = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in names if f not in FORMATS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(FORMATS)}, all, none")
+    return names
+
+
+def _daemon(args) -> tuple[str | None, str | None, str | None]:
+    """(endpoint, token, checkpoint) from --endpoint/--token or from the daemon's --config."""
+    endpoint, token, checkpoint = getattr(args, "endpoint", None), getattr(args, "token", None), None
+    if getattr(args, "config", None):
+        from .config import load_config
+
+        cfg = load_config(args.config)
+        endpoint, checkpoint = cfg.endpoint, cfg.checkpoint
+        token = token or getattr(cfg, "auth_token", None)
+    return endpoint, token, checkpoint
+
+
+def cmd_convert(args) -> int:
+    from .convert import convert
+
+    result = convert(args.src, args.dst, device=args.device, max_shard_size=args.max_shard_size,
+                     keep_fp8_where_unscaled=args.keep_fp8_where_unscaled, progress=not args.no_progress)
+    if result.noop:
+        print(f"{args.dst}: already a complete conversion of {args.src}; nothing to do")
+    else:
+        kept = f", {len(result.skipped)} kept from an earlier run" if result.skipped else ""
+        print(f"{args.dst}: {len(result.written)} shard(s) written{kept}, {result.nbytes:,} bytes of tensors")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .inspect import inspect
+
+    report = inspect(args.src, args.out, formats=args.formats, sample=args.sample, plots=not args.no_plots,
+                     timeout=args.timeout, token=args.token)
+    totals = report["totals"]
+    print(f"{report['source']['kind']} {report['source']['where']}: {totals['tensors']} tensors, "
+          f"{totals['bytes']:,} bytes; {len(report['plots'])} picture(s)")
+    print(f"{args.out}/index.html" if not args.no_plots else f"{args.out}/stats.md")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    import torch
+
+    from .doctor import diagnose
+
+    endpoint, token, config_checkpoint = _daemon(args)
+    checkpoint = args.checkpoint or config_checkpoint
+    problem = ("give a CHECKPOINT folder, --endpoint or --config" if checkpoint is None and endpoint is None else
+               "--load-model needs a daemon (--endpoint or --config)" if args.load_model and endpoint is None else None)
+    if problem:
+        print(f"expertd doctor: error: {problem}", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    client = model = None
+    try:
+        if endpoint is not None:
+            from expertd.client import ExpertClient
+
+            client = ExpertClient(endpoint, timeout=args.timeout, heartbeat=False, **({"token": token} if token else {}))
+            served = client.status().get("checkpoint")
+            if checkpoint is None and served and os.path.isdir(served):  # the daemon's own checkpoint, when readable
+                checkpoint = served
+            if args.load_model:
+                model = client.load_model(dtype=dtype)
+        report = diagnose(checkpoint, client, model, dtype=dtype)
+    finally:
+        if client is not None:
+            client.close()
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.text())
+    return report.exit_code(strict=args.strict)
+
 
 def add_tool_commands(sub) -> None:
     """Register the tool subcommands on the `expertd` parser's subparsers."""
+    p = sub.add_parser("convert", help="convert an FP8 checkpoint into a bf16 HuggingFace checkpoint")
+    p.add_argument("src", help="FP8 checkpoint folder (DeepSeek-V3 format)")
+    p.add_argument("dst", help="output folder (created; an interrupted conversion in it is resumed)")
+    p.add_argument("--device", default="auto", help="where dequant runs: auto (GPU if present), cpu, cuda, cuda:N")
+    p.add_argument("--max-shard-size", type=_size, default="5GB", help="largest output shard, e.g. 5GB, 2GiB (default 5GB)")
+    p.add_argument("--keep-fp8-where-unscaled", action="store_true",
+                   help="copy FP8 weights that have no *_scale_inv through unchanged instead of failing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("inspect", help="statistics, format comparison and pictures of a checkpoint, daemon or capture")
+    p.add_argument("src", help="checkpoint folder, daemon endpoint (ipc://... or tcp://...) or activation capture folder")
+    p.add_argument("--out", required=True, help="folder for stats.json, stats.md, the PNGs and index.html")
+    p.add_argument("--formats", type=_formats, default="all", help="comma-separated formats to compare, 'all' or 'none'")
+    p.add_argument("--sample", type=int, default=100_000, help="values per group drawn for histograms, box and QQ plots")
+    p.add_argument("--no-plots", action="store_true", help="statistics only")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a daemon")
+    p.add_argument("--token", help="the daemon's auth token (default: $EXPERTD_TOKEN)")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("doctor", help="check every tensor's dtype across checkpoint, daemon index, shared memory and model")
+    p.add_argument("checkpoint", nargs="?", help="checkpoint folder (default: the one the daemon serves)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--endpoint", help="a running daemon's endpoint")
+    where.add_argument("--config", help="a running daemon's YAML config")
+    p.add_argument("--load-model", action="store_true", help="also restore the model from the daemon and check it")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the dtype the model is loaded with")
+    p.add_argument("--strict", action="store_true", help="warnings (casts that work but cost memory or precision) fail too")
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon")
+    p.add_argument("--token", help="the daemon's auth token (default: $EXPERTD_TOKEN or the config's)")
+    p.set_defaults(func=cmd_doctor)

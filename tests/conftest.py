@@ -61,7 +61,9 @@ class DaemonProcess:
 
     def status(self, timeout: float = 2.0) -> dict | None:
         """The daemon's status reply, or None when it does not answer."""
-        conn = Connection(self.endpoint, timeout=timeout)
+        with open(self.config) as f:
+            token = yaml.safe_load(f).get("auth_token")
+        conn = Connection(self.endpoint, timeout=timeout, token=token)
         try:
             return conn.request("status")
         except ExpertdError:

@@ -65,11 +65,12 @@ def random_case(m: int, n: int, block: int = 128, seed: int = 0, scales: str = "
     return x, s.float().contiguous()
 
 
-def all_bytes_case(block: int = 16):
-    """A 256x256 weight whose every row holds all 256 bytes (rolled), with 16x16 scales spanning 2**-130..2**126."""
+def all_bytes_case(lo: int = -130, hi: int = 126):
+    """A 256x256 weight whose every row holds all 256 bytes (rolled), with 16x16 scales (block 16) spanning
+    2**lo..2**hi; the default reaches fp32-subnormal products and scales where s * 256 overflows."""
     row = torch.arange(256, dtype=torch.uint8)
     x = torch.stack([row.roll(i) for i in range(256)]).view(FP8)
-    exps = torch.linspace(-130, 126, 256).round().view(16, 16)
+    exps = torch.linspace(lo, hi, 256).round().view(16, 16)
     s = (torch.exp2(exps) * 1.3).float().contiguous()
     return x, s
 
@@ -107,9 +108,9 @@ def test_cpu_matches_reference(shape, block, scales):
         assert_bits_equal(weight_dequant_cpu(x, s, block, out_dtype=out_dtype), want)
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 300, 128 * 257 + 5, 1 << 20])
+@pytest.mark.parametrize("chunk", [1, 7, 257 * 10, 128 * 257 + 5, 1 << 20])
 def test_cpu_chunking_does_not_matter(monkeypatch, chunk):
-    """Chunks of single rows, part of a block row, several block rows with a partial one at the end."""
+    """Chunks of one row, of 10 rows (part of a block row), of two block rows with a partial one at the end."""
     monkeypatch.setattr(cpu_mod, "CHUNK_ELEMS", chunk)
     x, s = random_case(300, 257, block=64, seed=chunk % 97, scales="extreme")
     for out_dtype in OUT_DTYPES:
@@ -371,10 +372,24 @@ def test_triton_gpu_matches_reference(shape, block, out_dtype):
     x, s = random_case(*shape, block=block, seed=21)
     want = weight_dequant_reference(x, s, block, out_dtype=out_dtype)
     got = weight_dequant_triton(x.cuda(), s.cuda(), block, out_dtype=out_dtype).cpu()
+    # GPU float32 math returns a canonical NaN, so fp16/fp32 NaN payloads differ; bf16 NaN bits are fixed
     assert_bits_equal(got, want, nan_payload=out_dtype == torch.bfloat16)
-    x, s = all_bytes_case()
+
+
+@needs_cuda
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+def test_triton_gpu_all_256_bytes(out_dtype):
+    x, s = all_bytes_case(-100, 100)  # every product a normal float32
     got = weight_dequant_triton(x.cuda(), s.cuda(), 16, out_dtype=out_dtype).cpu()
     assert_bits_equal(got, weight_dequant_reference(x, s, 16, out_dtype=out_dtype), nan_payload=out_dtype == torch.bfloat16)
+
+
+@needs_cuda
+def test_triton_gpu_extreme_scales():
+    """Scales down to 2**-140 and up to 2**127: fails if the GPU flushes float32 subnormals."""
+    for x, s, block in [(*all_bytes_case(), 16), (*random_case(576, 200, block=64, seed=23, scales="extreme"), 64)]:
+        got = weight_dequant_triton(x.cuda(), s.cuda(), block).cpu()
+        assert_bits_equal(got, weight_dequant_reference(x, s, block))
 
 
 @needs_cuda

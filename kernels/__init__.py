@@ -1,0 +1,68 @@
+"""FP8 (DeepSeek-V3 blockwise float8_e4m3fn + float32 scale_inv) -> bf16 dequantization kernels.
+
+`weight_dequant` picks the path: the Triton kernel on a CUDA device, else the vectorized torch CPU path.
+Every path is bit-identical to `weight_dequant_reference`. Importing this package never imports triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cpu import weight_dequant_cpu
+from .quant import quantize_fp8_blockwise
+from .reference import (
+    DEFAULT_BLOCK_SIZE,
+    ceil_div,
+    check_dequant_args,
+    check_out,
+    scale_shape,
+    weight_dequant_reference,
+)
+from .triton_dequant import weight_dequant_triton
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "ceil_div",
+    "check_dequant_args",
+    "quantize_fp8_blockwise",
+    "scale_shape",
+    "weight_dequant",
+    "weight_dequant_cpu",
+    "weight_dequant_reference",
+    "weight_dequant_triton",
+]
+
+
+def weight_dequant(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    name: str | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Dequantize on `device` (default: CUDA if available, else CPU) into `out` if given; return the result.
+
+    On CUDA the inputs are moved to the GPU; a CPU `out` receives a copy of the GPU result.
+    """
+    m, n = check_dequant_args(weight, scale_inv, block_size, name)
+    if out is not None:
+        check_out(out, m, n, out_dtype, name)
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type != "cuda":
+        if device.type != "cpu":
+            raise ValueError(f"weight_dequant runs on cpu or cuda, not {device}")
+        return weight_dequant_cpu(weight, scale_inv, block_size, out=out, out_dtype=out_dtype, name=name)
+
+    w = weight.to(device, non_blocking=True)
+    s = scale_inv.to(device, non_blocking=True)
+    if out is not None and out.device == w.device:
+        return weight_dequant_triton(w, s, block_size, out=out, out_dtype=out_dtype, name=name)
+    y = weight_dequant_triton(w, s, block_size, out_dtype=out_dtype, name=name)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out

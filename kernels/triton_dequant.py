@@ -1,0 +1,86 @@
+"""Triton dequant launcher; triton is imported on the first call only (clients never import it).
+
+Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1. Bit-identical to the reference for
+bf16 output, NaN included (the kernel writes the NaN bits torch's CPU cast writes, so GPU and CPU
+paths put the same bytes in shared memory); fp16/fp32 outputs match except for NaN payloads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from .reference import (
+    DEFAULT_BLOCK_SIZE,
+    check_dequant_args,
+    check_out,
+    check_out_dtype,
+    nan_bits,
+)
+
+TILE_M = 32  # divides 128
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tiles(block_size: int) -> tuple[int, int, bool]:
+    """(TILE_M, TILE_N, scalar_scale): tiles inside one scale block when B is a multiple of 128 or a power of 2."""
+    if block_size % 128 == 0:
+        return TILE_M, 128, True
+    if block_size >= 16 and block_size & (block_size - 1) == 0:
+        return min(TILE_M, block_size), block_size, True
+    return TILE_M, 64, False  # odd block sizes: per-element scale gather
+
+
+def weight_dequant_triton(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    name: str | None = None,
+) -> torch.Tensor:
+    """Dequantize with the Triton kernel into `out` (allocated on weight's device if None); return it."""
+    m, n = check_dequant_args(weight, scale_inv, block_size, name)
+    check_out_dtype(out_dtype, name)
+    if out is not None:
+        check_out(out, m, n, out_dtype, name)
+    device = weight.device
+    if device.type != "cuda" and not _interpreting():
+        raise ValueError(f"weight_dequant_triton needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
+    for what, t in (("scale_inv", scale_inv), ("out", out)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{what} is on {t.device}, weight on {device}")
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+
+    from . import _triton_kernel as K
+
+    kind = {torch.bfloat16: K.OUT_BF16, torch.float16: K.OUT_FP16, torch.float32: K.OUT_FP32}[out_dtype]
+    y = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+    scale = scale_inv.contiguous()
+    tile_m, tile_n, scalar_scale = _tiles(block_size)
+    grid = (-(-m // tile_m), -(-n // tile_n))
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        K._dequant_kernel[grid](
+            weight.contiguous().view(torch.uint8),
+            scale,
+            y,
+            m,
+            n,
+            scale.stride(0),
+            nan_bits(torch.bfloat16)[0],
+            BLOCK=block_size,
+            TILE_M=tile_m,
+            TILE_N=tile_n,
+            SCALAR_SCALE=scalar_scale,
+            OUT_KIND=kind,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,248 @@
+"""`expertd doctor`: the dtype of every tensor at every stage, and every silent cast between stages.
+
+A tensor passes through up to five dtypes: as stored in the checkpoint, as expertd serves it (FP8
+with a scale becomes bf16, everything else keeps its stored dtype), as the daemon's index records
+it, as the view over shared memory reads it, and as the restored model holds it. The model's dtype
+is checked against what `from_pretrained(dtype=...)` would give (transformers keeps some modules,
+such as DeepSeek-V3's `e_score_correction_bias`, in fp32). A disagreement is a finding:
+
+- error: the stages are inconsistent (the index disagrees with the checkpoint or with shared memory,
+  the model holds another dtype than from_pretrained would give, FP8 bytes served unscaled, a
+  parameter still on the meta device). `expertd doctor` exits 1.
+- warning: a cast that works but costs something (served bf16, model needs fp32: a private copy
+  instead of shared memory; a stored fp32 tensor rounded to bf16 on load). Exit 1 with --strict.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from expertd.errors import CheckpointError, ShmError
+
+from .layout import FP8_DTYPES, SCALE_SUFFIX, plan_checkpoint
+from .reader import Checkpoint
+
+log = logging.getLogger("expertd.doctor")
+
+STAGES = ("checkpoint", "served", "index", "shm", "model")
+
+
+def dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    """'bfloat16' for torch.bfloat16 or 'torch.bfloat16'."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class Row:
+    """One served tensor (a model parameter name, or a checkpoint name the model does not use)."""
+
+    name: str
+    checkpoint: str | None = None  # stored dtype(s), "+scale" for scaled FP8
+    served: str | None = None  # what expertd serves from that checkpoint
+    index: str | None = None
+    shm: str | None = None
+    model: str | None = None
+    expected: str | None = None  # what from_pretrained(dtype=...) gives this parameter
+    shared: bool | None = None  # the model's tensor lies in the daemon's shared memory
+
+
+@dataclass
+class Finding:
+    severity: str  # "error" | "warning"
+    kind: str
+    name: str
+    message: str
+
+
+@dataclass
+class DoctorReport:
+    sources: dict[str, str]
+    rows: list[Row] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "warning"]
+
+    def exit_code(self, strict: bool = False) -> int:
+        return 1 if self.errors or (strict and self.warnings) else 0
+
+    def to_dict(self) -> dict:
+        return {"sources": self.sources, "ok": not self.errors, "rows": [asdict(r) for r in self.rows],
+                "findings": [asdict(f) for f in self.findings]}
+
+    def text(self, per_kind: int = 10) -> str:
+        """Dtype paths with their tensor counts, then the findings grouped by kind."""
+        lines = [f"expertd doctor: {', '.join(f'{k} {v}' for k, v in self.sources.items())}"]
+        stages = [s for s in STAGES if any(getattr(r, s) is not None for r in self.rows)]
+        paths = Counter(tuple(getattr(r, s) or "-" for s in stages) + (r.expected or "-",) for r in self.rows)
+        table = [(" -> ".join(stages) + " (from_pretrained gives)", "tensors")]
+        table += [(f"{' -> '.join(p[:-1])} ({p[-1]})", str(n)) for p, n in sorted(paths.items(), key=lambda kv: -kv[1])]
+        width = max(len(a) for a, _ in table)
+        lines.append("")
+        lines.extend(f"  {a:<{width}}  {b:>7}" for a, b in table)
+        by_kind: dict[tuple[str, str], list[Finding]] = defaultdict(list)
+        for f in self.findings:
+            by_kind[(f.severity, f.kind)].append(f)
+        for (severity, kind), found in sorted(by_kind.items()):
+            lines.append(f"\n{severity.upper()} {kind}: {len(found)} tensor(s)")
+            lines.extend(f"  {f.name}: {f.message}" for f in found[:per_kind])
+            if len(found) > per_kind:
+                lines.append(f"  ... and {len(found) - per_kind} more")
+        lines.append(f"\n{len(self.errors)} error(s), {len(self.warnings)} warning(s)")
+        return "\n".join(lines)
+
+
+class Doctor:
+    """Collects rows by name from each stage, then compares them."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.rows: dict[str, Row] = {}
+        self.findings: list[Finding] = []
+        self.sources: dict[str, str] = {}
+        self.shared_storages: set[int] | None = None  # storages of the daemon's segments, once attached
+
+    def row(self, name: str) -> Row:
+        if name not in self.rows:
+            self.rows[name] = Row(name)
+        return self.rows[name]
+
+    def find(self, severity: str, kind: str, name: str, message: str) -> None:
+        self.findings.append(Finding(severity, kind, name, message))
+
+    # --- stages ----------------------------------------------------------------------------
+
+    def add_checkpoint(self, folder: str) -> dict:
+        """Stored and served dtypes per served tensor; a checkpoint the daemon would refuse is an error."""
+        ckpt = Checkpoint.open(folder)
+        self.sources["checkpoint"] = ckpt.folder
+        try:
+            plan = plan_checkpoint(ckpt)
+        except CheckpointError as exc:
+            self.find("error", "checkpoint-invalid", exc.tensor or ckpt.folder,
+                      f"{type(exc).__name__}: {exc} (the daemon would refuse this checkpoint)")
+            plan = None
+        finally:
+            ckpt.close()
+        if plan is None:  # stored dtypes only, by checkpoint name
+            for name, info in ckpt.tensors.items():
+                if not name.endswith(SCALE_SUFFIX):
+                    scaled = info.dtype in FP8_DTYPES and name + SCALE_SUFFIX in ckpt.tensors
+                    self.row(name).checkpoint = dtype_name(info.dtype) + ("+scale" if scaled else "")
+            return ckpt.config
+        for t in plan.tensors:
+            stored = sorted({dtype_name(s.info.dtype) + ("+scale" if s.scale is not None else "") for s in t.sources})
+            row = self.row(t.name)
+            row.checkpoint = "|".join(stored)
+            row.served = dtype_name(t.dtype)
+        return ckpt.config
+
+    def add_daemon(self, client) -> dict:
+        """The daemon's index dtype and the dtype of the view over shared memory, per served tensor."""
+        index = client.index()
+        self.sources["daemon"] = f"{client.endpoint} (generation {index.generation})"
+        try:
+            views = client.served_tensors()
+        except ShmError as exc:
+            self.find("error", "shm-unreadable", client.endpoint, str(exc))
+            views = {}
+        self.shared_storages = {v.untyped_storage().data_ptr() for v in views.values() if v.numel()}
+        for entry in index.tensors:
+            row = self.row(entry.name)
+            row.index = dtype_name(entry.dtype)
+            view = views.get(entry.name)
+            row.shm = dtype_name(view.dtype) if view is not None else None
+        return index.config
+
+    def add_model(self, model) -> None:
+        """The dtype each parameter and buffer of `model` holds, and what from_pretrained would give it."""
+        from expertd.client.restore import expected_dtypes
+
+        self.sources["model"] = f"{type(model).__name__} (expected dtypes of from_pretrained(dtype={dtype_name(self.dtype)}))"
+        want = expected_dtypes(model, self.dtype)
+        state = set(model.state_dict().keys())
+        members = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in state]
+        for name, tensor in members:
+            if not tensor.is_floating_point():
+                continue
+            row = self.row(name)
+            row.model = dtype_name(tensor.dtype)
+            row.expected = dtype_name(want.get(name))
+            if tensor.device.type == "meta":
+                self.find("error", "model-meta", name, "still on the meta device: no weights were bound to it")
+            if self.shared_storages is not None and tensor.device.type == "cpu":
+                row.shared = tensor.untyped_storage().data_ptr() in self.shared_storages
+
+    def add_expected(self, config: dict) -> None:
+        """Without a model: what from_pretrained(dtype=...) would give each parameter of the config's model."""
+        from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
+
+        from expertd.client.restore import expected_dtypes
+        from expertd.hf import model_config
+
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(model_config(config), dtype=self.dtype)
+        state = set(model.state_dict().keys())
+        for name, dtype in expected_dtypes(model, self.dtype).items():
+            if name in state:
+                self.row(name).expected = dtype_name(dtype)
+
+    # --- comparison ------------------------------------------------------------------------
+
+    def compare(self) -> DoctorReport:
+        for row in self.rows.values():
+            self._compare(row)
+        rows = sorted(self.rows.values(), key=lambda r: r.name)
+        return DoctorReport(self.sources, rows, self.findings)
+
+    def _compare(self, r: Row) -> None:
+        if r.checkpoint and r.checkpoint.startswith("float8") and "+scale" not in r.checkpoint:
+            self.find("error", "fp8-unscaled", r.name, f"stored as {r.checkpoint} without a *_scale_inv")
+        if r.served and r.index and r.served != r.index:
+            self.find("error", "index-vs-checkpoint", r.name,
+                      f"the daemon's index says {r.index}, the checkpoint ({r.checkpoint}) is served as {r.served}: "
+                      "the daemon serves another checkpoint or casts silently")
+        if r.index and r.shm and r.index != r.shm:
+            self.find("error", "shm-vs-index", r.name, f"the view over shared memory reads {r.shm}, the index says {r.index}")
+        if r.index and r.index.startswith("float8") and r.expected and not r.expected.startswith("float8"):
+            self.find("error", "fp8-unscaled", r.name, f"the daemon serves {r.index} bytes, the model needs {r.expected}")
+        upstream = r.shm or r.index or r.served
+        target = r.model or r.expected
+        if r.model is not None and r.expected is not None and r.model != r.expected:
+            self.find("error", "model-vs-expected", r.name,
+                      f"the model holds {r.model}, from_pretrained(dtype={dtype_name(self.dtype)}) gives {r.expected}"
+                      + (f"; served as {upstream}" if upstream else ""))
+        elif upstream and target and upstream != target and not upstream.startswith("float8"):
+            what = "a private copy, not shared memory" if r.index else "cast on load"
+            self.find("warning", "cast-on-restore", r.name, f"served as {upstream}, the model holds {target}: {what}")
+        elif r.shared is False and r.model == upstream and r.index:
+            self.find("warning", "private-copy", r.name, f"the model's {r.model} tensor is a copy, not the shared view")
+        if r.index is None and r.served is None and r.model is not None and "daemon" in self.sources:
+            self.find("error", "missing-in-index", r.name, "the model has this tensor, the daemon serves nothing for it")
+
+
+def diagnose(checkpoint: str | None = None, client=None, model=None, dtype: torch.dtype = torch.bfloat16) -> DoctorReport:
+    """Compare dtypes across a checkpoint folder, a daemon (an `ExpertClient`) and/or a model."""
+    if checkpoint is None and client is None and model is None:
+        raise ValueError("diagnose needs a checkpoint, a daemon client or a model")
+    doctor = Doctor(dtype)
+    config = None
+    if checkpoint is not None:
+        config = doctor.add_checkpoint(checkpoint)
+    if client is not None:
+        config = doctor.add_daemon(client)
+    if model is not None:
+        doctor.add_model(model)
+    elif config is not None:
+        doctor.add_expected(config)
+    return doctor.compare()
