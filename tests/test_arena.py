@@ -50,3 +50,17 @@ def test_not_enough_shm_is_a_clear_error_and_leaves_nothing(namespace, monkeypat
     with pytest.raises(ShmSpaceError, match=r"64.0 MiB free.*100.0 MiB.*--shm-size"):
         arena.create()
     assert not glob.glob(f"/dev/shm/{namespace}*")
+
+
+def test_group_deployment_makes_segments_group_readable(namespace):
+    import grp
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    arena = Arena(namespace, 1, segment_bytes=1 << 20, group=group)
+    arena.place([100])
+    arena.create()
+    try:
+        st = os.stat("/dev/shm" + arena.segments[0].name)
+        assert stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == os.getgid()
+    finally:
+        arena.unlink()

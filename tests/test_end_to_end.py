@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 
@@ -95,6 +96,11 @@ def test_status_cli_reports_what_is_served(tiny_checkpoint, start_daemon):
     daemon = start_daemon(tiny_checkpoint)
     status = daemon.status()
     assert status["state"] == "serving" and status["generation"] == 1
+    sock_path = daemon.endpoint[len("ipc://"):]
+    assert stat.S_IMODE(os.stat(os.path.dirname(sock_path)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(sock_path).st_mode) == 0o600
+    for seg in status["segments"]:
+        assert stat.S_IMODE(os.stat("/dev/shm" + seg).st_mode) == 0o600
     assert status["tensors"] > 0 and status["bytes"]["torch.bfloat16"] > 0
     assert status["bytes"]["torch.float32"] > 0  # e_score_correction_bias stays F32
     text = subprocess.run([sys.executable, "-m", "expertd.server.cli", "status", "--config", daemon.config],
