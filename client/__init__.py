@@ -9,4 +9,4 @@ from .capture import capture
 from .client import ExpertClient
 from .restore import RestoreResult, restore
 
-__all__ = ["ExpertClient", "restore", "RestoreResult", "ExpertdError", "DaemonError", "DaemonTimeout", "RestoreError"]
+__all__ = ["ExpertClient", "capture", "restore", "RestoreResult", "ExpertdError", "DaemonError", "DaemonTimeout", "RestoreError"]

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from expertd.errors import CheckpointError, ScaleError, UnsupportedDtypeError
 
-from .layout import SCALE_SUFFIX, _attach_scale, block_size_of, check_scale_values
+from .layout import SCALE_SUFFIX, attach_scale, block_size_of, check_scale_values
 from .reader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, Checkpoint, TensorInfo
 
 log = logging.getLogger("expertd.convert")
@@ -151,7 +151,7 @@ def plan_conversion(ckpt: Checkpoint, max_shard_size: int = DEFAULT_MAX_SHARD_SI
                 f"{info.dtype} weights cannot be dequantized (DeepSeek-V3 block scales are for float8_e4m3fn)",
                 file=info.file, tensor=name,
             )
-        scale = _attach_scale(ckpt, info, block)  # missing, misshapen or non-float32 scale: a typed error
+        scale = attach_scale(ckpt, info, block)  # missing, misshapen or non-float32 scale: a typed error
         check_scale_values(ckpt, scale)
         outputs.append(OutTensor(name, info, scale, torch.bfloat16))
 

@@ -85,7 +85,7 @@ def block_size_of(config: dict) -> tuple[int, int]:
     return block[0], block[1]
 
 
-def _attach_scale(ckpt: Checkpoint, info: TensorInfo, block: tuple[int, int]) -> TensorInfo | None:
+def attach_scale(ckpt: Checkpoint, info: TensorInfo, block: tuple[int, int]) -> TensorInfo | None:
     if info.dtype not in FP8_DTYPES:
         return None
     scale = ckpt.tensors.get(info.name + SCALE_SUFFIX)
@@ -143,7 +143,7 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
         if info.shape != want_shape:
             raise ShapeError(f"shape {list(info.shape)} does not match {what} {list(want_shape)}", file=info.file, tensor=name)
         used.add(name)
-        scale = _attach_scale(ckpt, info, block)
+        scale = attach_scale(ckpt, info, block)
         if scale is not None:
             used.add(scale.name)
         return Source(name, info, scale)
@@ -172,7 +172,7 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
     for name, info in ckpt.tensors.items():
         if name in used or name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in ckpt.tensors:
             continue
-        src = Source(name, info, _attach_scale(ckpt, info, block))
+        src = Source(name, info, attach_scale(ckpt, info, block))
         planned.append(PlannedTensor(name, info.shape, served_dtype(src), [src]))
 
     if check_values:
