@@ -67,7 +67,7 @@ def bench_cpu(m: int, n: int, reps: int) -> None:
 
 
 def _deepseek_kernel():
-    """DeepSeek-V3's inference/kernel.py weight_dequant kernel, verbatim in substance."""
+    """The baseline: DeepSeek-V3's weight_dequant formulation (native fp8 load, x.float() * s per tile)."""
     import triton
     import triton.language as tl
 

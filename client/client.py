@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -11,6 +12,7 @@ import torch
 
 from expertd.errors import DaemonError, DaemonTimeout
 from expertd.index import TensorIndex
+from expertd.protocol import PROTOCOL_VERSION
 
 from .connection import Connection
 from .restore import expected_dtypes, restore
@@ -19,6 +21,15 @@ from .shm import map_segment, segment_bytes, view
 log = logging.getLogger("expertd.client")
 
 DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
+
+
+def _no_init_weights():
+    """transformers' switch that skips random init of weights about to be replaced (a no-op if absent)."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
 
 
 class ExpertClient:
@@ -86,7 +97,7 @@ class ExpertClient:
         from expertd.hf import model_config
 
         index = self.index()
-        with init_empty_weights():
+        with init_empty_weights(), _no_init_weights():
             model = AutoModelForCausalLM.from_config(model_config(index.config), dtype=dtype)
         want = expected_dtypes(model, dtype)
         views = self.served_tensors()
@@ -156,8 +167,7 @@ class ExpertClient:
     # --- internals -------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        self._conn.hello()
-        reply = self._conn.request("lease", pid=os.getpid())
+        reply = self._conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)  # handshake + lease
         self.lease = reply["client"]
         self.lease_timeout_s = float(reply["lease_timeout_s"])
         self.lease_lost = False

@@ -1,6 +1,7 @@
 """The control-plane wire protocol: small msgpack messages over one ZeroMQ REQ/ROUTER socket.
 
-Every request is a map with `op` (str) and, after the handshake, `client` (the lease id).
+Every request is a map with `op` (str) and, after the handshake, `client` (the lease id). A
+`lease` request may carry `protocol` and then is the handshake too (one round trip to attach).
 Every reply is a map with `ok` (bool); on error also `error` (type name) and `message`.
 Tensor bytes never travel here: they stay in shared memory.
 """

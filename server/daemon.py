@@ -28,6 +28,8 @@ from .runstate import RunState
 
 log = logging.getLogger("expertd.daemon")
 
+BURST = 256  # requests answered per wake-up before leases are swept again
+
 
 @dataclass
 class Lease:
@@ -49,6 +51,7 @@ class Daemon:
         self.generation = 1
         self.runstate = RunState(cfg.namespace, cfg.resolved_run_dir)
         self._segments: list[str] = []
+        self._index_reply: bytes | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -82,7 +85,9 @@ class Daemon:
                 if self.load_error is not None:
                     break
                 if dict(poller.poll(100)).get(sock):
-                    self._serve_one(sock)
+                    for _ in range(BURST):  # drain what is queued before the next poll
+                        if not self._serve_one(sock):
+                            break
                 self._expire_leases()
         finally:
             self._stop.set()
@@ -167,13 +172,14 @@ class Daemon:
 
     # --- requests --------------------------------------------------------------------------
 
-    def _serve_one(self, sock: zmq.Socket) -> None:
+    def _serve_one(self, sock: zmq.Socket) -> bool:
+        """Answer one queued request; False when none was queued."""
         try:
             frames = sock.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
-            return
+            return False
         if len(frames) < 2:
-            return  # no routing identity: nobody to answer
+            return True  # no routing identity: nobody to answer
         identity, payload = frames[0], frames[-1]
         try:
             if len(frames) > 3 or (len(frames) == 3 and frames[1] != b""):
@@ -186,11 +192,12 @@ class Daemon:
             reply = error_reply(exc)
         envelope = [identity, b""] if len(frames) == 3 else [identity]
         try:
-            sock.send_multipart(envelope + [pack(reply)], zmq.NOBLOCK)
+            sock.send_multipart(envelope + [reply if isinstance(reply, bytes) else pack(reply)], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # peer gone
+        return True
 
-    def handle(self, msg: dict) -> dict:
+    def handle(self, msg: dict) -> dict | bytes:
         op = msg["op"]
         if self.cfg.auth_token is not None:
             token = msg.get("token")
@@ -210,8 +217,12 @@ class Daemon:
         if op == "index":
             if self.loaded is None:
                 return {"ok": False, "error": "NotReady", "message": "the daemon is still loading"}
-            return {"ok": True, "index": self.loaded.index.to_dict()}
+            if self._index_reply is None:  # packed once per generation: attach cost stays O(1) here
+                self._index_reply = pack({"ok": True, "index": self.loaded.index.to_dict()})
+            return self._index_reply
         if op == "lease":
+            if "protocol" in msg and msg["protocol"] != PROTOCOL_VERSION:
+                raise ProtocolError(f"client speaks protocol {msg['protocol']!r}, daemon speaks {PROTOCOL_VERSION}")
             pid = msg.get("pid", 0)
             if not isinstance(pid, int) or not 0 <= pid < 2**31:
                 raise ProtocolError("'pid' must be a non-negative integer")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm import tqdm
@@ -43,6 +46,38 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return checksum(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
 
 
+READ_AHEAD = 2  # tensors read ahead of the one being dequantized: memory stays a few tensors
+
+
+def _read_source(ckpt: Checkpoint, src) -> tuple:
+    """Read a source tensor (and its scale) and fault its pages in, off the dequant thread."""
+    data = ckpt.read(src.name)
+    flat = data.reshape(-1).view(torch.uint8) if data.numel() else None
+    if flat is not None:
+        flat[::4096].sum()  # one byte per page: safetensors maps lazily, so this pulls the file in here
+    return src, data, ckpt.read(src.scale.name) if src.scale is not None else None
+
+
+def _read_ahead(ckpt: Checkpoint, sources: list, depth: int = READ_AHEAD):
+    """Yield (source, data, scale) in order while a thread reads the next `depth` sources."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="expertd-read")
+    pending = collections.deque()
+    upcoming = iter(sources)
+    try:
+        for src in itertools.islice(upcoming, depth):
+            pending.append(pool.submit(_read_source, ckpt, src))
+        while pending:
+            done = pending.popleft().result()
+            nxt = next(upcoming, None)
+            if nxt is not None:
+                pending.append(pool.submit(_read_source, ckpt, nxt))
+            yield done
+    finally:
+        for fut in pending:
+            fut.cancel()
+        pool.shutdown(wait=True)
+
+
 def prepare(checkpoint: str) -> tuple[Checkpoint, Plan]:
     """Open and fully validate a checkpoint; nothing is written."""
     ckpt = Checkpoint.open(checkpoint)
@@ -74,24 +109,25 @@ def load(
     arena.create()
     started = time.perf_counter()
     tensors, views = [], []
+    reads = iter(())
     try:
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="expertd load", disable=not progress)
+        reads = _read_ahead(ckpt, [src for planned in plan.tensors for src in planned.sources])
         for planned, where in zip(plan.tensors, placements):
             if should_stop is not None and should_stop():
                 raise Cancelled("loading stopped before it finished")
             out = arena.tensor(where, planned.shape, planned.dtype)
             chunks = out.view(len(planned.sources), *planned.source_shape) if len(planned.sources) > 1 else out.view(1, *planned.shape)
             chunk_bytes = planned.nbytes // len(planned.sources)
-            for k, src in enumerate(planned.sources):
-                data = ckpt.read(src.name)
-                if src.scale is not None:
+            for k in range(len(planned.sources)):
+                src, data, scale = next(reads)
+                if scale is not None:
                     weight_dequant(
-                        data, ckpt.read(src.scale.name), plan.block_size[0],
-                        out=chunks[k], out_dtype=planned.dtype, name=src.name, device=dev,
+                        data, scale, plan.block_size[0], out=chunks[k], out_dtype=planned.dtype, name=src.name, device=dev,
                     )
                 else:
                     chunks[k].copy_(data.view(chunks[k].shape))
-                del data
+                del data, scale
                 if len(planned.sources) > 1:
                     views.append(
                         TensorEntry(src.name, where.segment, where.offset + k * chunk_bytes, chunk_bytes,
@@ -103,6 +139,7 @@ def load(
             )
             del out, chunks
             bar.update(planned.nbytes)
+        reads.close()
         bar.close()
         arena.unmap()  # every tensor over the mappings is gone by now
         index = TensorIndex(
@@ -119,6 +156,7 @@ def load(
             os.makedirs(os.path.dirname(index_path) or ".", exist_ok=True)
             write_json_atomic(index_path, index.to_dict())
     except BaseException:
+        reads.close()  # stops the read-ahead thread before the arena goes
         arena.unlink()
         raise
     finally:

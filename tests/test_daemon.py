@@ -43,6 +43,7 @@ def raw(start_daemon, tiny_checkpoint):
     (msgpack.packb({"op": "explode"}), "ProtocolError"),
     (msgpack.packb({"op": "hello", "protocol": PROTOCOL_VERSION + 1}), "ProtocolError"),
     (msgpack.packb({"op": "lease", "pid": -5}), "ProtocolError"),
+    (msgpack.packb({"op": "lease", "pid": 1, "protocol": PROTOCOL_VERSION + 1}), "ProtocolError"),
     (msgpack.packb({"op": "lease", "pid": 2**40}), "ProtocolError"),
     (msgpack.packb({"op": "heartbeat"}), "ProtocolError"),
     (msgpack.packb({"op": "heartbeat", "client": "nobody"}), "LeaseExpired"),
