@@ -32,6 +32,19 @@ NAME = "model.layers.3.mlp.experts.7.up_proj.weight"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 
 
+
+@pytest.fixture(params=["native", "torch"])
+def cpu_path(request, monkeypatch):
+    """Run a CPU test on the compiled table lookup and on the pure-torch path."""
+    from expertd.kernels import native
+
+    if request.param == "native":
+        if not native.available():
+            pytest.fail("the native CPU dequant could not be built (is a C compiler installed?)")
+    else:
+        monkeypatch.setattr(native, "available", lambda: False)
+    return request.param
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
@@ -79,6 +92,7 @@ def all_bytes_case(lo: int = -130, hi: int = 126):
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.usefixtures("cpu_path")
 def test_all_256_bytes_match_reference(out_dtype):
     x, s = all_bytes_case()
     want = weight_dequant_reference(x, s, 16, out_dtype=out_dtype)
@@ -86,12 +100,14 @@ def test_all_256_bytes_match_reference(out_dtype):
     assert_bits_equal(weight_dequant_cpu(x, s, 16, out_dtype=out_dtype), want)
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_nan_bytes_dequantize_to_nan():
     x = torch.tensor([[0x7F, 0xFF, 0x7E, 0xFE]], dtype=torch.uint8).view(FP8)
     y = weight_dequant_cpu(x, torch.full((1, 1), 0.5), 128).float()
     assert torch.isnan(y[0, :2]).all() and y[0, 2].item() == 224.0 and y[0, 3].item() == -224.0
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_subnormal_bytes_are_exact():
     x = torch.arange(8, dtype=torch.uint8).view(1, 8).view(FP8)  # 0 and the 7 e4m3 subnormals m * 2**-9
     y = weight_dequant_cpu(x, torch.ones(1, 1), 128, out_dtype=torch.float32)
@@ -101,6 +117,7 @@ def test_subnormal_bytes_are_exact():
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("block", [128, 64, 100])
 @pytest.mark.parametrize("scales", ["normal", "extreme"])
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_matches_reference(shape, block, scales):
     x, s = random_case(*shape, block=block, scales=scales, seed=shape[0] * 1000 + shape[1] + block)
     for out_dtype in OUT_DTYPES:
@@ -109,6 +126,7 @@ def test_cpu_matches_reference(shape, block, scales):
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 257 * 10, 128 * 257 + 5, 1 << 20])
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_chunking_does_not_matter(monkeypatch, chunk):
     """Chunks of one row, of 10 rows (part of a block row), of two block rows with a partial one at the end."""
     monkeypatch.setattr(cpu_mod, "CHUNK_ELEMS", chunk)
@@ -118,6 +136,7 @@ def test_cpu_chunking_does_not_matter(monkeypatch, chunk):
                           weight_dequant_reference(x, s, 64, out_dtype=out_dtype))
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_nan_inf_zero_scales():
     x, s = random_case(256, 384, block=128, seed=5)
     s[0, 0], s[0, 1], s[1, 0], s[1, 2] = float("nan"), float("inf"), 0.0, -float("inf")
@@ -128,17 +147,20 @@ def test_cpu_nan_inf_zero_scales():
                           nan_payload=out_dtype == torch.bfloat16)
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_block_size_one_and_large():
     for block, shape in [(1, (9, 11)), (512, (700, 300)), (3, (10, 20))]:
         x, s = random_case(*shape, block=block, seed=block)
         assert_bits_equal(weight_dequant_cpu(x, s, block), weight_dequant_reference(x, s, block))
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_empty_weight():
     x = torch.empty(0, 5, dtype=FP8)
     assert weight_dequant_cpu(x, torch.empty(0, 1)).shape == (0, 5)
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_non_contiguous_inputs():
     x, s = random_case(256, 300, seed=3)
     xt, st = x.t().contiguous().t(), s.t().contiguous().t()  # same values, column-major storage
@@ -146,6 +168,7 @@ def test_cpu_non_contiguous_inputs():
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_writes_into_preallocated_out(out_dtype):
     x, s = random_case(129, 257, seed=11)
     out = torch.full((129, 257), 7.0, dtype=out_dtype)
@@ -155,6 +178,7 @@ def test_cpu_writes_into_preallocated_out(out_dtype):
     assert_bits_equal(out, weight_dequant_reference(x, s, out_dtype=out_dtype))
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_writes_into_bytearray_view():
     x, s = random_case(200, 320, seed=12)
     nbytes = 200 * 320 * 2
@@ -166,6 +190,7 @@ def test_cpu_writes_into_bytearray_view():
     assert buf[:16] == bytes(16) and buf[-16:] == bytes(16)  # nothing written outside the view
 
 
+@pytest.mark.usefixtures("cpu_path")
 def test_cpu_writes_into_mmap_view():
     x, s = random_case(300, 7, seed=13)
     mm = mmap.mmap(-1, 8192)  # anonymous: nothing lands in the working tree

@@ -1,0 +1,95 @@
+"""The CPU dequant as a compiled table lookup, built on first use with the system C compiler.
+
+Within a 128x128 scale block each of the 256 fp8 byte values has exactly one result, so torch
+computes those 256 results per block (the reference's own float32 product and cast, hence bit
+for bit the reference, NaN patterns included) and a small C loop gathers them, on as many threads
+as torch uses. No compiler, or a failed build, leaves `available()` False and the vectorized torch
+path in `cpu.py` in charge.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+log = logging.getLogger("expertd.kernels")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dequant_lut.c")
+_lock = threading.Lock()
+_lib = None
+_tried = False
+_pool: ThreadPoolExecutor | None = None
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("EXPERTD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "expertd")
+    os.makedirs(base, exist_ok=True)
+    return base
+
+
+def _build() -> ctypes.CDLL | None:
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    target = os.path.join(_cache_dir(), f"dequant_lut-{digest}.so")
+    if not os.path.exists(target):
+        compiler = os.environ.get("CC", "cc")
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+        os.close(fd)
+        try:
+            subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-o", tmp, SOURCE], check=True, capture_output=True,
+                           timeout=120)
+            os.replace(tmp, target)  # atomic: concurrent builders never load half a file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(target)
+    for fn in (lib.dequant_lut16, lib.dequant_lut32):
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+        fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled loop can be used (builds it once; EXPERTD_NATIVE=0 turns it off)."""
+    global _lib, _tried
+    if os.environ.get("EXPERTD_NATIVE", "1") == "0":
+        return False
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _lib = _build()
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("native CPU dequant unavailable (%s); using the torch path", exc)
+    return _lib is not None
+
+
+_CODES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every fp8 value, exactly
+
+
+def dequant_lut(x_u8: torch.Tensor, scale: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:
+    """out[M, N] = lut of each block at x; arguments already checked by the caller."""
+    global _pool
+    m, n = x_u8.shape
+    lut = (scale.reshape(-1, 1) * _CODES).to(out.dtype).contiguous()  # [blocks, 256]: the reference's math
+    fn = _lib.dequant_lut32 if out.element_size() == 4 else _lib.dequant_lut16
+    threads = max(1, min(torch.get_num_threads(), m // 64))
+    args = (x_u8.data_ptr(), lut.data_ptr(), out.data_ptr(), n, block_size)
+    if threads == 1:
+        fn(*args, 0, m)
+        return out
+    if _pool is None:
+        _pool = ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="expertd-dequant")
+    step = -(-m // threads)
+    futures = [_pool.submit(fn, *args, r0, min(m, r0 + step)) for r0 in range(0, m, step)]
+    for fut in futures:  # ctypes drops the GIL during each call: the rows run in parallel
+        fut.result()
+    return out
