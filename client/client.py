@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import threading
@@ -30,6 +31,22 @@ def _no_init_weights():
     except ImportError:
         return contextlib.nullcontext()
     return no_init_weights()
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No cyclic GC while attach allocates its many small objects.
+
+    In a worker that has torch and transformers loaded, one full collection walks millions of
+    objects (~0.25 s here) and attach would pay it at random; it runs after, at a time that is ours.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class ExpertClient:
@@ -64,7 +81,8 @@ class ExpertClient:
             deadline = time.monotonic() + self.timeout
             while True:
                 try:
-                    self._index = TensorIndex.from_dict(self._conn.request("index", client=self.lease)["index"])
+                    with _gc_paused():
+                        self._index = TensorIndex.from_dict(self._conn.request("index", client=self.lease)["index"])
                     break
                 except DaemonError as exc:
                     if getattr(exc, "kind", None) != "NotReady":
@@ -97,16 +115,17 @@ class ExpertClient:
         from expertd.hf import model_config
 
         index = self.index()
-        with init_empty_weights(), _no_init_weights():
-            model = AutoModelForCausalLM.from_config(model_config(index.config), dtype=dtype)
-        want = expected_dtypes(model, dtype)
-        views = self.served_tensors()
-        for name, tensor in views.items():
-            if name in want and tensor.dtype != want[name]:
-                log.warning("%s is served as %s but the model needs %s: using a private copy", name, tensor.dtype, want[name])
-                views[name] = tensor.to(want[name])
-        restore(model, views, strict=True, dtypes=want)
-        model.eval()
+        with _gc_paused():
+            with init_empty_weights(), _no_init_weights():
+                model = AutoModelForCausalLM.from_config(model_config(index.config), dtype=dtype)
+            want = expected_dtypes(model, dtype)
+            views = self.served_tensors()
+            for name, tensor in views.items():
+                if name in want and tensor.dtype != want[name]:
+                    log.warning("%s is served as %s but the model needs %s: using a private copy", name, tensor.dtype, want[name])
+                    views[name] = tensor.to(want[name])
+            restore(model, views, strict=True, dtypes=want)
+            model.eval()
         from .capture import capture_from_env  # EXPERTD_CAPTURE_DIR set: capture activations, no code changes
 
         capture_from_env(model)
