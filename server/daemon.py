@@ -218,7 +218,7 @@ class Daemon:
             if self.loaded is None:
                 return {"ok": False, "error": "NotReady", "message": "the daemon is still loading"}
             if self._index_reply is None:  # packed once per generation: attach cost stays O(1) here
-                self._index_reply = pack({"ok": True, "index": self.loaded.index.to_dict()})
+                self._index_reply = pack({"ok": True, "index": self.loaded.index.to_wire()})
             return self._index_reply
         if op == "lease":
             if "protocol" in msg and msg["protocol"] != PROTOCOL_VERSION:

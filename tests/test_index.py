@@ -68,3 +68,16 @@ def test_malformed_index_is_a_protocol_error(mutate):
     mutate(data)
     with pytest.raises(ProtocolError):
         TensorIndex.from_dict(data)
+
+
+def test_wire_form_leaves_views_out_and_they_are_derived_back():
+    wire = sample().to_wire()
+    assert "views" not in wire
+    assert TensorIndex.from_dict(json.loads(json.dumps(wire))) == sample()
+
+
+def test_views_of_a_fused_tensor_that_cannot_split_are_refused():
+    data = sample().to_wire()
+    data["tensors"][0]["sources"].append("one.too.many")
+    with pytest.raises(ProtocolError, match="cannot hold 3 equal sources"):
+        TensorIndex.from_dict(data)
