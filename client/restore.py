@@ -80,29 +80,32 @@ def restore(model: nn.Module, views: dict[str, torch.Tensor], strict: bool = Tru
     fusions = fusions_for(getattr(getattr(model, "config", None), "model_type", None))
     result = RestoreResult()
     used: set[str] = set()
-    state_names = set(model.state_dict().keys())
-    members = [(n, t, True) for n, t in model.named_parameters(remove_duplicate=False)]
-    members += [(n, t, False) for n, t in model.named_buffers(remove_duplicate=False) if n in state_names]
-    for name, current, is_param in members:
-        source = _resolve(name, current, views, fusions)
-        if source is None:
-            result.missing.append(name)
-            continue
-        want_dtype = (dtypes or {}).get(name, current.dtype)
-        if tuple(source.shape) != tuple(current.shape):
-            raise RestoreError(
-                f"view of shape {list(source.shape)} cannot be bound to {name!r} (which has shape {list(current.shape)})"
-            )
-        if source.dtype != want_dtype:
-            raise RestoreError(f"view of dtype {source.dtype} cannot be bound to {name!r} (which must be {want_dtype})")
-        module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name) if module_name else model
-        if is_param:
-            module._parameters[attr] = nn.Parameter(source, requires_grad=False)
-        else:
-            module._buffers[attr] = source
-        used.add(name)
-        result.bound += 1
+    dtypes = dtypes or {}
+    # one pass over the modules: no state_dict() and no get_submodule() per name (attach cost)
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        members = [(attr, t, True) for attr, t in module._parameters.items() if t is not None]
+        members += [(attr, t, False) for attr, t in module._buffers.items()
+                    if t is not None and attr not in module._non_persistent_buffers_set]
+        for attr, current, is_param in members:
+            name = prefix + attr
+            source = _resolve(name, current, views, fusions)
+            if source is None:
+                result.missing.append(name)
+                continue
+            if tuple(source.shape) != tuple(current.shape):
+                raise RestoreError(
+                    f"view of shape {list(source.shape)} cannot be bound to {name!r} (which has shape {list(current.shape)})"
+                )
+            want_dtype = dtypes.get(name, current.dtype)
+            if source.dtype != want_dtype:
+                raise RestoreError(f"view of dtype {source.dtype} cannot be bound to {name!r} (which must be {want_dtype})")
+            if is_param:
+                module._parameters[attr] = nn.Parameter(source, requires_grad=False)
+            else:
+                module._buffers[attr] = source
+            used.add(name)
+            result.bound += 1
     result.unexpected = sorted(n for n in views if n not in used and not _is_fused_source(n, used, fusions))
     if strict and result.missing:
         raise RestoreError(f"{len(result.missing)} parameter(s) have no view: {', '.join(result.missing[:8])}")
