@@ -99,3 +99,16 @@ def test_tcp_endpoint(start_daemon, tiny_checkpoint):
         assert client.status()["endpoint"] == f"tcp://127.0.0.1:{port}"
         with pytest.raises(DaemonError, match="unknown op"):
             client._conn.request("explode")
+
+
+def test_a_loading_daemon_answers_status_and_defers_the_index(tmp_path, tiny_checkpoint):
+    from expertd.server.config import config_from_dict
+    from expertd.server.daemon import Daemon
+
+    daemon = Daemon(config_from_dict({"checkpoint": tiny_checkpoint, "endpoint": f"ipc://{tmp_path}/s.sock",
+                                      "namespace": "loading"}))
+    status = daemon.handle({"op": "status"})
+    assert status["ok"] and status["state"] == "loading" and status["tensors"] == 0
+    assert daemon.handle({"op": "index"}) == {"ok": False, "error": "NotReady", "message": "the daemon is still loading"}
+    lease = daemon.handle({"op": "lease", "pid": 1, "protocol": PROTOCOL_VERSION})
+    assert lease["ok"] and daemon.handle({"op": "heartbeat", "client": lease["client"]})["ok"]
