@@ -48,7 +48,8 @@ def raw(start_daemon, tiny_checkpoint):
     (msgpack.packb({"op": "heartbeat"}), "ProtocolError"),
     (msgpack.packb({"op": "heartbeat", "client": "nobody"}), "LeaseExpired"),
     (msgpack.packb({"op": "release", "client": ["x"]}), "ProtocolError"),
-])
+], ids=["garbage", "array", "no-op", "int-op", "unknown-op", "hello-version", "negative-pid", "huge-pid",
+        "lease-version", "heartbeat-no-client", "heartbeat-unknown", "release-list"])
 def test_bad_messages_get_error_replies_and_the_daemon_keeps_serving(raw, payload, error):
     daemon, request = raw
     reply = request(payload)
