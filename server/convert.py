@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from expertd.errors import CheckpointError, ScaleError, UnsupportedDtypeError
+from expertd.errors import CheckpointError, UnsupportedDtypeError
 
-from .layout import SCALE_SUFFIX, attach_scale, block_size_of, check_scale_values
+from .layout import SCALE_SUFFIX, attach_scale, block_size_of, check_scale_pairs, check_scale_values
 from .reader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, Checkpoint, TensorInfo
 
 log = logging.getLogger("expertd.convert")
@@ -131,12 +131,9 @@ def plan_conversion(ckpt: Checkpoint, max_shard_size: int = DEFAULT_MAX_SHARD_SI
     block = block_size_of(ckpt.config)
     outputs: list[OutTensor] = []
     kept: list[str] = []
+    check_scale_pairs(ckpt)
     for name, info in ckpt.tensors.items():
         if name.endswith(SCALE_SUFFIX):
-            weight = ckpt.tensors.get(name[: -len(SCALE_SUFFIX)])
-            if weight is None or weight.dtype not in FP8:
-                what = "no weight" if weight is None else f"a {weight.dtype} weight"
-                raise ScaleError(f"scale belongs to {what}, not an FP8 one; refusing to drop it", file=info.file, tensor=name)
             continue
         if info.dtype not in FP8:
             outputs.append(OutTensor(name, info, None, info.dtype))

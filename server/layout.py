@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from expertd.errors import CheckpointError, MissingTensorError, ScaleError, ShapeError
+from expertd.errors import CheckpointError, MissingTensorError, ScaleError, ShapeError, UnsupportedDtypeError
 from expertd.hf import fusions_for, model_config
 
 from .reader import Checkpoint, TensorInfo
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_DTYPES = (torch.float8_e4m3fn,)  # what the kernels dequantize
+ALL_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -85,9 +86,26 @@ def block_size_of(config: dict) -> tuple[int, int]:
     return block[0], block[1]
 
 
+def check_scale_pairs(ckpt: Checkpoint) -> None:
+    """Every `*_scale_inv` must belong to an FP8 weight: a scale beside a bf16 weight (or none) means
+    the checkpoint is not what it claims, and dropping the scale would serve wrong values silently."""
+    for name, info in ckpt.tensors.items():
+        if name.endswith(SCALE_SUFFIX):
+            weight = ckpt.tensors.get(name[: -len(SCALE_SUFFIX)])
+            if weight is None or weight.dtype not in ALL_FP8_DTYPES:
+                what = "no weight" if weight is None else f"a {weight.dtype} weight"
+                raise ScaleError(f"scale belongs to {what}, not an FP8 one", file=info.file, tensor=name)
+
+
 def attach_scale(ckpt: Checkpoint, info: TensorInfo, block: tuple[int, int]) -> TensorInfo | None:
-    if info.dtype not in FP8_DTYPES:
+    """The scale of an FP8 weight, checked; None for a weight that is not FP8."""
+    if info.dtype not in ALL_FP8_DTYPES:
         return None
+    if info.dtype not in FP8_DTYPES:
+        raise UnsupportedDtypeError(
+            f"{info.dtype} weights cannot be dequantized (DeepSeek-V3 block scales are for float8_e4m3fn)",
+            file=info.file, tensor=info.name,
+        )
     scale = ckpt.tensors.get(info.name + SCALE_SUFFIX)
     if scale is None:
         raise ScaleError(
@@ -166,6 +184,8 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
         if len(dtypes) != 1:
             raise ShapeError(f"experts of {param} mix dtypes {sorted(map(str, dtypes))}", file=srcs[0].info.file, tensor=srcs[0].name)
         planned.append(PlannedTensor(param, shape, dtypes.pop(), srcs))
+
+    check_scale_pairs(ckpt)  # after the model's own tensors, so a missing weight is named as such
 
     # Tensors the model does not use (e.g. DeepSeek-V3's multi-token-prediction layer) are still
     # served under their checkpoint names, so `tensors()` covers the whole checkpoint.

@@ -158,6 +158,17 @@ def _duplicate(folder, name):
     save_file(tensors, os.path.join(folder, other))
 
 
+def _bf16_with_scale(folder):
+    """A bf16 weight that still has a `*_scale_inv` beside it."""
+    from safetensors.torch import load_file, save_file
+
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    path = _shard_of(folder, name)
+    tensors = load_file(path)
+    tensors[name] = tensors[name].float().bfloat16()
+    save_file(tensors, path)
+
+
 SCALE = EXPERT + "_scale_inv"
 BAD_CHECKPOINTS = [
     # (id, how to break it, error type, what the message must name)
@@ -177,6 +188,8 @@ BAD_CHECKPOINTS = [
     ("scale-inf", lambda f: _write_scale(f, SCALE, torch.full((2, 3), float("inf"))), ScaleError, "non-finite"),
     ("scale-zero", lambda f: _write_scale(f, SCALE, torch.zeros(2, 3)), ScaleError, "non-positive"),
     ("unsupported-dtype", lambda f: _set_entry(f, EXPERT, dtype="C64"), UnsupportedDtypeError, "C64"),
+    ("fp8-e5m2-weight", lambda f: _set_entry(f, EXPERT, dtype="F8_E5M2"), UnsupportedDtypeError, EXPERT),
+    ("scale-beside-bf16", _bf16_with_scale, ScaleError, "not an FP8 one"),
     ("duplicate-across-shards", lambda f: _duplicate(f, EXPERT), CheckpointError, "duplicate"),
     ("config-missing", lambda f: os.unlink(os.path.join(f, "config.json")), MissingShardError, "config.json"),
     ("config-not-matching", lambda f: _config(f, hidden_size=384), ShapeError, "does not match"),
