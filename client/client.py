@@ -10,8 +10,9 @@ import threading
 import time
 
 import torch
+import zmq
 
-from expertd.errors import DaemonError, DaemonTimeout
+from expertd.errors import DaemonError, DaemonTimeout, ExpertdError
 from expertd.index import TensorIndex
 from expertd.protocol import PROTOCOL_VERSION
 
@@ -67,7 +68,11 @@ class ExpertClient:
         self._index: TensorIndex | None = None
         self._segments: dict[str, torch.Tensor] | None = None
         self._closed = threading.Event()
-        self._connect()
+        try:
+            self._connect()
+        except BaseException:
+            self._conn.close()  # e.g. refused for a wrong token: leave no socket behind
+            raise
         self._heartbeat = None
         if heartbeat:
             self._heartbeat = threading.Thread(target=self._beat, name="expertd-heartbeat", daemon=True)
@@ -140,6 +145,8 @@ class ExpertClient:
         Views and models taken before stay valid (they keep their old mappings alive) but belong
         to the old generation; take new ones from `tensors()` / `load_model()`.
         """
+        if self._closed.is_set():
+            raise DaemonError("this client is closed; make a new ExpertClient")
         try:
             self._conn.request("release", client=self.lease)
         except (DaemonError, DaemonTimeout):
@@ -200,20 +207,27 @@ class ExpertClient:
         return self._segments
 
     def _beat(self) -> None:
-        conn = Connection(self.endpoint, timeout=min(self.timeout, self.lease_timeout_s), token=self.token)
-        period = max(0.05, self.lease_timeout_s / 3)
+        conn = None
         try:
-            while not self._closed.wait(period):
+            while True:
+                lease, timeout_s = self.lease, self.lease_timeout_s  # reconnect() may change both
+                if conn is None or conn.timeout_ms != int(min(self.timeout, timeout_s) * 1000):
+                    if conn is not None:
+                        conn.close()
+                    conn = Connection(self.endpoint, timeout=min(self.timeout, timeout_s), token=self.token)
+                if self._closed.wait(max(0.05, timeout_s / 3)):
+                    return
                 try:
-                    conn.request("heartbeat", client=self.lease)
+                    conn.request("heartbeat", client=lease)
                 except DaemonError as exc:
-                    if getattr(exc, "kind", None) == "LeaseExpired" and not self.lease_lost:
-                        # the daemon forgot us: it restarted, or we were silent too long
-                        log.warning("lease %s lost (%s); call reconnect() to attach again", self.lease, exc)
-                        self.lease_lost = True
-                    elif getattr(exc, "kind", None) != "LeaseExpired":
+                    if getattr(exc, "kind", None) != "LeaseExpired":
                         log.warning("heartbeat refused: %s", exc)
-                except DaemonTimeout as exc:
+                    elif lease == self.lease and not self.lease_lost:
+                        # the daemon forgot us: it restarted, or we were silent too long
+                        log.warning("lease %s lost (%s); call reconnect() to attach again", lease, exc)
+                        self.lease_lost = True
+                except (ExpertdError, zmq.ZMQError) as exc:  # the thread must outlive any one failed beat
                     log.warning("heartbeat failed: %s", exc)
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()

@@ -8,7 +8,7 @@ import threading
 import zmq
 
 from expertd.errors import DaemonError, DaemonTimeout, ProtocolError
-from expertd.protocol import PROTOCOL_VERSION, pack
+from expertd.protocol import pack
 
 import msgpack
 
@@ -50,6 +50,9 @@ class Connection:
                 raise DaemonTimeout(
                     f"expertd daemon at {self.endpoint} did not answer {op!r} within {self.timeout_ms / 1000:.1f}s"
                 ) from exc
+            except BaseException:
+                self._reset()  # a REQ socket interrupted between send and recv can never send again
+                raise
         try:
             reply = msgpack.unpackb(frame, raw=False)
         except Exception as exc:
@@ -61,9 +64,6 @@ class Connection:
             err.kind = reply.get("error")
             raise err
         return reply
-
-    def hello(self) -> dict:
-        return self.request("hello", protocol=PROTOCOL_VERSION)
 
     def _reset(self) -> None:
         if self._sock is not None:

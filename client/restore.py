@@ -41,6 +41,7 @@ def _fused_view(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | 
     first = parts[0]
     storage = first.untyped_storage()
     step = first.numel()
+
     for k, part in enumerate(parts):
         if (
             part.dtype != first.dtype or not part.is_contiguous() or part.numel() != step
@@ -59,6 +60,13 @@ def _resolve(name: str, target: torch.Tensor, views: dict[str, torch.Tensor], fu
     for fusion in fusions:
         names = fusion.source_names(name, target.shape[0]) if target.dim() >= 2 else None
         if names and all(n in views for n in names):
+            part_shape = (target.shape[1] // len(fusion.sources), *target.shape[2:])
+            for n in names:
+                if tuple(views[n].shape) != part_shape:
+                    raise RestoreError(
+                        f"view {n!r} of shape {list(views[n].shape)} cannot be part of {name!r} "
+                        f"(which has shape {list(target.shape)}: parts of {list(part_shape)})"
+                    )
             fused = _fused_view([views[n] for n in names], target.shape)
             if fused is None:
                 raise RestoreError(

@@ -67,14 +67,17 @@ class TensorIndex:
     config: dict
     segments: list[SegmentEntry]
     tensors: list[TensorEntry]
-    views: list[TensorEntry] | None  # None: derive from the fused tensors (the wire form)
+    views: list[TensorEntry] | None  # None: derived from the fused tensors on first use (the wire form)
     schema: int = SCHEMA_VERSION
 
-    def __post_init__(self) -> None:
+    def all_views(self) -> list[TensorEntry]:
+        """The per-expert views; derived (once) when the index came without them."""
         if self.views is None:
             self.views = derive_views(self.tensors)
+        return self.views
 
     def to_dict(self) -> dict:
+        self.all_views()
         return asdict(self)
 
     def to_wire(self) -> dict:
@@ -83,8 +86,8 @@ class TensorIndex:
         Views are ~90 % of a MoE index (44 k of them for DeepSeek-V3); leaving them out makes
         every attach fetch and decode a fraction of the bytes.
         """
-        data = self.to_dict()
-        del data["views"]
+        data = asdict(self)
+        data.pop("views")
         return data
 
     @classmethod
@@ -113,7 +116,7 @@ class TensorIndex:
     def checkpoint_entries(self) -> dict[str, TensorEntry]:
         """Every checkpoint tensor name -> where its bytes are (a served tensor or a view)."""
         out = {t.name: t for t in self.tensors if t.sources == [t.name]}
-        out.update({v.name: v for v in self.views})
+        out.update({v.name: v for v in self.all_views()})
         return out
 
     def total_bytes_by_dtype(self) -> dict[str, int]:
@@ -129,8 +132,8 @@ def derive_views(tensors: list[TensorEntry]) -> list[TensorEntry]:
     views = []
     for t in tensors:
         n = len(t.sources)
-        if n <= 1:
-            continue
+        if t.sources == [t.name]:
+            continue  # served under its own checkpoint name
         if t.nbytes % n or not t.shape or n % t.shape[0] or t.shape[1] % (n // t.shape[0]):
             raise ProtocolError(f"fused tensor {t.name} {t.shape} cannot hold {n} equal sources")
         chunk, per_expert = t.nbytes // n, n // t.shape[0]

@@ -127,11 +127,16 @@ class Daemon:
         except zmq.ZMQError as exc:
             sock.close(linger=0)
             raise ExpertdError(f"cannot bind control socket {endpoint}: {exc}") from exc
-        if endpoint.startswith("ipc://"):
-            path = endpoint[len("ipc://"):]
-            if self.cfg.group:
-                os.chown(path, -1, grp.getgrnam(self.cfg.group).gr_gid)
-            os.chmod(path, 0o660 if self.cfg.group else 0o600)
+        try:
+            if endpoint.startswith("ipc://"):
+                path = endpoint[len("ipc://"):]
+                if self.cfg.group:
+                    os.chown(path, -1, grp.getgrnam(self.cfg.group).gr_gid)
+                os.chmod(path, 0o660 if self.cfg.group else 0o600)
+        except BaseException:
+            sock.close(linger=0)  # an open socket would make ctx.term() wait forever
+            os.unlink(endpoint[len("ipc://"):])
+            raise
         log.info("control socket %s", endpoint)
         return sock
 
@@ -158,11 +163,10 @@ class Daemon:
         if self.loaded is not None:
             self.loaded.close()
             self.loaded = None
-            for path in (self.cfg.index_path,):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            try:
+                os.unlink(self.cfg.index_path)
+            except FileNotFoundError:
+                pass
         if self.cfg.endpoint.startswith("ipc://"):
             try:
                 os.unlink(self.cfg.endpoint[len("ipc://"):])
@@ -256,7 +260,7 @@ class Daemon:
             "checkpoint": self.cfg.checkpoint,
             "generation": self.generation,
             "tensors": len(index.tensors) if index else 0,
-            "views": len(index.views) if index else 0,
+            "views": len(index.all_views()) if index else 0,
             "segments": [s.name for s in index.segments] if index else [],
             "bytes": {"total": sum(by_dtype.values()), **by_dtype},
             "leases": [

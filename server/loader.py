@@ -106,19 +106,19 @@ def load(
     placements = arena.place([t.nbytes for t in plan.tensors])
     if on_placed is not None:
         on_placed([s.name for s in arena.segments])  # on record before anything exists
-    arena.create()
     started = time.perf_counter()
-    tensors, views = [], []
+    tensors = []
     reads = iter(())
     try:
+        arena.create()
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="expertd load", disable=not progress)
         reads = _read_ahead(ckpt, [src for planned in plan.tensors for src in planned.sources])
         for planned, where in zip(plan.tensors, placements):
             if should_stop is not None and should_stop():
                 raise Cancelled("loading stopped before it finished")
             out = arena.tensor(where, planned.shape, planned.dtype)
-            chunks = out.view(len(planned.sources), *planned.source_shape) if len(planned.sources) > 1 else out.view(1, *planned.shape)
-            chunk_bytes = planned.nbytes // len(planned.sources)
+            fused = [s.name for s in planned.sources] != [planned.name]
+            chunks = out.view(len(planned.sources), *planned.source_shape) if fused else out.view(1, *planned.shape)
             for k in range(len(planned.sources)):
                 src, data, scale = next(reads)
                 if scale is not None:
@@ -128,11 +128,6 @@ def load(
                 else:
                     chunks[k].copy_(data.view(chunks[k].shape))
                 del data, scale
-                if len(planned.sources) > 1:
-                    views.append(
-                        TensorEntry(src.name, where.segment, where.offset + k * chunk_bytes, chunk_bytes,
-                                    list(planned.source_shape), str(planned.dtype), [src.name], planned.name)
-                    )
             tensors.append(
                 TensorEntry(planned.name, where.segment, where.offset, planned.nbytes, list(planned.shape),
                             str(planned.dtype), [s.name for s in planned.sources], checksum=tensor_checksum(out))
@@ -150,7 +145,7 @@ def load(
             config=ckpt.config,
             segments=list(arena.segments),
             tensors=tensors,
-            views=views,
+            views=None,  # derived from the fused tensors' sources: one rule for server and client
         )
         if index_path is not None:
             os.makedirs(os.path.dirname(index_path) or ".", exist_ok=True)

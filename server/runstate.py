@@ -78,8 +78,8 @@ class RunState:
             sock.bind(f"\0expertd.{self.namespace}")
         except OSError as exc:
             sock.close()
-            previous = self.read_manifest()
-            who = f" (pid {previous['pid']})" if previous and pid_alive(previous.get("pid", -1)) else ""
+            pid = (self.read_manifest() or {}).get("pid")
+            who = f" (pid {pid})" if isinstance(pid, int) and pid > 0 and pid_alive(pid) else ""
             raise NamespaceBusy(
                 f"another expertd daemon{who} already serves namespace {self.namespace!r}; "
                 "stop it first or choose another namespace"

@@ -105,3 +105,12 @@ def test_fused_model_refuses_scattered_experts(tiny_checkpoint):
     views = reference_tensors(tiny_checkpoint)  # each expert its own allocation
     with pytest.raises(RestoreError, match="back to back"):
         restore(_tiny_v3_model(), views)
+
+
+def test_fused_model_refuses_parts_of_the_wrong_shape(tiny_checkpoint):
+    from reference import reference_tensors
+
+    views = reference_tensors(tiny_checkpoint)
+    views["model.layers.1.mlp.experts.0.gate_proj.weight"] = views["model.layers.1.mlp.experts.0.gate_proj.weight"][:100]
+    with pytest.raises(RestoreError, match=r"experts.0.gate_proj.weight' of shape \[100, 320\] cannot be part of"):
+        restore(_tiny_v3_model(), views)
