@@ -1,7 +1,10 @@
 """FP8 (DeepSeek-V3 blockwise float8_e4m3fn + float32 scale_inv) -> bf16 dequantization kernels.
 
-`weight_dequant` picks the path: the Triton kernel on a CUDA device, else the vectorized torch CPU path.
-Every path is bit-identical to `weight_dequant_reference`. Importing this package never imports triton.
+`weight_dequant` picks the path: the Triton kernel on a CUDA device, else the CPU path (a table lookup
+compiled with the system C compiler on first use, or vectorized torch ops where that cannot be built).
+For bf16 output, the served dtype, every path is bit-identical to `weight_dequant_reference`, NaN
+patterns included; fp16/fp32 outputs match too except for NaN payloads on the GPU. Importing this
+package never imports triton.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 `Checkpoint.open` parses config.json, the shard index and every shard header, and refuses
 anything malformed before a byte is loaded. Tensor data is then read through safetensors'
-own mmap-backed API, one tensor at a time, so memory stays bounded by the largest tensor.
+own mmap-backed API, one tensor at a time, so memory stays bounded by a few tensors (the
+loader reads two ahead), never by a shard or the model.
 """
 
 from __future__ import annotations
