@@ -39,6 +39,9 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from expertd.index import write_json_atomic
+from expertd.units import parse_size
+
 log = logging.getLogger("expertd.capture")
 
 MANIFEST = "manifest.json"
@@ -47,7 +50,6 @@ VERSION = 1
 DIRECTIONS = ("forward", "backward")
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "cross_attn", "encoder_attn")
 _LAYER_RE = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
 def is_attention(name: str, module: nn.Module) -> bool:
@@ -268,11 +270,7 @@ class Capture:
             "skipped": self.skipped,
             "files": [asdict(f) for f in self.files],
         }
-        path = os.path.join(self.out_dir, MANIFEST)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, indent=1)
-        os.replace(tmp, path)
+        write_json_atomic(os.path.join(self.out_dir, MANIFEST), manifest)
 
     def close(self) -> None:
         """Remove the hooks, save gradients still incomplete (some inputs got none), write the manifest."""
@@ -306,7 +304,7 @@ def capture(model: nn.Module, out_dir: str, *, modules=None, steps=None, directi
     "backward"; `max_bytes`: stop saving once this many bytes are written (an int or "2GB").
     """
     if isinstance(max_bytes, str):
-        max_bytes = parse_bytes(max_bytes)
+        max_bytes = parse_size(max_bytes)
     return Capture(model, out_dir, modules=modules, steps=steps, directions=directions, max_bytes=max_bytes)
 
 
@@ -319,16 +317,6 @@ def parse_steps(text: str) -> list[int]:
             raise ValueError(f"capture steps {text!r}: {part!r} is not N or N-M")
         steps.extend(range(int(lo), int(hi or lo) + 1))
     return steps
-
-
-def parse_bytes(text: str) -> int:
-    """'2GB' (10^9), '1GiB' (2^30), '500MB', '4096' -> bytes."""
-    match = _SIZE_RE.match(text)
-    if not match:
-        raise ValueError(f"byte budget {text!r} is not like 2GB, 1GiB, 500MB or a number of bytes")
-    number, unit, binary = match.groups()
-    power = "KMGT".find(unit.upper()) + 1 if unit else 0
-    return int(float(number) * (1024 if binary else 1000) ** power)
 
 
 _ENV_CAPTURES: list[Capture] = []

@@ -14,7 +14,7 @@ import zmq
 
 from expertd.errors import DaemonError, DaemonTimeout, ExpertdError
 from expertd.index import TensorIndex
-from expertd.protocol import PROTOCOL_VERSION
+from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
 
 from .connection import Connection
 from .restore import expected_dtypes, restore
@@ -22,7 +22,6 @@ from .shm import map_segment, segment_bytes, view
 
 log = logging.getLogger("expertd.client")
 
-DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
 
 
 def _no_init_weights():

@@ -13,6 +13,7 @@ import msgpack
 from .errors import ProtocolError
 
 PROTOCOL_VERSION = 1
+DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
 MAX_MESSAGE_BYTES = 1 << 20  # requests larger than this are refused unread
 
 OPS = ("hello", "index", "lease", "release", "heartbeat", "status", "stop")

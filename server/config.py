@@ -10,8 +10,8 @@ from dataclasses import dataclass, fields
 import yaml
 
 from expertd.errors import ConfigError
+from expertd.protocol import DEFAULT_ENDPOINT
 
-DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 

@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import struct
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from expertd.errors import CheckpointError, UnsupportedDtypeError
+from expertd.units import parse_size
 
 from .layout import SCALE_SUFFIX, attach_scale, block_size_of, check_scale_pairs, check_scale_values
 from .reader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, Checkpoint, TensorInfo
@@ -40,23 +40,6 @@ PARTIAL_SUFFIX = ".partial"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HuggingFace's "5GB"
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 DTYPE_TAGS = {dtype: tag for tag, dtype in SAFETENSORS_DTYPES.items()}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int) -> int:
-    """'5GB' (10^9), '1GiB' (2^30), '500MB', '4096' -> bytes."""
-    if isinstance(text, int):
-        size = text
-    else:
-        match = _SIZE_RE.match(str(text))
-        if not match:
-            raise ValueError(f"size {text!r} is not like 5GB, 1GiB, 500MB or a number of bytes")
-        number, unit, binary = match.groups()
-        power = "KMGT".find(unit.upper()) + 1 if unit else 0
-        size = int(float(number) * (1024 if binary else 1000) ** power)
-    if size <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return size
 
 
 @dataclass

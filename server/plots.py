@@ -235,7 +235,7 @@ def write_html(report: dict, out_dir: str) -> str:
     e = html.escape
     totals, formats = report["totals"], report["formats"]
     keys = ["bf16", "fp16", "fp32", "fp8"]
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>expertd inspect</title><style>"
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>expertd inspect</title><style>"
              "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
              "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th:first-child{text-align:left}"
              "figure{display:inline-block;margin:1em;vertical-align:top}img{max-width:100%}</style></head><body>",

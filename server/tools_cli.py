@@ -11,7 +11,7 @@ DTYPES = ("bfloat16", "float16", "float32")  # --dtype of doctor; torch is impor
 
 
 def _size(text: str) -> int:
-    from .convert import parse_size
+    from expertd.units import parse_size
 
     try:
         return parse_size(text)
