@@ -237,15 +237,18 @@ class Capture:
     # --- files ------------------------------------------------------------------------------
 
     def _save(self, record: _Call, direction: str, tensor: str, tensors: dict[str, torch.Tensor | None]) -> None:
-        data = {k: t.detach().to("cpu").contiguous().clone() for k, t in tensors.items() if t is not None}
-        if not data:
+        present = {k: t for k, t in tensors.items() if t is not None}
+        if not present:
             return
-        nbytes = sum(t.numel() * t.element_size() for t in data.values())
-        if self.max_bytes is not None and self.nbytes + nbytes > self.max_bytes:
+        nbytes = sum(t.numel() * t.element_size() for t in present.values())
+        if self.max_bytes is not None and self.nbytes + nbytes > self.max_bytes:  # checked before any copy
             if not self.skipped:
                 log.warning("capture: byte budget of %d reached; further tensors are not saved", self.max_bytes)
             self.skipped += 1
             return
+        # one copy each: to the CPU for device tensors, a private clone for CPU ones (they may be views
+        # into buffers the model reuses)
+        data = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in present.items()}
         layer, short = split_layer(record.name)
         stem = f"{record.step:06d}_" + (f"L{layer:02d}_" if layer is not None else "") + f"{short}_{direction}_{tensor}"
         file = stem + (f"_call{record.call}" if record.call else "") + ".safetensors"
