@@ -108,7 +108,7 @@ def load(
         on_placed([s.name for s in arena.segments])  # on record before anything exists
     started = time.perf_counter()
     tensors = []
-    reads = iter(())
+    reads = None
     try:
         arena.create()
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="expertd load", disable=not progress)
@@ -151,7 +151,8 @@ def load(
             os.makedirs(os.path.dirname(index_path) or ".", exist_ok=True)
             write_json_atomic(index_path, index.to_dict())
     except BaseException:
-        reads.close()  # stops the read-ahead thread before the arena goes
+        if reads is not None:
+            reads.close()  # stops the read-ahead thread before the arena goes
         arena.unlink()
         raise
     finally:
