@@ -113,9 +113,6 @@ class Arena:
         buf = self._maps[placement.segment]
         return torch.frombuffer(buf, dtype=dtype, count=count, offset=placement.offset).view(shape)
 
-    def names(self) -> list[str]:
-        return list(self._maps)
-
     def unmap(self) -> None:
         """Drop the daemon's own writable mappings once loading is done.
 

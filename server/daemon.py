@@ -50,7 +50,6 @@ class Daemon:
         self.started = time.time()
         self.generation = 1
         self.runstate = RunState(cfg.namespace, cfg.resolved_run_dir)
-        self._segments: list[str] = []
         self._index_reply: bytes | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -148,7 +147,8 @@ class Daemon:
                 device=self.cfg.device, index_path=self.cfg.index_path, progress=self.cfg.progress,
                 should_stop=self._stop.is_set, on_placed=self._record_segments, group=self.cfg.group,
             )
-            self.runstate.write_manifest(self.generation, self._segments, "serving", self.cfg.endpoint)
+            segments = [s.name for s in self.loaded.index.segments]
+            self.runstate.write_manifest(self.generation, segments, "serving", self.cfg.endpoint)
             log.info("serving generation %d on %s", self.generation, self.cfg.endpoint)
         except BaseException as exc:  # reported by the main loop, which then exits non-zero
             if not isinstance(exc, Cancelled):
@@ -156,7 +156,6 @@ class Daemon:
             self.load_error = exc
 
     def _record_segments(self, names: list[str]) -> None:
-        self._segments = names
         self.runstate.write_manifest(self.generation, names, "loading", self.cfg.endpoint)
 
     def _cleanup(self) -> None:

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from expertd.hf import fusions_for
+from expertd.kernels import quantize_fp8_blockwise
 
 from .layout import SCALE_SUFFIX, meta_state
 
@@ -60,12 +61,6 @@ def is_fp8_weight(name: str, shape: tuple[int, ...]) -> bool:
     )
 
 
-def quantize_blockwise(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    from expertd.kernels import quantize_fp8_blockwise
-
-    return quantize_fp8_blockwise(w, block)
-
-
 def checkpoint_tensors(config: dict, seed: int = 0) -> list[GeneratedTensor]:
     """Every checkpoint tensor of the model `config` describes, in checkpoint (per-expert) naming."""
     gen = torch.Generator().manual_seed(seed)
@@ -91,7 +86,7 @@ def checkpoint_tensors(config: dict, seed: int = 0) -> list[GeneratedTensor]:
             std = 1.0 / math.sqrt(shape[-1])
             w = (torch.randn(shape, generator=gen) * std).bfloat16()
             if is_fp8_weight(name, shape):
-                q, s = quantize_blockwise(w.float())
+                q, s = quantize_fp8_blockwise(w.float(), 128, name=name)
                 out.append(GeneratedTensor(name, q))
                 out.append(GeneratedTensor(name + SCALE_SUFFIX, s))
             else:
