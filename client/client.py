@@ -17,20 +17,11 @@ from expertd.index import TensorIndex
 from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
 
 from .connection import Connection
-from .restore import expected_dtypes, restore
+from .restore import restore
 from .shm import map_segment, segment_bytes, view
 
 log = logging.getLogger("expertd.client")
 
-
-
-def _no_init_weights():
-    """transformers' switch that skips random init of weights about to be replaced (a no-op if absent)."""
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:
-        return contextlib.nullcontext()
-    return no_init_weights()
 
 
 @contextlib.contextmanager
@@ -113,16 +104,12 @@ class ExpertClient:
         its view with the dtype `from_pretrained(dtype=dtype)` would give it (fp32 where
         transformers keeps a module in fp32, such as DeepSeek-V3's `e_score_correction_bias`).
         """
-        from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
-
-        from expertd.hf import model_config
+        from expertd.hf import empty_model, loaded_dtypes
 
         index = self.index()
         with _gc_paused():
-            with init_empty_weights(), _no_init_weights():
-                model = AutoModelForCausalLM.from_config(model_config(index.config), dtype=dtype)
-            want = expected_dtypes(model, dtype)
+            model = empty_model(index.config, dtype)
+            want = loaded_dtypes(model, dtype)
             views = self.served_tensors()
             for name, tensor in views.items():
                 if name in want and tensor.dtype != want[name]:

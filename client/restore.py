@@ -8,13 +8,13 @@ daemon lays them out.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from expertd.errors import RestoreError
+from expertd.fusion import owner_of, parts_of
 from expertd.hf import fusions_for
 
 
@@ -23,17 +23,6 @@ class RestoreResult:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     bound: int = 0
-
-
-def expected_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """The dtype `from_pretrained(dtype=dtype)` gives each floating parameter/buffer (keep-in-fp32 rules)."""
-    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
-    pattern = re.compile("|".join(re.escape(p) for p in plan)) if plan else None
-    out = {}
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if tensor.is_floating_point():
-            out[name] = torch.float32 if pattern is not None and pattern.search(name) else dtype
-    return out
 
 
 def _fused_view(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | None:
@@ -57,24 +46,21 @@ def _fused_view(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | 
 def _resolve(name: str, target: torch.Tensor, views: dict[str, torch.Tensor], fusions) -> torch.Tensor | None:
     if name in views:
         return views[name]
-    for fusion in fusions:
-        names = fusion.source_names(name, target.shape[0]) if target.dim() >= 2 else None
-        if names and all(n in views for n in names):
-            part_shape = (target.shape[1] // len(fusion.sources), *target.shape[2:])
-            for n in names:
-                if tuple(views[n].shape) != part_shape:
-                    raise RestoreError(
-                        f"view {n!r} of shape {list(views[n].shape)} cannot be part of {name!r} "
-                        f"(which has shape {list(target.shape)}: parts of {list(part_shape)})"
-                    )
-            fused = _fused_view([views[n] for n in names], target.shape)
-            if fused is None:
-                raise RestoreError(
-                    f"per-expert views for {name!r} are not laid out back to back in one buffer; "
-                    "binding them would need a copy"
-                )
-            return fused
-    return None
+    fused = parts_of(fusions, name, tuple(target.shape))
+    if fused is None or not all(n in views for n, _ in fused[1]):
+        return None
+    for n, part_shape in fused[1]:
+        if tuple(views[n].shape) != part_shape:
+            raise RestoreError(
+                f"view {n!r} of shape {list(views[n].shape)} cannot be part of {name!r} "
+                f"(which has shape {list(target.shape)}: parts of {list(part_shape)})"
+            )
+    view = _fused_view([views[n] for n, _ in fused[1]], target.shape)
+    if view is None:
+        raise RestoreError(
+            f"per-expert views for {name!r} are not laid out back to back in one buffer; binding them would need a copy"
+        )
+    return view
 
 
 def restore(model: nn.Module, views: dict[str, torch.Tensor], strict: bool = True,
@@ -114,20 +100,10 @@ def restore(model: nn.Module, views: dict[str, torch.Tensor], strict: bool = Tru
                 module._buffers[attr] = source
             used.add(name)
             result.bound += 1
-    result.unexpected = sorted(n for n in views if n not in used and not _is_fused_source(n, used, fusions))
+    result.unexpected = sorted(
+        n for n in views if n not in used and (owner_of(fusions, n) or (None,))[0] not in used
+    )
     if strict and result.missing:
         raise RestoreError(f"{len(result.missing)} parameter(s) have no view: {', '.join(result.missing[:8])}")
     return result
 
-
-def _is_fused_source(name: str, bound: set[str], fusions) -> bool:
-    for fusion in fusions:
-        for pattern in fusion.sources:
-            head, _, tail = pattern.partition("*")
-            i = name.find(head)
-            if i < 0 or not name.endswith(tail):
-                continue
-            middle = name[i + len(head): len(name) - len(tail)]
-            if middle.isdigit() and name[:i] + fusion.target in bound:
-                return True
-    return False

@@ -150,10 +150,9 @@ def plan_conversion(ckpt: Checkpoint, max_shard_size: int = DEFAULT_MAX_SHARD_SI
 
 def output_config(config: dict) -> dict:
     """config.json of the bf16 checkpoint: no quantization_config, dtype bfloat16."""
-    out = {k: v for k, v in config.items() if k != "quantization_config"}
-    out["torch_dtype"] = "bfloat16"
-    out["dtype"] = "bfloat16"
-    return out
+    from expertd.hf import set_config_dtype
+
+    return set_config_dtype({k: v for k, v in config.items() if k != "quantization_config"}, "bfloat16")
 
 
 def _fingerprint(ckpt: Checkpoint) -> str:

@@ -165,10 +165,10 @@ class Doctor:
 
     def add_model(self, model) -> None:
         """The dtype each parameter and buffer of `model` holds, and what from_pretrained would give it."""
-        from expertd.client.restore import expected_dtypes
+        from expertd.hf import loaded_dtypes
 
         self.sources["model"] = f"{type(model).__name__} (expected dtypes of from_pretrained(dtype={dtype_name(self.dtype)}))"
-        want = expected_dtypes(model, self.dtype)
+        want = loaded_dtypes(model, self.dtype)
         state = set(model.state_dict().keys())
         members = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in state]
         for name, tensor in members:
@@ -184,16 +184,11 @@ class Doctor:
 
     def add_expected(self, config: dict) -> None:
         """Without a model: what from_pretrained(dtype=...) would give each parameter of the config's model."""
-        from accelerate import init_empty_weights
-        from transformers import AutoModelForCausalLM
+        from expertd.hf import empty_model, loaded_dtypes
 
-        from expertd.client.restore import expected_dtypes
-        from expertd.hf import model_config
-
-        with init_empty_weights():
-            model = AutoModelForCausalLM.from_config(model_config(config), dtype=self.dtype)
+        model = empty_model(config, self.dtype)
         state = set(model.state_dict().keys())
-        for name, dtype in expected_dtypes(model, self.dtype).items():
+        for name, dtype in loaded_dtypes(model, self.dtype).items():
             if name in state:
                 self.row(name).expected = dtype_name(dtype)
 

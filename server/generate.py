@@ -16,10 +16,11 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
-from expertd.hf import fusions_for
+from expertd.fusion import parts_of
+from expertd.hf import fusions_for, model_state
 from expertd.kernels import quantize_fp8_blockwise
 
-from .layout import SCALE_SUFFIX, meta_state
+from .layout import SCALE_SUFFIX
 
 PRESETS: dict[str, dict] = {
     # ~2 MB: partial blocks everywhere (320 = 2.5 blocks, 200, 576), 8 experts in 2 groups.
@@ -64,18 +65,11 @@ def is_fp8_weight(name: str, shape: tuple[int, ...]) -> bool:
 def checkpoint_tensors(config: dict, seed: int = 0) -> list[GeneratedTensor]:
     """Every checkpoint tensor of the model `config` describes, in checkpoint (per-expert) naming."""
     gen = torch.Generator().manual_seed(seed)
-    expected = meta_state(config)
     fusions = fusions_for(config["model_type"])
     names: list[tuple[str, tuple[int, ...]]] = []
-    for param, (shape, _) in expected.items():
-        for fusion in fusions:
-            parts = fusion.source_names(param, shape[0]) if len(shape) >= 2 else None
-            if parts is not None:
-                part_shape = (shape[1] // len(fusion.sources), *shape[2:])
-                names.extend((part, part_shape) for part in parts)
-                break
-        else:
-            names.append((param, shape))
+    for param, (shape, _) in model_state(config).items():
+        fused = parts_of(fusions, param, shape)
+        names.extend(fused[1] if fused is not None else [(param, shape)])
     out: list[GeneratedTensor] = []
     for name, shape in names:
         if name.endswith("e_score_correction_bias"):

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from expertd.errors import CheckpointError, MissingTensorError, ScaleError, ShapeError, UnsupportedDtypeError
-from expertd.hf import fusions_for, model_config
+from expertd.fusion import parts_of
+from expertd.hf import fusions_for, model_state
 
 from .reader import Checkpoint, TensorInfo
 
@@ -61,19 +62,6 @@ class Plan:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
-
-
-def meta_state(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every parameter and persistent buffer of the model the config describes: name -> (shape, dtype)."""
-    from transformers import AutoModelForCausalLM
-
-    cfg = model_config(config)
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg)
-    except Exception as exc:
-        raise CheckpointError(f"config.json does not describe a model transformers can build: {exc}") from exc
-    return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
 
 def block_size_of(config: dict) -> tuple[int, int]:
@@ -146,7 +134,7 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
     config = ckpt.config
     model_type = config.get("model_type", "")
     block = block_size_of(config)
-    expected = meta_state(config)
+    expected = model_state(config)
     fusions = fusions_for(model_type)
     used: set[str] = set()
     planned: list[PlannedTensor] = []
@@ -167,19 +155,12 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
         return Source(name, info, scale)
 
     for param, (shape, _) in expected.items():
-        names = fusion = None
-        for fusion in fusions:
-            names = fusion.source_names(param, shape[0]) if len(shape) >= 2 else None
-            if names is not None:
-                break
-        if names is None:
+        fused = parts_of(fusions, param, shape)
+        if fused is None:
             src = source(param, param, shape, "the model's")
             planned.append(PlannedTensor(param, shape, served_dtype(src), [src]))
             continue
-        if shape[1] % len(fusion.sources):
-            raise ShapeError(f"{param} {list(shape)} cannot be split into {len(fusion.sources)} parts per expert")
-        per_source = (shape[1] // len(fusion.sources), *shape[2:])
-        srcs = [source(n, param, per_source, f"one expert's part of {param} {list(shape)}:") for n in names]
+        srcs = [source(n, param, part_shape, f"one expert's part of {param} {list(shape)}:") for n, part_shape in fused[1]]
         dtypes = {served_dtype(s) for s in srcs}
         if len(dtypes) != 1:
             raise ShapeError(f"experts of {param} mix dtypes {sorted(map(str, dtypes))}", file=srcs[0].info.file, tensor=srcs[0].name)
