@@ -18,7 +18,7 @@ from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
 
 from .connection import Connection
 from .restore import restore
-from .shm import map_segment, segment_bytes, view
+from expertd.shm import map_segment, segment_bytes, view
 
 log = logging.getLogger("expertd.client")
 

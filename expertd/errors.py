@@ -71,7 +71,31 @@ class AuthError(ExpertdError, PermissionError):
 
 
 class DaemonError(ExpertdError, RuntimeError):
-    """The daemon answered a request with an error."""
+    """The daemon answered a request with an error; `kind` is the error's name on the wire."""
+
+    def __init__(self, message: str, kind: str | None = None):
+        super().__init__(message)
+        self.kind = kind or type(self).__name__
+
+
+class NotReady(DaemonError):
+    """The daemon is still loading its first generation."""
+
+
+class LeaseExpired(DaemonError):
+    """The lease named in a request is unknown: expired, released, or granted by a daemon that restarted."""
+
+
+class Busy(DaemonError):
+    """Another reload or update is being built; one at a time."""
+
+
+class GenerationLimit(DaemonError):
+    """A new generation would exceed `max_generations` while leases pin the old ones."""
+
+
+class UpdateRejected(DaemonError):
+    """An update names unknown tensors, or its shapes, dtypes or staged bytes do not fit."""
 
 
 class DaemonTimeout(ExpertdError, TimeoutError):

@@ -2,35 +2,48 @@
 
 Every request is a map with `op` (str) and, after the handshake, `client` (the lease id). A
 `lease` request may carry `protocol` and then is the handshake too (one round trip to attach).
-Every reply is a map with `ok` (bool); on error also `error` (type name) and `message`.
-Tensor bytes never travel here: they stay in shared memory.
+Every reply is a map with `ok` (bool) and `latest` (the newest generation served); on error
+also `error` (the condition's name, see `ERRORS`) and `message`. Tensor bytes never travel
+here: they stay in shared memory (pushed weights too: they go through a staging segment).
 """
 
 from __future__ import annotations
 
 import msgpack
 
-from .errors import ProtocolError
+from . import errors
+from .errors import DaemonError, ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
 MAX_MESSAGE_BYTES = 1 << 20  # requests larger than this are refused unread
 
-OPS = ("hello", "index", "lease", "release", "heartbeat", "status", "stop")
+OPS = ("hello", "index", "lease", "release", "heartbeat", "status", "stop", "refresh",
+       "reload", "update", "commit", "job")
+
+# Conditions a client handles by type, mapped by name in one place (as pyzmq maps errno to classes);
+# any other error name arrives as a plain DaemonError carrying that name in `kind`.
+ERRORS = {cls.__name__: cls for cls in (
+    errors.NotReady, errors.LeaseExpired, errors.Busy, errors.GenerationLimit, errors.UpdateRejected,
+)}
 
 
 def pack(message: dict) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
-def unpack(frame: bytes) -> dict:
-    """Decode one frame into a map; anything else is a ProtocolError, never a crash."""
-    if len(frame) > MAX_MESSAGE_BYTES:
+def _decode(frame: bytes, what: str):
+    if len(frame) > MAX_MESSAGE_BYTES and what == "message":
         raise ProtocolError(f"message of {len(frame)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte cap")
     try:
-        message = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES)
+        return msgpack.unpackb(frame, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES)
     except Exception as exc:  # msgpack raises several unrelated types on bad input
-        raise ProtocolError(f"message is not valid msgpack: {exc}") from exc
+        raise ProtocolError(f"{what} is not valid msgpack: {exc}") from exc
+
+
+def unpack(frame: bytes) -> dict:
+    """Decode one request into a map; anything else is a ProtocolError, never a crash."""
+    message = _decode(frame, "message")
     if not isinstance(message, dict):
         raise ProtocolError(f"message must be a map, got {type(message).__name__}")
     op = message.get("op")
@@ -41,5 +54,23 @@ def unpack(frame: bytes) -> dict:
     return message
 
 
+def unpack_reply(frame: bytes, what: str) -> dict:
+    """Decode a reply to `what` (a request, in the user's words); an error reply raises its typed DaemonError."""
+    reply = _decode(frame, f"the daemon's reply to {what}")
+    if not isinstance(reply, dict) or not isinstance(reply.get("ok"), bool):
+        raise ProtocolError(f"the daemon's reply to {what} is malformed")
+    if not reply["ok"]:
+        kind = str(reply.get("error"))
+        cls = ERRORS.get(kind, DaemonError)
+        raise cls(f"daemon refused {what}: {kind}: {reply.get('message')}", kind)
+    return reply
+
+
+def check_version(version) -> None:
+    """A client speaking another protocol version is refused with both versions named."""
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"client speaks protocol {version!r}, daemon speaks {PROTOCOL_VERSION}")
+
+
 def error_reply(exc: BaseException) -> dict:
-    return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+    return {"ok": False, "error": getattr(exc, "kind", None) or type(exc).__name__, "message": str(exc)}

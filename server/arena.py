@@ -1,5 +1,10 @@
 """The shared-memory arena: POSIX segments the daemon creates, fills and finally unlinks.
 
+Segment names are `/{namespace}.{pid}.{tag}.{i}`: `tag` is the generation that created the
+segment (or `u{n}` for the staging segment of update n). This module builds and parses them.
+The loader gives every served tensor a segment of its own, so a retired generation's bytes are
+freed by unlinking whole segments, while workers still holding old views keep valid pages.
+
 Segments are created 0600 with O_EXCL, reserved with posix_fallocate before the first write
 (tmpfs then fails with ENOSPC instead of killing the writer with SIGBUS, and pre-faulted pages
 fill several times faster), and mapped read-write only in the daemon.
@@ -12,6 +17,7 @@ import grp
 import math
 import mmap
 import os
+import re
 from dataclasses import dataclass
 
 import posix_ipc
@@ -34,20 +40,65 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
+def segment_name(namespace: str, pid: int, tag: int | str, i: int) -> str:
+    return f"/{namespace}.{pid}.{tag}.{i:03d}"
+
+
+def segment_pattern(namespace: str) -> re.Pattern:
+    """Matches a segment's file name in SHM_DIR; group 1 is the owner pid."""
+    return re.compile(rf"^{re.escape(namespace)}\.(\d+)\.(\d+|u\d+)\.(\d+)$")
+
+
+def unlink_segment(name: str) -> bool:
+    """Remove a segment by name; False if it was already gone. Live mappings stay valid."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
 def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
     st = os.statvfs(shm_dir)
     return st.f_bavail * st.f_frsize
 
 
 class Arena:
-    """Segments named `/{namespace}.{pid}.{generation}.{i}`; tensors packed in order, page-aligned."""
+    """Segments `/{namespace}.{pid}.{tag}.{i}` of one generation; tensors page-aligned, never spanning segments."""
 
-    def __init__(self, namespace: str, generation: int, segment_bytes: int, group: str | None = None):
-        self.prefix = f"/{namespace}.{os.getpid()}.{generation}."
+    def __init__(self, namespace: str, tag: int | str, segment_bytes: int = 0, group: str | None = None):
+        self.namespace = namespace
+        self.tag = tag
         self.gid = grp.getgrnam(group).gr_gid if group else None
-        self.segment_bytes = segment_bytes
+        self.segment_bytes = segment_bytes  # 0: every tensor in a segment of its own
         self.segments: list[SegmentEntry] = []
         self._maps: dict[str, mmap.mmap] = {}
+
+    def _new_segment(self) -> SegmentEntry:
+        seg = SegmentEntry(segment_name(self.namespace, os.getpid(), self.tag, len(self.segments)), 0)
+        self.segments.append(seg)
+        return seg
+
+    def add(self, nbytes: int) -> Placement:
+        """Create, reserve and map a segment of its own for one tensor of `nbytes`."""
+        seg = self._new_segment()
+        seg.nbytes = max(align_up(nbytes), ALIGN)
+        try:
+            self._create_one(seg)
+        except BaseException:
+            self.segments.pop()
+            raise
+        return Placement(seg.name, 0)
+
+    def check_space(self, need: int, shm_dir: str = SHM_DIR) -> None:
+        """Refuse before the first byte when `need` bytes cannot fit: a clear error instead of ENOSPC half-way."""
+        free = shm_free_bytes(shm_dir)
+        if need > free:
+            raise ShmSpaceError(
+                f"{shm_dir} has {free / 2**20:.1f} MiB free but the model needs {need / 2**20:.1f} MiB; "
+                f"give the container more shared memory (docker run --shm-size={math.ceil(need * 1.1 / 2**30)}g, "
+                f"or shm_size: in docker-compose) or free space in {shm_dir}"
+            )
 
     def place(self, sizes: list[int]) -> list[Placement]:
         """Assign each size a segment and offset; a tensor never spans segments."""
@@ -55,7 +106,7 @@ class Arena:
         for size in sizes:
             size = max(align_up(size), ALIGN)
             if used is None or used + size > self.segment_bytes:
-                self.segments.append(SegmentEntry(f"{self.prefix}{len(self.segments):03d}", 0))
+                self._new_segment()
                 used = 0
             placements.append(Placement(self.segments[-1].name, used))
             used += size
@@ -66,23 +117,17 @@ class Arena:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
-    def create(self, shm_dir: str = SHM_DIR) -> None:
+    def create(self, shm_dir: str = SHM_DIR, writable_by_group: bool = False) -> None:
         """Create, reserve and map every planned segment; on any failure remove what was made."""
-        need, free = self.nbytes, shm_free_bytes(shm_dir)
-        if need > free:
-            raise ShmSpaceError(
-                f"{shm_dir} has {free / 2**20:.1f} MiB free but the model needs {need / 2**20:.1f} MiB; "
-                f"give the container more shared memory (docker run --shm-size={math.ceil(need * 1.1 / 2**30)}g, "
-                f"or shm_size: in docker-compose) or free space in {shm_dir}"
-            )
+        self.check_space(self.nbytes, shm_dir)
         try:
             for seg in self.segments:
-                self._create_one(seg)
+                self._create_one(seg, writable_by_group)
         except BaseException:
             self.unlink()
             raise
 
-    def _create_one(self, seg: SegmentEntry) -> None:
+    def _create_one(self, seg: SegmentEntry, writable_by_group: bool = False) -> None:
         try:
             shm = posix_ipc.SharedMemory(seg.name, posix_ipc.O_CREX, mode=0o600)
         except posix_ipc.ExistentialError as exc:
@@ -91,7 +136,7 @@ class Arena:
             self._maps[seg.name] = None  # created: unlink() must remove it from here on
             if self.gid is not None:
                 os.fchown(shm.fd, -1, self.gid)
-                os.fchmod(shm.fd, 0o640)
+                os.fchmod(shm.fd, 0o660 if writable_by_group else 0o640)
             try:
                 os.posix_fallocate(shm.fd, 0, seg.nbytes)
             except OSError as exc:
@@ -128,9 +173,6 @@ class Arena:
     def unlink(self) -> None:
         """Remove every segment this arena created. Mappings stay valid until their last user unmaps."""
         for name in list(self._maps):
-            try:
-                posix_ipc.unlink_shared_memory(name)
-            except posix_ipc.ExistentialError:
-                pass
+            unlink_segment(name)
         # The daemon's own mappings are dropped with the arena object, never closed under live tensors.
         self._maps.clear()

@@ -1,4 +1,11 @@
-"""The one place the stages meet: checkpoint → plan → dequant → shared memory → tensor index."""
+"""The one place the stages meet: checkpoint → plan → dequant → shared memory → tensor index.
+
+Building and publishing are apart. `build` places a generation's tensors in fresh segments, one
+per served tensor; given the generation it replaces, it keeps every served tensor whose source
+bytes (FP8 weight + scale, or the stored bytes) did not change, so the new index points at the
+same bytes, and for a block that did change it copies the unchanged parts instead of
+dequantizing them again. `publish` writes the index only once everything is in place.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +15,25 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
-from expertd.index import TensorEntry, TensorIndex, checksum, write_json_atomic
+from expertd.index import SegmentEntry, TensorEntry, TensorIndex, checksum, write_json_atomic
+from expertd.shm import map_segment, segment_bytes, view
 
-from .arena import Arena
+from .arena import ALIGN, Arena, align_up
 from .layout import Plan, plan_checkpoint
 from .reader import Checkpoint
 
 log = logging.getLogger("expertd.loader")
 
+READ_AHEAD = 2  # sources read ahead of the one being written: memory stays a few tensors
+
 
 class Cancelled(Exception):
-    """Loading was interrupted by a stop request or a signal."""
+    """Building was interrupted by a stop request or a signal."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -31,51 +42,90 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-class Loaded:
-    """A published model: its arena (segments to unlink at exit) and its index."""
-
-    def __init__(self, arena: Arena, index: TensorIndex):
-        self.arena = arena
-        self.index = index
-
-    def close(self) -> None:
-        self.arena.unlink()
+def _bytes_of(t: torch.Tensor):
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
-    return checksum(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+    return checksum(_bytes_of(t))
 
 
-READ_AHEAD = 2  # tensors read ahead of the one being dequantized: memory stays a few tensors
+@dataclass
+class Built:
+    """A generation's tensors in shared memory and its index; `parts` holds, per served tensor,
+    the digest of each source part, which the next build compares against."""
+
+    arena: Arena  # the segments this build created (older ones belong to the generations that made them)
+    index: TensorIndex
+    parts: dict[str, list[str]]
+    known: dict[tuple, str] = field(default_factory=dict)  # source identity -> digest, to skip re-reading
+    bytes_written: int = 0
+    tensors_written: int = 0
+    seconds: float = 0.0
+
+    def close(self) -> None:
+        """Remove the segments this build created (a build that is not published, or a daemon that exits)."""
+        self.arena.unlink()
 
 
-def _read_source(ckpt: Checkpoint, src) -> tuple:
-    """Read a source tensor (and its scale) and fault its pages in, off the dequant thread."""
-    data = ckpt.read(src.name)
-    flat = data.reshape(-1).view(torch.uint8) if data.numel() else None
-    if flat is not None:
-        flat[::4096].sum()  # one byte per page: safetensors maps lazily, so this pulls the file in here
-    return src, data, ckpt.read(src.scale.name) if src.scale is not None else None
+def _read_source(ckpt: Checkpoint, src, known: dict) -> tuple:
+    """(source, part digest, data or None, scale, identities): off the writing thread.
+
+    The weight is not read when its identity (same file, same place) is known from the last
+    build: its digest is known, and its bytes are only needed if the part must be rewritten.
+    """
+    ids = {}
+    weight_id = ckpt.identity(src.info)
+    digest = known.get(weight_id)
+    data = None
+    if digest is None:
+        data = ckpt.read(src.name)
+        digest = checksum(_bytes_of(data))  # reads every page: the file is pulled in here, not in the writer
+    ids[weight_id] = digest
+    scale = None
+    if src.scale is not None:
+        scale = ckpt.read(src.scale.name)
+        scale_digest = checksum(_bytes_of(scale))
+        ids[ckpt.identity(src.scale)] = scale_digest
+        digest = f"{digest}+{scale_digest}"
+    return src, digest, data, scale, ids
 
 
-def _read_ahead(ckpt: Checkpoint, sources: list, depth: int = READ_AHEAD):
-    """Yield (source, data, scale) in order while a thread reads the next `depth` sources."""
+def _read_ahead(ckpt: Checkpoint, sources: list, known: dict, depth: int = READ_AHEAD):
+    """Yield `_read_source` results in order while a thread reads the next `depth` sources."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="expertd-read")
     pending = collections.deque()
     upcoming = iter(sources)
     try:
         for src in itertools.islice(upcoming, depth):
-            pending.append(pool.submit(_read_source, ckpt, src))
+            pending.append(pool.submit(_read_source, ckpt, src, known))
         while pending:
             done = pending.popleft().result()
             nxt = next(upcoming, None)
             if nxt is not None:
-                pending.append(pool.submit(_read_source, ckpt, nxt))
+                pending.append(pool.submit(_read_source, ckpt, nxt, known))
             yield done
     finally:
         for fut in pending:
             fut.cancel()
         pool.shutdown(wait=True)
+
+
+class PreviousBytes:
+    """Read-only access to an older generation's served tensors, to copy unchanged parts from."""
+
+    def __init__(self, index: TensorIndex):
+        self.entries = {t.name: t for t in index.tensors}
+        self.sizes = {s.name: s.nbytes for s in index.segments}
+        self._maps: dict[str, torch.Tensor] = {}
+
+    def part(self, entry: TensorEntry, k: int, parts: int) -> torch.Tensor:
+        """Part k of `parts` equal parts of a served tensor's bytes (as uint8)."""
+        if entry.segment not in self._maps:
+            self._maps[entry.segment] = segment_bytes(map_segment(entry.segment, self.sizes[entry.segment]))
+        flat = view(self._maps, entry).reshape(-1).view(torch.uint8)
+        step = flat.numel() // parts
+        return flat[k * step: (k + 1) * step]
 
 
 def prepare(checkpoint: str) -> tuple[Checkpoint, Plan]:
@@ -84,72 +134,112 @@ def prepare(checkpoint: str) -> tuple[Checkpoint, Plan]:
     return ckpt, plan_checkpoint(ckpt)
 
 
-def load(
+def write_part(out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, *, name: str,
+               block_size: int, device: torch.device) -> None:
+    """One source part into its place: FP8 dequantized (bit-exact reference rounding), anything else copied."""
+    if scale is not None:
+        from expertd.kernels import weight_dequant  # the daemon needs kernels; the client never imports them
+
+        weight_dequant(data, scale, block_size, out=out, out_dtype=out.dtype, name=name, device=device)
+    else:
+        out.copy_(data.view(out.shape))
+
+
+def segments_of(entries: list[TensorEntry], *indexes: TensorIndex, arena: Arena) -> list[SegmentEntry]:
+    """The segments `entries` lie in, in first-use order, sized from the arena or the older indexes."""
+    sizes = {s.name: s.nbytes for index in indexes for s in index.segments}
+    sizes.update({s.name: s.nbytes for s in arena.segments})
+    seen = dict.fromkeys(e.segment for e in entries)
+    return [SegmentEntry(name, sizes[name]) for name in seen]
+
+
+def build(
     ckpt: Checkpoint,
     plan: Plan,
     *,
     namespace: str,
     generation: int,
-    segment_bytes: int = 1 << 32,
+    previous: Built | None = None,
     device: str = "auto",
-    index_path: str | None = None,
     progress: bool = False,
     should_stop=None,
-    on_placed=None,
+    on_segment=None,
     group: str | None = None,
-) -> Loaded:
-    """Place every planned tensor in fresh shared memory; publish the index only once all are written."""
-    from expertd.kernels import weight_dequant  # the daemon needs kernels; the client never imports them
-
+) -> Built:
+    """Place every planned tensor in shared memory; with `previous`, write only what changed."""
     dev = resolve_device(device)
-    arena = Arena(namespace, generation, segment_bytes, group=group)
-    placements = arena.place([t.nbytes for t in plan.tensors])
-    if on_placed is not None:
-        on_placed([s.name for s in arena.segments])  # on record before anything exists
+    arena = Arena(namespace, generation, group=group)
+    if previous is None:
+        arena.check_space(sum(max(align_up(t.nbytes), ALIGN) for t in plan.tensors))
+    old = PreviousBytes(previous.index) if previous is not None else None
     started = time.perf_counter()
-    tensors = []
+    entries: list[TensorEntry] = []
+    parts: dict[str, list[str]] = {}
+    known: dict[tuple, str] = {}
+    written = count = 0
     reads = None
     try:
-        arena.create()
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="expertd load", disable=not progress)
-        reads = _read_ahead(ckpt, [src for planned in plan.tensors for src in planned.sources])
-        for planned, where in zip(plan.tensors, placements):
+        reads = _read_ahead(ckpt, [src for planned in plan.tensors for src in planned.sources],
+                            previous.known if previous is not None else {})
+        for planned in plan.tensors:
             if should_stop is not None and should_stop():
-                raise Cancelled("loading stopped before it finished")
-            out = arena.tensor(where, planned.shape, planned.dtype)
-            fused = [s.name for s in planned.sources] != [planned.name]
-            chunks = out.view(len(planned.sources), *planned.source_shape) if fused else out.view(1, *planned.shape)
-            for k in range(len(planned.sources)):
-                src, data, scale = next(reads)
-                if scale is not None:
-                    weight_dequant(
-                        data, scale, plan.block_size[0], out=chunks[k], out_dtype=planned.dtype, name=src.name, device=dev,
-                    )
-                else:
-                    chunks[k].copy_(data.view(chunks[k].shape))
+                raise Cancelled("building stopped before it finished")
+            n = len(planned.sources)
+            prev = old.entries.get(planned.name) if old is not None else None
+            prev_parts = previous.parts.get(planned.name) if prev is not None else None
+            if prev is not None and (prev.shape != list(planned.shape) or prev.dtype != str(planned.dtype)
+                                     or prev_parts is None or len(prev_parts) != n):
+                prev = None
+            out = chunks = None
+            digests = []
+            for k in range(n):
+                src, digest, data, scale, ids = next(reads)
+                known.update(ids)
+                digests.append(digest)
+                same = prev is not None and digest == prev_parts[k]
+                if same and out is None:
+                    continue  # unchanged so far: maybe the whole tensor stays where it is
+                if out is None:
+                    where = arena.add(planned.nbytes)
+                    if on_segment is not None:
+                        on_segment(where.segment)
+                    out = arena.tensor(where, planned.shape, planned.dtype)
+                    chunks = out.view(n, *planned.source_shape) if n > 1 else out.view(1, *planned.shape)
+                    for j in range(k):  # the unchanged parts before the first change
+                        chunks[j].view(-1).view(torch.uint8).copy_(old.part(prev, j, n))
+                if same:
+                    chunks[k].view(-1).view(torch.uint8).copy_(old.part(prev, k, n))
+                    continue
+                if data is None:
+                    data = ckpt.read(src.name)
+                write_part(chunks[k], data, scale, name=src.name, block_size=plan.block_size[0], device=dev)
                 del data, scale
-            tensors.append(
-                TensorEntry(planned.name, where.segment, where.offset, planned.nbytes, list(planned.shape),
-                            str(planned.dtype), [s.name for s in planned.sources], checksum=tensor_checksum(out))
-            )
-            del out, chunks
+            if out is None:
+                entries.append(prev)  # the new index points at the same bytes
+            else:
+                entries.append(TensorEntry(
+                    planned.name, where.segment, where.offset, planned.nbytes, list(planned.shape), str(planned.dtype),
+                    [s.name for s in planned.sources], checksum=tensor_checksum(out),
+                ))
+                written += planned.nbytes
+                count += 1
+                del out, chunks
+            parts[planned.name] = digests
             bar.update(planned.nbytes)
         reads.close()
         bar.close()
-        arena.unmap()  # every tensor over the mappings is gone by now
+        arena.unmap()  # every tensor over the writable mappings is gone by now
         index = TensorIndex(
             generation=generation,
             namespace=namespace,
             model_type=plan.model_type,
             layout=plan.layout,
             config=ckpt.config,
-            segments=list(arena.segments),
-            tensors=tensors,
+            segments=segments_of(entries, *([previous.index] if previous is not None else []), arena=arena),
+            tensors=entries,
             views=None,  # derived from the fused tensors' sources: one rule for server and client
         )
-        if index_path is not None:
-            os.makedirs(os.path.dirname(index_path) or ".", exist_ok=True)
-            write_json_atomic(index_path, index.to_dict())
     except BaseException:
         if reads is not None:
             reads.close()  # stops the read-ahead thread before the arena goes
@@ -159,7 +249,26 @@ def load(
         ckpt.close()
     elapsed = time.perf_counter() - started
     log.info(
-        "published generation %d: %d tensors, %.1f MiB in %d segment(s) in %.2fs (%.2f GB/s)",
-        generation, len(tensors), arena.nbytes / 2**20, len(arena.segments), elapsed, plan.nbytes / max(elapsed, 1e-9) / 1e9,
+        "built generation %d: %d of %d tensors written (%.1f MiB) in %.2fs",
+        generation, count, len(entries), written / 2**20, elapsed,
     )
-    return Loaded(arena, index)
+    return Built(arena, index, parts, known, written, count, elapsed)
+
+
+def publish(index: TensorIndex, index_path: str | None) -> None:
+    """Write a built generation's index JSON (temp + rename): readers see the old index or the new, whole."""
+    if index_path is not None:
+        os.makedirs(os.path.dirname(index_path) or ".", exist_ok=True)
+        write_json_atomic(index_path, index.to_dict())
+
+
+def load(ckpt: Checkpoint, plan: Plan, *, namespace: str, generation: int, index_path: str | None = None,
+         **options) -> Built:
+    """Build a first generation and publish it (what a one-shot load is)."""
+    built = build(ckpt, plan, namespace=namespace, generation=generation, **options)
+    try:
+        publish(built.index, index_path)
+    except BaseException:
+        built.close()
+        raise
+    return built

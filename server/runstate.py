@@ -4,8 +4,9 @@
   released by the kernel whatever way the process ends. A second daemon on the namespace refuses.
 - A manifest `{run_dir}/{namespace}.manifest.json`: pid, process start time, generation, segment
   names, state. Kept after exit so generations keep counting up across restarts.
-- Reaping: on start, segments `/{namespace}.{pid}.{generation}.{i}` whose owner process is dead
-  are unlinked. Segments of a live daemon, or of another namespace, are never touched.
+- Reaping: on start, segments of the namespace whose owner process is dead are unlinked: every
+  generation's and any staging segment of an update in flight. Segments of a live daemon, or of
+  another namespace, are never touched.
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 import time
 
 from expertd.errors import ExpertdError
 from expertd.index import write_json_atomic
 
-log = logging.getLogger("expertd.runstate")
+from .arena import SHM_DIR, segment_pattern
 
-SHM_DIR = "/dev/shm"
+log = logging.getLogger("expertd.runstate")
 
 
 class NamespaceBusy(ExpertdError, RuntimeError):
@@ -47,10 +47,6 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def segment_pattern(namespace: str) -> re.Pattern:
-    return re.compile(rf"^{re.escape(namespace)}\.(\d+)\.(\d+)\.(\d+)$")
 
 
 def namespace_segments(namespace: str, shm_dir: str = SHM_DIR) -> dict[str, int]:
@@ -105,11 +101,14 @@ class RunState:
         gen = previous.get("generation", 0)
         return gen + 1 if isinstance(gen, int) and gen >= 0 else 1
 
-    def write_manifest(self, generation: int, segments: list[str], state: str, endpoint: str) -> None:
+    def write_manifest(self, generation: int, segments: dict[int, list[str]], state: str, endpoint: str,
+                       staging: list[str] = ()) -> None:
+        """Record the latest generation and the segments of every live generation (and of staging)."""
         write_json_atomic(self.manifest_path, {
             "pid": os.getpid(), "start_time": process_start_time(os.getpid()), "generation": generation,
-            "namespace": self.namespace, "segments": segments, "state": state, "endpoint": endpoint,
-            "updated": time.time(),
+            "namespace": self.namespace, "state": state, "endpoint": endpoint, "updated": time.time(),
+            "segments": sorted({name for names in segments.values() for name in names} | set(staging)),
+            "generations": {str(g): names for g, names in sorted(segments.items())},
         })
 
     def reap(self, shm_dir: str = SHM_DIR) -> list[str]:

@@ -1,5 +1,8 @@
 """Read-only mappings of the daemon's segments and tensor views over them (no copies).
 
+Workers map what they serve from; the daemon maps an older generation's segments the same way
+when it copies unchanged parts into a new one.
+
 A mapping stays valid after the daemon unlinks its segment, until the last process unmaps it;
 every view keeps its mapping alive, so no mapping is ever closed under a live tensor. Views are
 read-only at the page level: a worker that writes into one dies with SIGSEGV instead of

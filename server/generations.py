@@ -1,0 +1,177 @@
+"""Generations: what the daemon serves, who holds what, and when bytes can go.
+
+A `Generation` is one published set of served tensors: its index, the segments its build
+created, its packed index reply and the leases on it. Generation N+1 shares every unchanged
+tensor's bytes with N (its index points into N's segments). A generation older than the latest
+is retired when no lease holds it; its segments that no live generation references are then
+unlinked. Workers that still map them keep valid, unchanged pages until they drop their views:
+an unlinked segment lives until its last mapping goes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from expertd.errors import GenerationLimit, LeaseExpired
+from expertd.protocol import pack
+
+from .arena import unlink_segment
+from .loader import Built
+
+log = logging.getLogger("expertd.generations")
+
+
+@dataclass
+class Lease:
+    client: str
+    pid: int
+    created: float
+    seen: float
+    generation: int | None  # None while the first generation is still loading
+
+
+class Generation:
+    def __init__(self, built: Built):
+        self.built = built
+        self.index = built.index
+        self.number = built.index.generation
+        self._reply: tuple[int, bytes] | None = None
+
+    def index_reply(self, latest: int) -> bytes:
+        """The packed index reply, built once per (generation, latest): attach cost stays O(1) here."""
+        if self._reply is None or self._reply[0] != latest:
+            self._reply = (latest, pack({"ok": True, "index": self.index.to_wire(), "latest": latest}))
+        return self._reply[1]
+
+    def segments(self) -> set[str]:
+        return {s.name for s in self.index.segments}
+
+    def places(self) -> set[tuple[str, int]]:
+        return {(t.segment, t.offset) for t in self.index.tensors}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.index.tensors)
+
+
+class Generations:
+    """The live generations and the leases on them."""
+
+    def __init__(self, max_generations: int = 3):
+        self.max_generations = max_generations
+        self.live: dict[int, Generation] = {}
+        self.latest: Generation | None = None
+        self.leases: dict[str, Lease] = {}
+        self._lease_ids = itertools.count(1)
+
+    # --- leases ----------------------------------------------------------------------------
+
+    def lease(self, pid: int) -> Lease:
+        now = time.monotonic()
+        lease = Lease(f"c{next(self._lease_ids)}", pid, now, now, self.latest.number if self.latest else None)
+        self.leases[lease.client] = lease
+        return lease
+
+    def get(self, client: str) -> Lease:
+        lease = self.leases.get(client)
+        if lease is None:
+            raise LeaseExpired(f"no lease {client!r} (expired or released)")
+        return lease
+
+    def generation_of(self, lease: Lease | None) -> Generation | None:
+        """The generation a lease reads; a lease taken while loading binds to the first one published."""
+        if lease is None:
+            return self.latest
+        if lease.generation is None and self.latest is not None:
+            lease.generation = self.latest.number
+        return self.live.get(lease.generation) if lease.generation is not None else None
+
+    def refresh(self, client: str) -> Lease:
+        """Move a lease to the latest generation; the one it leaves may retire."""
+        lease = self.get(client)
+        lease.seen = time.monotonic()
+        if self.latest is not None:
+            lease.generation = self.latest.number
+        self.retire()
+        return lease
+
+    def release(self, client: str) -> None:
+        if self.leases.pop(client, None) is not None:
+            self.retire()
+
+    def expire(self, timeout_s: float) -> None:
+        now = time.monotonic()
+        gone = [l for l in self.leases.values() if now - l.seen > timeout_s]
+        for lease in gone:
+            log.info("lease %s (pid %d) expired after %.1fs without heartbeat", lease.client, lease.pid, now - lease.seen)
+            del self.leases[lease.client]
+        if gone:
+            self.retire()
+
+    # --- generations -----------------------------------------------------------------------
+
+    def pinned(self) -> dict[int, list[Lease]]:
+        out: dict[int, list[Lease]] = {}
+        for lease in self.leases.values():
+            if lease.generation is not None:
+                out.setdefault(lease.generation, []).append(lease)
+        return out
+
+    def check_room(self) -> None:
+        """Refuse a new generation that would make more than `max_generations` live, naming the pinning leases."""
+        pinned = self.pinned()
+        after = {g for g in self.live if g in pinned} | {0}  # 0 stands for the new one
+        if len(after) <= self.max_generations:
+            return
+        holders = ", ".join(f"pid {l.pid} (lease {l.client}) on generation {g}"
+                            for g, leases in sorted(pinned.items()) for l in leases)
+        raise GenerationLimit(
+            f"a new generation would make {len(after)} live, over max_generations={self.max_generations}; "
+            f"old generations are pinned by: {holders}. Have those workers refresh() or exit, or raise max_generations"
+        )
+
+    def publish(self, gen: Generation) -> None:
+        self.live[gen.number] = gen
+        self.latest = gen
+        self.retire()
+
+    def retire(self) -> list[int]:
+        """Drop old generations no lease holds; unlink their segments that no live generation uses."""
+        pinned = self.pinned()
+        gone = [g for n, g in self.live.items() if g is not self.latest and n not in pinned]
+        for gen in gone:
+            del self.live[gen.number]
+        if not gone:
+            return []
+        in_use = set().union(*(g.segments() for g in self.live.values()))
+        freed = [name for gen in gone for name in gen.segments() - in_use if unlink_segment(name)]
+        log.info("retired generation(s) %s: %d segment(s) freed", ", ".join(str(g.number) for g in gone), len(freed))
+        return [g.number for g in gone]
+
+    def segments_by_generation(self) -> dict[int, list[str]]:
+        return {n: sorted(g.segments()) for n, g in self.live.items()}
+
+    def close(self) -> None:
+        """Unlink every segment of every live generation (the daemon is stopping)."""
+        for gen in self.live.values():
+            for name in gen.segments():
+                unlink_segment(name)
+            gen.built.arena.unlink()
+        self.live.clear()
+        self.latest = None
+
+    def status(self) -> list[dict]:
+        """One row per live generation, newest first."""
+        latest_places = self.latest.places() if self.latest else set()
+        pinned = self.pinned()
+        rows = []
+        for n, gen in sorted(self.live.items(), reverse=True):
+            shared = sum(t.nbytes for t in gen.index.tensors if (t.segment, t.offset) in latest_places)
+            rows.append({
+                "generation": n, "tensors": len(gen.index.tensors), "bytes": gen.nbytes, "bytes_shared_with_latest": shared,
+                "leases": [{"client": l.client, "pid": l.pid} for l in pinned.get(n, [])],
+            })
+        return rows

@@ -1,0 +1,198 @@
+"""Weights pushed by a process (an RL trainer, online fine-tuning) become a new generation.
+
+The updater names the tensors it pushes; the daemon checks every name, shape and dtype against
+the latest generation and hands back a staging segment to write them into (tensor bytes never
+travel over ZeroMQ). On commit the daemon checks the staged bytes against the updater's
+checksums, then builds the new generation: each served tensor that receives a pushed value gets
+a fresh segment holding the old bytes with the pushed parts written over them (FP8 parts pushed
+with their `*_scale_inv` are dequantized exactly as at load); everything else is shared.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from expertd.errors import UpdateRejected
+from expertd.index import TensorEntry, TensorIndex, checksum
+from expertd.shm import DTYPES, map_segment, segment_bytes
+
+from .arena import Arena
+from .layout import SCALE_SUFFIX, block_size_of
+from .loader import Built, PreviousBytes, _bytes_of, segments_of, tensor_checksum, write_part
+
+FP8 = "torch.float8_e4m3fn"
+
+
+@dataclass
+class Push:
+    """One pushed tensor: where its bytes are staged and which served tensor (and part) it replaces."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    target: TensorEntry  # the served tensor it goes into
+    part: int | None  # position among the target's parts; None: the whole tensor
+    parts: int  # how many parts the target has
+    offset: int = 0  # in the staging segment
+    scale: "Push | None" = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+def _spec(item, i: int) -> tuple[str, list[int], str]:
+    if not isinstance(item, dict):
+        raise UpdateRejected(f"tensor {i} of the update must be a map of name, shape and dtype")
+    name, shape, dtype = item.get("name"), item.get("shape"), item.get("dtype")
+    if not isinstance(name, str) or not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise UpdateRejected(f"tensor {i} of the update needs a string name and a shape of non-negative ints")
+    if dtype not in DTYPES:
+        raise UpdateRejected(f"tensor {name!r}: dtype {dtype!r} is not one expertd serves")
+    return name, shape, dtype
+
+
+def plan_update(index: TensorIndex, items: list) -> list[Push]:
+    """Check every pushed name, shape and dtype against the served generation; nothing is created."""
+    if not isinstance(items, list) or not items:
+        raise UpdateRejected("an update needs a non-empty list of tensors")
+    served = {t.name: t for t in index.tensors}
+    views = {v.name: v for v in index.all_views()}
+    specs = {}
+    for i, item in enumerate(items):
+        name, shape, dtype = _spec(item, i)
+        if name in specs:
+            raise UpdateRejected(f"tensor {name!r} is named twice in the update")
+        specs[name] = (shape, dtype)
+    pushes, claimed = [], {}
+    for name, (shape, dtype) in specs.items():
+        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in specs:
+            continue  # goes with its weight
+        if name in served:
+            target, part, want = served[name], None, served[name]
+        elif name in views:
+            view = views[name]
+            target, want = served[view.base], view
+            part = target.sources.index(name)
+        else:
+            raise UpdateRejected(f"tensor {name!r} is not served (neither a served nor a checkpoint name)")
+        push = Push(name, shape, dtype, target, part, len(target.sources))
+        if shape != want.shape:
+            raise UpdateRejected(f"tensor {name!r}: shape {shape} does not match the served {want.shape}")
+        scale_name = name + SCALE_SUFFIX
+        if dtype == FP8 and want.dtype == "torch.bfloat16":
+            if scale_name not in specs:
+                raise UpdateRejected(f"FP8 tensor {name!r} needs its {scale_name!r} pushed with it")
+            block = block_size_of(index.config)[0]
+            s_shape, s_dtype = specs[scale_name]
+            s_want = [math.ceil(d / block) for d in shape]
+            if len(shape) != 2 or s_shape != s_want or s_dtype != "torch.float32":
+                raise UpdateRejected(
+                    f"scale {scale_name!r} must be torch.float32 of shape {s_want} for {name!r} {shape}, got {s_dtype} {s_shape}"
+                )
+            push.scale = Push(scale_name, s_shape, s_dtype, target, part, push.parts)
+        elif dtype != want.dtype:
+            raise UpdateRejected(f"tensor {name!r}: dtype {dtype} is not the served {want.dtype} (or FP8 with a scale)")
+        key = (target.name, part)
+        overlaps = [k for k in claimed if k[0] == target.name and (k[1] is None or part is None or k[1] == part)]
+        if overlaps:
+            raise UpdateRejected(f"tensor {name!r} overlaps {claimed[overlaps[0]]!r} in the same update")
+        claimed[key] = name
+        pushes.append(push)
+    return pushes
+
+
+class Staging:
+    """The segment an updater writes its pushed tensors into, owned by the daemon until commit."""
+
+    def __init__(self, namespace: str, number: int, pushes: list[Push], client: str, group: str | None = None):
+        self.number = number
+        self.client = client
+        self.pushes = pushes
+        self.created = time.monotonic()
+        flat = [t for p in pushes for t in ((p, p.scale) if p.scale else (p,))]
+        self.arena = Arena(namespace, f"u{number}", segment_bytes=max(sum(t.nbytes for t in flat), 1) * 2, group=group)
+        places = self.arena.place([t.nbytes for t in flat])
+        for t, where in zip(flat, places):
+            t.offset = where.offset
+        self.arena.create(writable_by_group=True)
+        self.arena.unmap()  # the daemon reads it back through a fresh read-only mapping at commit
+        self.segment = self.arena.segments[0]
+        self.tensors = flat
+
+    def reply(self) -> dict:
+        return {"update": self.number, "segment": self.segment.name, "nbytes": self.segment.nbytes,
+                "tensors": [{"name": t.name, "offset": t.offset, "nbytes": t.nbytes} for t in self.tensors]}
+
+    def staged(self) -> dict[str, torch.Tensor]:
+        """The staged tensors, read-only."""
+        data = segment_bytes(map_segment(self.segment.name, self.segment.nbytes))
+        return {t.name: data[t.offset: t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) if t.nbytes
+                else torch.empty(t.shape, dtype=DTYPES[t.dtype]) for t in self.tensors}
+
+    def verify(self, checksums) -> dict[str, torch.Tensor]:
+        """The staged tensors, after checking each against the updater's checksum of what it wrote."""
+        if not isinstance(checksums, list) or len(checksums) != len(self.tensors):
+            raise UpdateRejected(f"commit needs one checksum per staged tensor ({len(self.tensors)})")
+        staged = self.staged()
+        for t, want in zip(self.tensors, checksums):
+            got = checksum(_bytes_of(staged[t.name]))
+            if got != want:
+                raise UpdateRejected(f"staged bytes of {t.name!r} do not match the updater's checksum ({got} != {want})")
+        return staged
+
+    def close(self) -> None:
+        self.arena.unlink()
+
+
+def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tensor], *, generation: int,
+                 device: torch.device, group: str | None = None, on_segment=None) -> Built:
+    """The previous generation with the staged values written into fresh copies of their served tensors."""
+    started = time.perf_counter()
+    index = previous.index
+    old = PreviousBytes(index)
+    block = block_size_of(index.config)[0]
+    by_target: dict[str, list[Push]] = {}
+    for p in staging.pushes:
+        by_target.setdefault(p.target.name, []).append(p)
+    arena = Arena(index.namespace, generation, group=group)
+    entries, parts, written = [], dict(previous.parts), 0
+    try:
+        for entry in index.tensors:
+            pushes = by_target.get(entry.name)
+            if not pushes:
+                entries.append(entry)
+                continue
+            where = arena.add(entry.nbytes)
+            if on_segment is not None:
+                on_segment(where.segment)
+            out = arena.tensor(where, tuple(entry.shape), DTYPES[entry.dtype])
+            out.view(-1).view(torch.uint8).copy_(old.part(entry, 0, 1))
+            n = len(entry.sources)
+            chunks = out.view(n, *out.shape[1:]).view(n, -1) if n > 1 else out.view(1, -1)
+            digests = list(parts.get(entry.name) or [""] * n)
+            for p in pushes:
+                dest = out.view(-1) if p.part is None else chunks[p.part]
+                scale = staged[p.scale.name] if p.scale else None
+                write_part(dest.view(p.shape), staged[p.name], scale, name=p.name, block_size=block, device=device)
+                raw = _bytes_of(staged[p.name])
+                mark = f"pushed:{checksum(raw)}" + (f"+{checksum(_bytes_of(scale))}" if scale is not None else "")
+                for k in (range(n) if p.part is None else (p.part,)):
+                    digests[k] = f"{mark}#{k}"
+            parts[entry.name] = digests
+            entries.append(TensorEntry(entry.name, where.segment, where.offset, entry.nbytes, list(entry.shape),
+                                       entry.dtype, list(entry.sources), checksum=tensor_checksum(out)))
+            written += entry.nbytes
+            del out, chunks, dest
+        arena.unmap()
+        new_index = TensorIndex(generation=generation, namespace=index.namespace, model_type=index.model_type,
+                                layout=index.layout, config=index.config,
+                                segments=segments_of(entries, index, arena=arena), tensors=entries, views=None)
+    except BaseException:
+        arena.unlink()
+        raise
+    return Built(arena, new_index, parts, previous.known, written, len(by_target), time.perf_counter() - started)
