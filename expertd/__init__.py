@@ -1,7 +1,7 @@
 """expertd: FP8 MoE weights dequantized once per host, served to workers from shared memory.
 
 This package holds what the server and the client share: the error types, the tensor-index
-format and the wire protocol. The stages live in `expertd.server`, `expertd.client` and
+format, the wire protocol and the low-precision number formats. The stages live in `expertd.server`, `expertd.client` and
 `expertd.kernels`.
 """
 

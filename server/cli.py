@@ -95,7 +95,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .generate import generate
+    from .tools.generate import generate
 
     generate(args.out, preset=args.preset, seed=args.seed, shards=args.shards)
     print(args.out)
@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, default=2)
     p.set_defaults(func=cmd_generate)
 
-    from .tools_cli import add_tool_commands  # convert, inspect, doctor: tools around the weights
+    from .tools.cli import add_tool_commands  # convert, inspect, doctor: tools around the weights
 
     add_tool_commands(sub)
     return parser

@@ -27,6 +27,14 @@ ALL_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"
 
 
+def is_fp8_weight(name: str, shape: tuple[int, ...]) -> bool:
+    """DeepSeek-V3 stores every linear weight inside the layers as FP8, except the router."""
+    return (
+        len(shape) == 2 and name.startswith("model.layers.") and name.endswith("proj.weight")
+        or name.endswith("kv_a_proj_with_mqa.weight")
+    )
+
+
 @dataclass
 class Source:
     """One checkpoint tensor feeding a served tensor; `scale` is set for FP8 weights."""

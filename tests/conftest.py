@@ -15,7 +15,7 @@ import yaml
 
 from expertd.client.connection import Connection
 from expertd.errors import ExpertdError
-from expertd.server.generate import generate
+from expertd.server.tools.generate import generate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from expertd.client import ExpertClient, capture
 from expertd.client.capture import MANIFEST, close_env_captures, read_manifest
 from expertd.hf import model_config
-from expertd.server.generate import make_config
+from expertd.server.tools.generate import make_config
 from inputs import INPUT_IDS
 
 

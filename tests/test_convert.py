@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from expertd.server import convert as convert_mod
+from expertd.server.tools import convert as convert_mod
 from expertd.server.cli import main
-from expertd.server.convert import STATE_FILE, convert
+from expertd.server.tools.convert import STATE_FILE, convert
 from expertd.server.reader import Checkpoint
 from reference import reference_tensors, write_reference_bf16
 

@@ -9,7 +9,7 @@ import torch
 
 from expertd.client import ExpertClient
 from expertd.server.cli import main
-from expertd.server.doctor import diagnose
+from expertd.server.tools.doctor import diagnose
 from expertd.server.reader import Checkpoint
 from test_convert import edit_checkpoint
 

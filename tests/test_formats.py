@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from expertd.server import formats as F
+from expertd import formats as F
 
 
 def row(*values, width=32):

@@ -3,7 +3,7 @@
 import filecmp
 import os
 
-from expertd.server.generate import generate
+from expertd.server.tools.generate import generate
 from expertd.server.layout import plan_checkpoint
 from expertd.server.reader import Checkpoint
 

@@ -12,9 +12,9 @@ import torch
 from expertd.client import capture
 from expertd.hf import model_config
 from expertd.server.cli import main
-from expertd.server.formats import FORMATS
-from expertd.server.generate import make_config
-from expertd.server.inspect import component_of, inspect
+from expertd.formats import FORMATS
+from expertd.server.tools.generate import make_config
+from expertd.server.tools.inspect import component_of, inspect
 from expertd.server.reader import Checkpoint
 from inputs import INPUT_IDS
 from reference import reference_tensors

@@ -1,20 +1,17 @@
-"""The pictures of `expertd inspect` (matplotlib, Agg backend, PNG) and the index.html that shows them.
+"""The pictures of `expertd inspect` (matplotlib, Agg backend, PNG).
 
-Each `plot_*` function draws one figure from an `Inspection` (value samples) or its report dict
-(statistics and format errors), saves it under the output folder and returns (file, caption), or
-None when the source has nothing to draw (no experts, no layers).
+Each `plot_*` function draws one figure from plain data (arrays of sampled values by label, or the
+report dict's statistics and format errors), saves it under the output folder and returns
+(file, caption), or None when the source has nothing to draw (no experts, no layers).
 """
 
 from __future__ import annotations
 
-import html
 import math
 import os
 
 import numpy as np
 import torch
-
-from .inspect import COMPONENTS, Inspection, _fmt_bytes, _fmt_num
 
 HEATMAP_FORMATS = ("fp8_e4m3_block128", "mxfp8_e4m3", "mxfp4_e2m1")
 
@@ -34,12 +31,6 @@ def _save(fig, out_dir: str, file: str) -> str:
     return file
 
 
-def _groups(inspection: Inspection) -> list[tuple[str, torch.Tensor]]:
-    order = {c: i for i, c in enumerate(COMPONENTS)}
-    groups = [(g, torch.cat(parts)) for g, parts in inspection.samples.items() if parts]
-    return sorted([(g, v) for g, v in groups if v.numel()], key=lambda gv: (order.get(gv[0], 99), gv[0]))
-
-
 def _grid(plt, n: int, size=(4.0, 3.0)):
     cols = min(4, n)
     rows = math.ceil(n / cols)
@@ -49,37 +40,34 @@ def _grid(plt, n: int, size=(4.0, 3.0)):
     return fig, list(axes.flat)
 
 
-def plot_histograms(inspection: Inspection, report: dict, out_dir: str):
-    groups = _groups(inspection)
+def plot_histograms(groups: dict[str, np.ndarray], out_dir: str):
     if not groups:
         return None
     plt = _pyplot()
     fig, axes = _grid(plt, len(groups))
-    for ax, (group, values) in zip(axes, groups):
-        counts, edges = np.histogram(values.numpy(), bins=200)
+    for ax, (group, values) in zip(axes, groups.items()):
+        counts, edges = np.histogram(values, bins=200)
         ax.stairs(counts, edges, fill=True, color="tab:blue")  # one polygon: far faster than 200 bars
         ax.set_yscale("log")
-        ax.set_title(f"{group} ({values.numel():,} sampled values)", fontsize=9)
+        ax.set_title(f"{group} ({values.size:,} sampled values)", fontsize=9)
         ax.set_xlabel("value")
     fig.suptitle("Value histograms")
     return _save(fig, out_dir, "histograms.png"), "Value histograms per group (log count), from a proportional sample."
 
 
-def plot_boxplots(inspection: Inspection, report: dict, out_dir: str):
-    groups = _groups(inspection)
+def plot_boxplots(groups: dict[str, np.ndarray], layers: dict[int, np.ndarray], out_dir: str):
     if not groups:
         return None
     plt = _pyplot()
-    layers = sorted(inspection.layer_samples)
     fig, axes = plt.subplots(1, 2 if layers else 1, figsize=(14 if layers else 8, 4.5), squeeze=False,
                              layout="constrained")
     ax = axes[0][0]
-    ax.boxplot([v.numpy() for _, v in groups], showfliers=False)
-    ax.set_xticks(range(1, len(groups) + 1), [g for g, _ in groups], rotation=30, ha="right", fontsize=8)
+    ax.boxplot(list(groups.values()), showfliers=False)
+    ax.set_xticks(range(1, len(groups) + 1), list(groups), rotation=30, ha="right", fontsize=8)
     ax.set_title("per group (whiskers 1.5 IQR, outliers hidden)", fontsize=9)
     if layers:
         ax = axes[0][1]
-        ax.boxplot([torch.cat(inspection.layer_samples[k]).numpy() for k in layers], showfliers=False)
+        ax.boxplot(list(layers.values()), showfliers=False)
         ax.set_xticks(range(1, len(layers) + 1), [str(k) for k in layers], fontsize=8)
         ax.set_xlabel("layer")
         ax.set_title("per layer", fontsize=9)
@@ -87,15 +75,15 @@ def plot_boxplots(inspection: Inspection, report: dict, out_dir: str):
     return _save(fig, out_dir, "boxplots.png"), "Box plots of the sampled values per group and per layer."
 
 
-def plot_qq(inspection: Inspection, report: dict, out_dir: str):
+def plot_qq(groups: dict[str, np.ndarray], out_dir: str):
     """Sample quantiles of the standardized values against the normal distribution's."""
-    groups = [(g, v) for g, v in _groups(inspection) if v.numel() >= 8]
-    if not groups:
+    drawable = [(g, v) for g, v in groups.items() if v.size >= 8]
+    if not drawable:
         return None
     plt = _pyplot()
-    fig, axes = _grid(plt, len(groups), (3.5, 3.5))
-    for ax, (group, values) in zip(axes, groups):
-        v = values.double()
+    fig, axes = _grid(plt, len(drawable), (3.5, 3.5))
+    for ax, (group, values) in zip(axes, drawable):
+        v = torch.from_numpy(values).double()
         v = (v - v.mean()) / (v.std() if v.std() > 0 else 1.0)
         sample = v.sort().values
         if sample.numel() > 2000:
@@ -142,7 +130,7 @@ def _heatmap(plt, layers, experts, matrix, title, label, out_dir, file, log=Fals
     return _save(fig, out_dir, file)
 
 
-def plot_expert_heatmaps(inspection: Inspection, report: dict, out_dir: str) -> list[tuple[str, str]]:
+def plot_expert_heatmaps(report: dict, out_dir: str) -> list[tuple[str, str]]:
     plt = _pyplot()
     out = []
     weights = lambda ts: [t for t in ts if t["role"] == "weight" and "sumsq" in t]  # noqa: E731
@@ -174,7 +162,7 @@ def _as_float(x) -> float:
     return float(x)  # "inf" / "nan" strings included
 
 
-def plot_format_summary(inspection: Inspection, report: dict, out_dir: str):
+def plot_format_summary(report: dict, out_dir: str):
     overall = report["formats"]["overall"]
     if not overall:
         return None
@@ -218,47 +206,18 @@ def _plot_lines(report: dict, out_dir: str, key: str, file: str, xlabel: str, ti
     return _save(fig, out_dir, file), title + "."
 
 
-def draw_all(inspection: Inspection, report: dict, out_dir: str) -> list[dict]:
-    """Every picture the source allows; returns [{"file", "caption"}] in display order."""
-    drawn = [plot_histograms(inspection, report, out_dir), plot_boxplots(inspection, report, out_dir),
-             plot_qq(inspection, report, out_dir), plot_format_summary(inspection, report, out_dir),
+def draw_all(groups: dict[str, np.ndarray], layers: dict[int, np.ndarray], report: dict, out_dir: str) -> list[dict]:
+    """Every picture the data allows; returns [{"file", "caption"}] in display order.
+
+    `groups` holds the sampled values per group in display order, `layers` per layer; `report` is
+    what stats.json holds.
+    """
+    drawn = [plot_histograms(groups, out_dir), plot_boxplots(groups, layers, out_dir),
+             plot_qq(groups, out_dir), plot_format_summary(report, out_dir),
              _plot_lines(report, out_dir, "by_layer", "formats_by_layer.png", "layer",
                          "Relative error of each format per layer"),
              _plot_lines(report, out_dir, "by_group", "formats_by_group.png", "group",
                          "Relative error of each format per group")]
-    drawn += plot_expert_heatmaps(inspection, report, out_dir)
+    drawn += plot_expert_heatmaps(report, out_dir)
     return [{"file": f, "caption": c} for f, c in filter(None, drawn)]
 
-
-def write_html(report: dict, out_dir: str) -> str:
-    """index.html: summary tables and every picture, linking stats.md and stats.json."""
-    e = html.escape
-    totals, formats = report["totals"], report["formats"]
-    keys = ["bf16", "fp16", "fp32", "fp8"]
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>expertd inspect</title><style>"
-             "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
-             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th:first-child{text-align:left}"
-             "figure{display:inline-block;margin:1em;vertical-align:top}img{max-width:100%}</style></head><body>",
-             f"<h1>expertd inspect</h1><p>{e(report['source']['kind'])}: <code>{e(report['source']['where'])}</code> — "
-             f"{totals['tensors']} tensors, {_fmt_bytes(totals['bytes'])} as stored. "
-             "<a href='stats.md'>stats.md</a> · <a href='stats.json'>stats.json</a></p>",
-             "<h2>Memory by component and dtype</h2><table><tr><th>component</th><th>tensors</th><th>as stored</th>"
-             + "".join(f"<th>{k}</th>" for k in keys) + "</tr>"]
-    for c, v in totals["by_component"].items():
-        parts.append(f"<tr><td>{e(c)}</td><td>{v['tensors']}</td><td>{_fmt_bytes(v['bytes'])}</td>"
-                     + "".join(f"<td>{_fmt_bytes(v['footprint'][k])}</td>" for k in keys) + "</tr>")
-    parts.append("<tr><th>total</th><th></th><th>" + _fmt_bytes(totals["bytes"]) + "</th>"
-                 + "".join(f"<th>{_fmt_bytes(totals['footprint'][k])}</th>" for k in keys) + "</tr></table>")
-    if formats["overall"]:
-        parts.append("<h2>Quantization formats</h2><table><tr><th>format</th><th>relative error</th><th>SNR (dB)</th></tr>")
-        parts += [f"<tr><td>{e(f)}</td><td>{_fmt_num(v['rel_error'])}</td><td>{_fmt_num(v['snr_db'])}</td></tr>"
-                  for f, v in formats["overall"].items()]
-        parts.append("</table>")
-    parts.append("<h2>Pictures</h2>")
-    parts += [f"<figure><img src='{e(p['file'])}' alt='{e(p['caption'])}'><figcaption>{e(p['caption'])}</figcaption></figure>"
-              for p in report["plots"]]
-    parts.append("</body></html>\n")
-    path = os.path.join(out_dir, "index.html")
-    with open(path, "w") as f:
-        f.write("\n".join(parts))
-    return path

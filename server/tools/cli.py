@@ -20,7 +20,7 @@ def _size(text: str) -> int:
 
 
 def _formats(text: str) -> list[str]:
-    from .formats import FORMATS
+    from expertd.formats import FORMATS
 
     if text == "all":
         return list(FORMATS)
@@ -37,7 +37,7 @@ def _daemon(args) -> tuple[str | None, str | None, str | None]:
     """(endpoint, token, checkpoint) from --endpoint/--token or from the daemon's --config."""
     endpoint, token, checkpoint = getattr(args, "endpoint", None), getattr(args, "token", None), None
     if getattr(args, "config", None):
-        from .config import load_config
+        from ..config import load_config
 
         cfg = load_config(args.config)
         endpoint, checkpoint = cfg.endpoint, cfg.checkpoint

@@ -20,7 +20,7 @@ from expertd.fusion import parts_of
 from expertd.hf import fusions_for, model_state
 from expertd.kernels import quantize_fp8_blockwise
 
-from .layout import SCALE_SUFFIX
+from ..layout import SCALE_SUFFIX, is_fp8_weight
 
 PRESETS: dict[str, dict] = {
     # ~2 MB: partial blocks everywhere (320 = 2.5 blocks, 200, 576), 8 experts in 2 groups.
@@ -52,14 +52,6 @@ BASE_CONFIG = dict(
 class GeneratedTensor:
     name: str
     tensor: torch.Tensor
-
-
-def is_fp8_weight(name: str, shape: tuple[int, ...]) -> bool:
-    """DeepSeek-V3 stores every linear weight inside the layers as FP8, except the router."""
-    return (
-        len(shape) == 2 and name.startswith("model.layers.") and name.endswith("proj.weight")
-        or name.endswith("kv_a_proj_with_mqa.weight")
-    )
 
 
 def checkpoint_tensors(config: dict, seed: int = 0) -> list[GeneratedTensor]:

@@ -23,8 +23,8 @@ import torch
 
 from expertd.errors import CheckpointError, ShmError
 
-from .layout import FP8_DTYPES, SCALE_SUFFIX, plan_checkpoint
-from .reader import Checkpoint
+from ..layout import FP8_DTYPES, SCALE_SUFFIX, plan_checkpoint
+from ..reader import Checkpoint
 
 log = logging.getLogger("expertd.doctor")
 

@@ -29,8 +29,8 @@ from tqdm import tqdm
 from expertd.errors import CheckpointError, UnsupportedDtypeError
 from expertd.units import parse_size
 
-from .layout import SCALE_SUFFIX, attach_scale, block_size_of, check_scale_pairs, check_scale_values
-from .reader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, Checkpoint, TensorInfo
+from ..layout import SCALE_SUFFIX, attach_scale, block_size_of, check_scale_pairs, check_scale_values
+from ..reader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, Checkpoint, TensorInfo
 
 log = logging.getLogger("expertd.convert")
 
@@ -282,7 +282,7 @@ def _write_shard(plan: ConversionPlan, shard: OutShard, path: str, device: torch
 def convert(src: str, dst: str, *, device: str = "auto", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
             keep_fp8_where_unscaled: bool = False, progress: bool = False) -> ConvertResult:
     """Convert checkpoint folder `src` into a bf16 HuggingFace checkpoint in `dst`; resumable, idempotent."""
-    from .loader import resolve_device
+    from ..loader import resolve_device
 
     dev = resolve_device(device)
     ckpt = Checkpoint.open(src)
