@@ -12,7 +12,7 @@ import time
 import torch
 import zmq
 
-from expertd.errors import DaemonError, DaemonTimeout, ExpertdError
+from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, LeaseExpired, NotReady
 from expertd.index import TensorIndex
 from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
 
@@ -49,14 +49,20 @@ class ExpertClient:
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = 30.0, heartbeat: bool = True,
-                 copy_on_write: bool = False, token: str | None = None):
+                 copy_on_write: bool = False, token: str | None = None, on_update=None):
         self.endpoint = endpoint or os.environ.get("EXPERTD_ENDPOINT", DEFAULT_ENDPOINT)
         self.timeout = timeout
         self.copy_on_write = copy_on_write
         self.token = token
+        self.on_update = on_update  # called with the new number, on the heartbeat thread, when a newer generation appears
+        self.generation: int | None = None  # the generation this client's lease reads
+        self.latest_generation = 0  # the newest generation the daemon serves, from its last reply
+        self._announced = 0
         self._conn = Connection(self.endpoint, timeout, token=token)
+        self._conn.on_reply = self._note_latest
         self._index: TensorIndex | None = None
         self._segments: dict[str, torch.Tensor] | None = None
+        self._model_dtypes: dict[int, torch.dtype] = {}  # id(model) -> dtype it was loaded with
         self._closed = threading.Event()
         try:
             self._connect()
@@ -78,10 +84,9 @@ class ExpertClient:
                 try:
                     with _gc_paused():
                         self._index = TensorIndex.from_dict(self._conn.request("index", client=self.lease)["index"])
+                    self.generation = self._index.generation
                     break
-                except DaemonError as exc:
-                    if getattr(exc, "kind", None) != "NotReady":
-                        raise
+                except NotReady as exc:
                     if time.monotonic() > deadline:
                         raise DaemonTimeout(f"daemon at {self.endpoint} still loading after {self.timeout:.0f}s") from exc
                     time.sleep(0.05)
@@ -104,19 +109,14 @@ class ExpertClient:
         its view with the dtype `from_pretrained(dtype=dtype)` would give it (fp32 where
         transformers keeps a module in fp32, such as DeepSeek-V3's `e_score_correction_bias`).
         """
-        from expertd.hf import empty_model, loaded_dtypes
+        from expertd.hf import empty_model
 
         index = self.index()
         with _gc_paused():
             model = empty_model(index.config, dtype)
-            want = loaded_dtypes(model, dtype)
-            views = self.served_tensors()
-            for name, tensor in views.items():
-                if name in want and tensor.dtype != want[name]:
-                    log.warning("%s is served as %s but the model needs %s: using a private copy", name, tensor.dtype, want[name])
-                    views[name] = tensor.to(want[name])
-            restore(model, views, strict=True, dtypes=want)
+            self._bind(model, self.served_tensors(), dtype, strict=True)
             model.eval()
+        self._model_dtypes[id(model)] = dtype
         from .capture import capture_from_env  # EXPERTD_CAPTURE_DIR set: capture activations, no code changes
 
         capture_from_env(model)
@@ -124,6 +124,41 @@ class ExpertClient:
 
     def status(self) -> dict:
         return self._conn.request("status")
+
+    def refresh(self, model=None) -> list[str]:
+        """Move to the latest generation; rebind in `model` (same object) only what changed.
+
+        Returns the names of the model's parameters and buffers that were rebound, or without a
+        model the served tensors that changed. `tensors()` / `served_tensors()` then return the new
+        generation's views; views taken before stay valid and unchanged until they are dropped.
+        """
+        old = self.index()
+        self.generation = self._conn.request("refresh", client=self.lease)["generation"]
+        self._index = None
+        new = self.index()
+        before = {t.name: (t.segment, t.offset, t.nbytes, t.shape, t.dtype) for t in old.tensors}
+        changed = [t.name for t in new.tensors if before.get(t.name) != (t.segment, t.offset, t.nbytes, t.shape, t.dtype)]
+        self._remap(new)
+        if model is None:
+            return changed
+        views = {name: view(self._segments, e) for name, e in new.checkpoint_entries().items() if (e.base or name) in changed}
+        served = {e.name: e for e in new.tensors}
+        views.update({name: view(self._segments, served[name]) for name in changed})
+        dtype = self._model_dtypes.get(id(model), getattr(model, "dtype", torch.bfloat16))
+        return self._bind(model, views, dtype, strict=False).names
+
+    def update(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Publish a new generation in which `tensors` have these values and everything else is shared.
+
+        Names are checkpoint names (per-expert) or served names (fused blocks); values in the served
+        dtype are taken as they are, an FP8 weight is pushed with its `*_scale_inv` and dequantized as
+        at load. The bytes go through a staging segment, not the socket. Returns the new generation.
+        """
+        from .push import push
+
+        generation = push(self._conn, self.lease, tensors, self.timeout)
+        self.latest_generation = max(self.latest_generation, generation)
+        return generation
 
     def reconnect(self) -> None:
         """Attach again, e.g. to a restarted daemon: new lease, fresh index and mappings.
@@ -140,6 +175,7 @@ class ExpertClient:
         self._conn.close()
         self._index = None
         self._segments = None
+        self.generation = None
         self._connect()
 
     def verify(self) -> list[str]:
@@ -183,6 +219,33 @@ class ExpertClient:
         self.lease = reply["client"]
         self.lease_timeout_s = float(reply["lease_timeout_s"])
         self.lease_lost = False
+        self.latest_generation = self._announced = int(reply.get("latest") or 0)
+
+    def _note_latest(self, reply: dict) -> None:
+        latest = reply.get("latest")
+        if isinstance(latest, int) and latest > self.latest_generation:
+            self.latest_generation = latest
+
+    def _bind(self, model, views: dict[str, torch.Tensor], dtype: torch.dtype, strict: bool):
+        """Bind views with the dtypes `from_pretrained(dtype=dtype)` gives (a private copy where the served dtype differs)."""
+        from expertd.hf import loaded_dtypes
+
+        want = loaded_dtypes(model, dtype)
+        for name, tensor in views.items():
+            if name in want and tensor.dtype != want[name]:
+                log.warning("%s is served as %s but the model needs %s: using a private copy", name, tensor.dtype, want[name])
+                views[name] = tensor.to(want[name])
+        return restore(model, views, strict=strict, dtypes=want)
+
+    def _remap(self, index: TensorIndex) -> None:
+        """Map the segments a new index adds; forget those it no longer uses (views keep theirs alive)."""
+        if self._segments is None:
+            return
+        keep = {s.name: self._segments[s.name] for s in index.segments if s.name in self._segments}
+        for s in index.segments:
+            if s.name not in keep:
+                keep[s.name] = segment_bytes(map_segment(s.name, s.nbytes, writable=self.copy_on_write))
+        self._segments = keep
 
     def _attach(self) -> dict[str, torch.Tensor]:
         if self._segments is None:
@@ -191,6 +254,17 @@ class ExpertClient:
                 s.name: segment_bytes(map_segment(s.name, s.nbytes, writable=self.copy_on_write)) for s in index.segments
             }
         return self._segments
+
+    def _announce(self) -> None:
+        """Call `on_update` once per newer generation seen (on the heartbeat thread)."""
+        latest = self.latest_generation
+        if latest > self._announced:
+            self._announced = latest
+            if self.on_update is not None:
+                try:
+                    self.on_update(latest)
+                except Exception:
+                    log.exception("on_update callback failed")
 
     def _beat(self) -> None:
         conn = None
@@ -204,14 +278,15 @@ class ExpertClient:
                 if self._closed.wait(max(0.05, timeout_s / 3)):
                     return
                 try:
-                    conn.request("heartbeat", client=lease)
-                except DaemonError as exc:
-                    if getattr(exc, "kind", None) != "LeaseExpired":
-                        log.warning("heartbeat refused: %s", exc)
-                    elif lease == self.lease and not self.lease_lost:
+                    self._note_latest(conn.request("heartbeat", client=lease))
+                    self._announce()
+                except LeaseExpired as exc:
+                    if lease == self.lease and not self.lease_lost:
                         # the daemon forgot us: it restarted, or we were silent too long
                         log.warning("lease %s lost (%s); call reconnect() to attach again", lease, exc)
                         self.lease_lost = True
+                except DaemonError as exc:
+                    log.warning("heartbeat refused: %s", exc)
                 except (ExpertdError, zmq.ZMQError) as exc:  # the thread must outlive any one failed beat
                     log.warning("heartbeat failed: %s", exc)
         finally:

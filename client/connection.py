@@ -7,10 +7,8 @@ import threading
 
 import zmq
 
-from expertd.errors import DaemonError, DaemonTimeout, ProtocolError
-from expertd.protocol import pack
-
-import msgpack
+from expertd.errors import DaemonTimeout
+from expertd.protocol import pack, unpack_reply
 
 
 class Connection:
@@ -24,6 +22,7 @@ class Connection:
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
         self._sock = None
+        self.on_reply = None  # called with every successful reply (the client reads `latest` from it)
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -36,7 +35,7 @@ class Connection:
         return self._sock
 
     def request(self, op: str, **fields) -> dict:
-        """Send one request and return the reply map; raises DaemonTimeout or DaemonError."""
+        """Send one request and return the reply map; raises DaemonTimeout or the reply's typed DaemonError."""
         with self._lock:
             sock = self._socket()
             try:
@@ -53,16 +52,9 @@ class Connection:
             except BaseException:
                 self._reset()  # a REQ socket interrupted between send and recv can never send again
                 raise
-        try:
-            reply = msgpack.unpackb(frame, raw=False)
-        except Exception as exc:
-            raise ProtocolError(f"daemon reply to {op!r} is not msgpack: {exc}") from exc
-        if not isinstance(reply, dict) or "ok" not in reply:
-            raise ProtocolError(f"daemon reply to {op!r} is malformed")
-        if not reply["ok"]:
-            err = DaemonError(f"daemon refused {op!r}: {reply.get('error')}: {reply.get('message')}")
-            err.kind = reply.get("error")
-            raise err
+        reply = unpack_reply(frame, repr(op))
+        if self.on_reply is not None:
+            self.on_reply(reply)
         return reply
 
     def _reset(self) -> None:

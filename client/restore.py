@@ -23,6 +23,7 @@ class RestoreResult:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     bound: int = 0
+    names: list[str] = field(default_factory=list)  # what was bound, in module order
 
 
 def _fused_view(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | None:
@@ -99,6 +100,7 @@ def restore(model: nn.Module, views: dict[str, torch.Tensor], strict: bool = Tru
             else:
                 module._buffers[attr] = source
             used.add(name)
+            result.names.append(name)
             result.bound += 1
     result.unexpected = sorted(
         n for n in views if n not in used and (owner_of(fusions, n) or (None,))[0] not in used

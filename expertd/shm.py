@@ -31,10 +31,11 @@ def to_dtype(name: str) -> torch.dtype:
         raise ShmError(f"index names unknown dtype {name!r}") from None
 
 
-def map_segment(name: str, nbytes: int, writable: bool = False) -> mmap.mmap:
-    """Map a segment read-only (or copy-on-write private when `writable`)."""
+def map_segment(name: str, nbytes: int, writable: bool = False, shared_write: bool = False) -> mmap.mmap:
+    """Map a segment read-only, copy-on-write private (`writable`), or shared read-write
+    (`shared_write`: only for the staging segment an updater fills)."""
     try:
-        shm = posix_ipc.SharedMemory(name, 0, read_only=True)
+        shm = posix_ipc.SharedMemory(name, 0, read_only=not shared_write)
     except posix_ipc.ExistentialError as exc:
         raise ShmError(f"shared-memory segment {name} does not exist (daemon gone or restarted?)") from exc
     except posix_ipc.PermissionsError as exc:
@@ -42,6 +43,8 @@ def map_segment(name: str, nbytes: int, writable: bool = False) -> mmap.mmap:
     try:
         if shm.size < nbytes:
             raise ShmError(f"segment {name} has {shm.size} bytes, index says {nbytes}")
+        if shared_write:
+            return mmap.mmap(shm.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         if writable:
             return mmap.mmap(shm.fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
         return mmap.mmap(shm.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)

@@ -1,4 +1,4 @@
-"""The `expertd` command: start, stop, status, generate."""
+"""The `expertd` command: start, stop, status, verify, reload, generate, and the weight tools."""
 
 from __future__ import annotations
 
@@ -12,18 +12,17 @@ from expertd.errors import ExpertdError
 EXIT_ERROR = 2
 
 
-def _endpoint(args) -> str:
-    if getattr(args, "endpoint", None):
-        from .config import resolve_endpoint
+def _target(args):
+    from .config import resolve_target
 
-        return resolve_endpoint(args.endpoint)
-    if getattr(args, "config", None):
-        from .config import load_config
+    return resolve_target(getattr(args, "endpoint", None), getattr(args, "config", None), getattr(args, "token", None))
 
-        return load_config(args.config).endpoint
-    from .config import DEFAULT_ENDPOINT
 
-    return DEFAULT_ENDPOINT
+def _connection(args):
+    from expertd.client.connection import Connection
+
+    target = _target(args)
+    return Connection(target.daemon_endpoint, timeout=args.timeout, token=target.token)
 
 
 def cmd_start(args) -> int:
@@ -36,20 +35,8 @@ def cmd_start(args) -> int:
     return Daemon(cfg).run()
 
 
-def _token(args) -> str | None:
-    if getattr(args, "token", None):
-        return args.token
-    if getattr(args, "config", None):
-        from .config import load_config
-
-        return load_config(args.config).auth_token
-    return None
-
-
 def cmd_status(args) -> int:
-    from expertd.client.connection import Connection
-
-    conn = Connection(_endpoint(args), timeout=args.timeout, token=_token(args))
+    conn = _connection(args)
     try:
         status = conn.request("status")
     finally:
@@ -66,14 +53,51 @@ def cmd_status(args) -> int:
         print(f"  bytes       {dtype:<16} {n:>16,}")
     print(f"  clients     {len(status['leases'])}")
     for lease in status["leases"]:
-        print(f"    {lease['client']:<8} pid {lease['pid']:<8} age {lease['age_s']:.1f}s  idle {lease['idle_s']:.1f}s")
+        print(f"    {lease['client']:<8} pid {lease['pid']:<8} generation {lease['generation']}  "
+              f"age {lease['age_s']:.1f}s  idle {lease['idle_s']:.1f}s")
+    for gen in status.get("generations", []):
+        print(f"  generation {gen['generation']:<4} {gen['tensors']} tensors, {gen['bytes']:,} bytes "
+              f"({gen['bytes_shared_with_latest']:,} shared with the latest), {len(gen['leases'])} lease(s)")
+    job = status.get("job")
+    if job:
+        print(f"  last build  {_job_line(job)}")
     return 0
 
 
-def cmd_stop(args) -> int:
-    from expertd.client.connection import Connection
+def _job_line(job: dict) -> str:
+    if job["state"] == "failed":
+        return f"{job['kind']} of generation {job['generation']} failed: {job['error']}: {job['message']}"
+    written = f": {job['tensors_written']} tensor(s), {job['bytes_written']:,} bytes written in {job['seconds']:.2f}s" \
+        if "bytes_written" in job else ""
+    return f"{job['kind']} of generation {job['generation']} {job['state']}{written}"
 
-    conn = Connection(_endpoint(args), timeout=args.timeout, token=_token(args))
+
+def cmd_reload(args) -> int:
+    """Ask the daemon to build the next generation from a checkpoint folder and wait until it is published."""
+    import os
+    import time
+
+    from expertd.errors import DaemonError
+
+    conn = _connection(args)
+    try:
+        fields = {"checkpoint": os.path.abspath(args.checkpoint)} if args.checkpoint else {}
+        job = conn.request("reload", **fields)
+        deadline = time.monotonic() + args.wait
+        while job["state"] in ("building", "built") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            job = conn.request("job", job=job["job"])
+    finally:
+        conn.close()
+    if job["state"] == "failed":
+        raise DaemonError(f"reload failed, the daemon keeps serving its current generation: {job['error']}: {job['message']}",
+                          job["error"])
+    print(_job_line(job))
+    return 0 if job["state"] == "published" else 1
+
+
+def cmd_stop(args) -> int:
+    conn = _connection(args)
     try:
         conn.request("stop")
     finally:
@@ -84,7 +108,8 @@ def cmd_stop(args) -> int:
 def cmd_verify(args) -> int:
     from expertd.client import ExpertClient
 
-    with ExpertClient(_endpoint(args), timeout=args.timeout, heartbeat=False, token=_token(args)) as client:
+    target = _target(args)
+    with ExpertClient(target.daemon_endpoint, timeout=args.timeout, heartbeat=False, token=target.token) as client:
         index = client.index()
         bad = client.verify()
     for name in bad:
@@ -115,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("status", cmd_status, "show what a daemon serves"),
         ("stop", cmd_stop, "stop a daemon"),
         ("verify", cmd_verify, "re-read shared memory and report tensors whose bytes changed"),
+        ("reload", cmd_reload, "build the next generation from a checkpoint (only what changed) and publish it"),
     ):
         p = sub.add_parser(name, help=help_)
         where = p.add_mutually_exclusive_group()
@@ -125,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--token", help="auth token (default: $EXPERTD_TOKEN or the config's auth_token)")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "reload":
+            p.add_argument("--checkpoint", help="checkpoint folder to serve next (default: the configured one, re-read)")
+            p.add_argument("--wait", type=float, default=3600.0,
+                           help="seconds to wait for the new generation to be published (default 3600)")
         p.set_defaults(func=func)
 
     p = sub.add_parser("generate", help="write a deterministic DeepSeek-V3-format FP8 checkpoint")

@@ -23,8 +23,8 @@ class DaemonConfig:
     namespace: str = "expertd"
     run_dir: str | None = None  # where the index JSON goes; default: the ipc socket's folder
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N": where dequant runs
-    segment_bytes: int = 1 << 32  # tensors are packed into segments of at most this size
     lease_timeout_s: float = 30.0
+    max_generations: int = 3  # live generations at most: a reload or update beyond it is refused
     progress: bool = True
     auth_token: str | None = None  # required in every request when set; mandatory for a non-local tcp bind
     group: str | None = None  # serve segments 0640 to this group (shared-group deployments); default 0600
@@ -68,12 +68,12 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
     if values.get("run_dir"):
         values["run_dir"] = _resolve(str(values["run_dir"]), base_dir)
     if "endpoint" in values:
-        values["endpoint"] = resolve_endpoint(str(values["endpoint"]), base_dir, source)
+        values["endpoint"] = resolve_endpoint(str(values["endpoint"]), base_dir, f"config {source}")
     cfg = DaemonConfig(**values)
     if not isinstance(cfg.namespace, str) or not _NAMESPACE_RE.match(cfg.namespace):
         raise ConfigError(f"config {source}: namespace {cfg.namespace!r} must be 1-64 of [A-Za-z0-9_.-]")
-    if not isinstance(cfg.segment_bytes, int) or cfg.segment_bytes < 4096:
-        raise ConfigError(f"config {source}: segment_bytes must be an integer >= 4096")
+    if not isinstance(cfg.max_generations, int) or isinstance(cfg.max_generations, bool) or cfg.max_generations < 1:
+        raise ConfigError(f"config {source}: max_generations must be an integer >= 1")
     if not isinstance(cfg.lease_timeout_s, (int, float)) or cfg.lease_timeout_s <= 0:
         raise ConfigError(f"config {source}: lease_timeout_s must be a positive number")
     if cfg.auth_token is not None and (not isinstance(cfg.auth_token, str) or len(cfg.auth_token) < 16):
@@ -93,16 +93,47 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
     return cfg
 
 
-def resolve_endpoint(endpoint: str, base_dir: str = ".", source: str = "<config>") -> str:
-    """Check an endpoint; a relative ipc:// path resolves against `base_dir`."""
+def resolve_endpoint(endpoint: str, base_dir: str = ".", where: str = "--endpoint") -> str:
+    """Check an endpoint; a relative ipc:// path resolves against `base_dir`. `where` names its origin in errors."""
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://"):]
         if not path:
-            raise ConfigError(f"config {source}: endpoint {endpoint!r} names no socket path")
+            raise ConfigError(f"{where}: endpoint {endpoint!r} names no socket path")
         return "ipc://" + _resolve(path, base_dir)
     if re.match(r"^tcp://[^:/]+:\d+$", endpoint):
         return endpoint
-    raise ConfigError(f"config {source}: endpoint {endpoint!r} must be ipc://PATH or tcp://HOST:PORT")
+    raise ConfigError(f"{where}: endpoint {endpoint!r} must be ipc://PATH or tcp://HOST:PORT")
+
+
+@dataclass
+class Target:
+    """The daemon (and checkpoint) a command is aimed at."""
+
+    endpoint: str | None  # None: nothing named one
+    token: str | None
+    config: DaemonConfig | None = None
+
+    @property
+    def checkpoint(self) -> str | None:
+        return self.config.checkpoint if self.config else None
+
+    @property
+    def daemon_endpoint(self) -> str:
+        return self.endpoint or DEFAULT_ENDPOINT
+
+
+def resolve_target(endpoint: str | None = None, config: str | None = None, token: str | None = None) -> Target:
+    """One precedence for every command: flags, then the daemon's config file, then the environment
+    (EXPERTD_ENDPOINT, EXPERTD_TOKEN); the config is read once."""
+    cfg = load_config(config) if config else None
+    if endpoint:
+        endpoint = resolve_endpoint(endpoint)
+    elif cfg is not None:
+        endpoint = cfg.endpoint
+    elif os.environ.get("EXPERTD_ENDPOINT"):
+        endpoint = resolve_endpoint(os.environ["EXPERTD_ENDPOINT"], where="$EXPERTD_ENDPOINT")
+    token = token or (cfg.auth_token if cfg is not None else None) or os.environ.get("EXPERTD_TOKEN") or None
+    return Target(endpoint, token, cfg)
 
 
 def _tcp_host(endpoint: str) -> str | None:

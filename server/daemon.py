@@ -1,56 +1,51 @@
-"""The daemon: validate, bind the control socket, load in the background, serve until told to stop.
+"""The daemon: validate, bind the control socket, build generations in the background, serve until told to stop.
 
 The control socket is a ZeroMQ ROUTER that answers small msgpack requests (see
-`expertd.protocol`). It answers `status` while the model is still loading. Every request gets a
-reply, errors included; no request can stop or block the loop except `stop` itself.
+`expertd.protocol`), dispatched through `OPS` to one method each. It answers `status` while a
+generation is building. Every request gets a reply, errors included; no request can stop or
+block the loop except `stop` itself. What is served, and how new generations are built and
+published, is decided in `service`.
 """
 
 from __future__ import annotations
 
 import grp
 import hmac
-import itertools
 import logging
 import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 
 import zmq
 
-from expertd.errors import AuthError, ExpertdError, ProtocolError
-from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, error_reply, pack, unpack
+from expertd.errors import AuthError, ExpertdError, NotReady, ProtocolError
+from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, check_version, error_reply, pack, unpack
 
 from .config import DaemonConfig
-from .loader import Cancelled, Loaded, load, prepare
+from .loader import Cancelled, prepare, resolve_device
 from .runstate import RunState
+from .service import WeightService
 
 log = logging.getLogger("expertd.daemon")
 
 BURST = 256  # requests answered per wake-up before leases are swept again
 
 
-@dataclass
-class Lease:
-    client: str
-    pid: int
-    created: float
-    seen: float
-
-
 class Daemon:
     def __init__(self, cfg: DaemonConfig):
         self.cfg = cfg
-        self.loaded: Loaded | None = None
-        self.load_error: BaseException | None = None
-        self.leases: dict[str, Lease] = {}
-        self._lease_ids = itertools.count(1)
         self._stop = threading.Event()
+        self._hup = threading.Event()
         self.started = time.time()
-        self.generation = 1
         self.runstate = RunState(cfg.namespace, cfg.resolved_run_dir)
-        self._index_reply: bytes | None = None
+        self.weights = WeightService(cfg, self.runstate, resolve_device(cfg.device), self._stop.is_set)
+        w = self.weights
+        self.OPS = {
+            "hello": self.op_hello, "status": self.op_status, "stop": self.op_stop, "index": self.op_index,
+            "lease": self.op_lease, "heartbeat": self.op_heartbeat, "release": self.op_release,
+            "refresh": w.op_refresh, "reload": w.op_reload, "update": w.op_update, "commit": w.op_commit, "job": w.op_job,
+        }
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -67,41 +62,50 @@ class Daemon:
         log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
                  self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout)
         self.runstate.reap()
-        self.generation = self.runstate.next_generation()
         ctx = zmq.Context()
         try:
             sock = self._bind(ctx)
         except BaseException:
             ctx.term()
             raise
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        loader = threading.Thread(target=self._load, args=(ckpt, plan), name="expertd-loader", daemon=True)
-        loader.start()
+        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in signals}
+        self.weights.start_load(ckpt, plan)
         try:
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
-            while not self._stop.is_set():
-                if self.load_error is not None:
-                    break
+            while not self._stop.is_set() and self.weights.load_error is None:
                 if dict(poller.poll(100)).get(sock):
                     for _ in range(BURST):  # drain what is queued before the next poll
                         if not self._serve_one(sock):
                             break
-                self._expire_leases()
+                hup = self._hup.is_set() and self.weights.gens.latest is not None
+                if hup:
+                    self._hup.clear()
+                self.weights.tick(reload_requested=hup)
         finally:
             self._stop.set()
-            loader.join()
             sock.close(linger=0)
             ctx.term()
-            self._cleanup()
+            self.weights.close()
+            if self.cfg.endpoint.startswith("ipc://"):
+                try:
+                    os.unlink(self.cfg.endpoint[len("ipc://"):])
+                except FileNotFoundError:
+                    pass
             for s, h in old_handlers.items():
                 signal.signal(s, h)
-        if self.load_error is not None and not isinstance(self.load_error, Cancelled):
-            raise self.load_error
+        error = self.weights.load_error
+        if error is not None and not isinstance(error, Cancelled):
+            raise error
         log.info("stopped")
         return 0
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:
+            log.info("received SIGHUP, reloading %s", self.cfg.checkpoint)
+            self._hup.set()
+            return
         log.info("received %s, stopping", signal.Signals(signum).name)
         self._stop.set()
 
@@ -139,40 +143,7 @@ class Daemon:
         log.info("control socket %s", endpoint)
         return sock
 
-    def _load(self, ckpt, plan) -> None:
-        try:
-            self.loaded = load(
-                ckpt, plan,
-                namespace=self.cfg.namespace, generation=self.generation, segment_bytes=self.cfg.segment_bytes,
-                device=self.cfg.device, index_path=self.cfg.index_path, progress=self.cfg.progress,
-                should_stop=self._stop.is_set, on_placed=self._record_segments, group=self.cfg.group,
-            )
-            segments = [s.name for s in self.loaded.index.segments]
-            self.runstate.write_manifest(self.generation, segments, "serving", self.cfg.endpoint)
-            log.info("serving generation %d on %s", self.generation, self.cfg.endpoint)
-        except BaseException as exc:  # reported by the main loop, which then exits non-zero
-            if not isinstance(exc, Cancelled):
-                log.error("loading failed: %s", exc)
-            self.load_error = exc
-
-    def _record_segments(self, names: list[str]) -> None:
-        self.runstate.write_manifest(self.generation, names, "loading", self.cfg.endpoint)
-
-    def _cleanup(self) -> None:
-        if self.loaded is not None:
-            self.loaded.close()
-            self.loaded = None
-            try:
-                os.unlink(self.cfg.index_path)
-            except FileNotFoundError:
-                pass
-        if self.cfg.endpoint.startswith("ipc://"):
-            try:
-                os.unlink(self.cfg.endpoint[len("ipc://"):])
-            except FileNotFoundError:
-                pass
-        self.runstate.write_manifest(self.generation, [], "stopped", self.cfg.endpoint)
-
+    # --- building and publishing generations ------------------------------------------------
     # --- requests --------------------------------------------------------------------------
 
     def _serve_one(self, sock: zmq.Socket) -> bool:
@@ -188,8 +159,10 @@ class Daemon:
             if len(frames) > 3 or (len(frames) == 3 and frames[1] != b""):
                 raise ProtocolError("expected one message frame")
             reply = self.handle(unpack(payload))
+            if isinstance(reply, dict):
+                reply["latest"] = self._latest_number()
         except ExpertdError as exc:
-            reply = error_reply(exc)
+            reply = {**error_reply(exc), "latest": self._latest_number()}
         except Exception as exc:  # a bug must not kill the daemon; the caller gets the message
             log.exception("error handling request")
             reply = error_reply(exc)
@@ -199,82 +172,88 @@ class Daemon:
         except zmq.ZMQError:
             pass  # peer gone
         return True
+    def _latest_number(self) -> int:
+        return self.weights.gens.latest.number if self.weights.gens.latest else 0
 
     def handle(self, msg: dict) -> dict | bytes:
-        op = msg["op"]
+        """Check the token, then dispatch to the op's method; a typed refusal becomes an error reply."""
         if self.cfg.auth_token is not None:
             token = msg.get("token")
             if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.cfg.auth_token.encode()):
                 raise AuthError("request lacks the daemon's auth token or carries a wrong one")
-        if op == "hello":
-            version = msg.get("protocol")
-            if version != PROTOCOL_VERSION:
-                raise ProtocolError(f"client speaks protocol {version!r}, daemon speaks {PROTOCOL_VERSION}")
-            return {"ok": True, "protocol": PROTOCOL_VERSION, "ready": self.loaded is not None,
-                    "generation": self.generation, "lease_timeout_s": self.cfg.lease_timeout_s}
-        if op == "status":
-            return {"ok": True, **self.status()}
-        if op == "stop":
-            self._stop.set()
-            return {"ok": True}
-        if op == "index":
-            if self.loaded is None:
-                return {"ok": False, "error": "NotReady", "message": "the daemon is still loading"}
-            if self._index_reply is None:  # packed once per generation: attach cost stays O(1) here
-                self._index_reply = pack({"ok": True, "index": self.loaded.index.to_wire()})
-            return self._index_reply
-        if op == "lease":
-            if "protocol" in msg and msg["protocol"] != PROTOCOL_VERSION:
-                raise ProtocolError(f"client speaks protocol {msg['protocol']!r}, daemon speaks {PROTOCOL_VERSION}")
-            pid = msg.get("pid", 0)
-            if not isinstance(pid, int) or not 0 <= pid < 2**31:
-                raise ProtocolError("'pid' must be a non-negative integer")
-            now = time.monotonic()
-            client = f"c{next(self._lease_ids)}"
-            self.leases[client] = Lease(client, pid, now, now)
-            return {"ok": True, "client": client, "lease_timeout_s": self.cfg.lease_timeout_s}
+        try:
+            return self.OPS[msg["op"]](msg)
+        except ExpertdError as exc:
+            return error_reply(exc)
+
+    def op_hello(self, msg: dict) -> dict:
+        check_version(msg.get("protocol"))
+        return {"ok": True, "protocol": PROTOCOL_VERSION, "ready": self.weights.gens.latest is not None,
+                "generation": self.weights.status_generation(), "lease_timeout_s": self.cfg.lease_timeout_s}
+
+    def op_status(self, msg: dict) -> dict:
+        return {"ok": True, **self.status()}
+
+    def op_stop(self, msg: dict) -> dict:
+        self._stop.set()
+        return {"ok": True}
+
+    def op_index(self, msg: dict) -> bytes:
+        """The index of the generation the client's lease is on (the latest for a request without a lease)."""
+        gens = self.weights.gens
+        gen = gens.generation_of(self.weights.lease_of(msg) if "client" in msg else None)
+        if gen is None:
+            raise NotReady("the daemon is still loading")
+        return gen.index_reply(gens.latest.number)
+
+    def op_lease(self, msg: dict) -> dict:
+        if "protocol" in msg:
+            check_version(msg["protocol"])
+        pid = msg.get("pid", 0)
+        if not isinstance(pid, int) or not 0 <= pid < 2**31:
+            raise ProtocolError("'pid' must be a non-negative integer")
+        lease = self.weights.gens.lease(pid)
+        return {"ok": True, "client": lease.client, "lease_timeout_s": self.cfg.lease_timeout_s,
+                "generation": lease.generation}
+
+    def op_heartbeat(self, msg: dict) -> dict:
+        lease = self.weights.lease_of(msg)
+        lease.seen = time.monotonic()
+        return {"ok": True, "generation": lease.generation}
+
+    def op_release(self, msg: dict) -> dict:
         client = msg.get("client")
         if not isinstance(client, str):
-            raise ProtocolError(f"op {op!r} needs a string 'client' (the lease id)")
-        lease = self.leases.get(client)
-        if op == "heartbeat":
-            if lease is None:
-                return {"ok": False, "error": "LeaseExpired", "message": f"no lease {client!r} (expired or released)"}
-            lease.seen = time.monotonic()
-            return {"ok": True}
-        if op == "release":
-            self.leases.pop(client, None)
-            return {"ok": True}
-        raise ProtocolError(f"op {op!r} is not handled")
+            raise ProtocolError("op 'release' needs a string 'client' (the lease id)")
+        self.weights.gens.release(client)
+        return {"ok": True}
 
     def status(self) -> dict:
         now = time.monotonic()
-        index = self.loaded.index if self.loaded else None
+        w = self.weights
+        index = w.gens.latest.index if w.gens.latest else None
         by_dtype = index.total_bytes_by_dtype() if index else {}
+        job = w.jobs.current or (next(reversed(w.jobs.done.values())) if w.jobs.done else None)
         return {
             "state": "serving" if index else "loading",
             "pid": os.getpid(),
             "namespace": self.cfg.namespace,
             "endpoint": self.cfg.endpoint,
-            "checkpoint": self.cfg.checkpoint,
-            "generation": self.generation,
+            "checkpoint": w.checkpoint,
+            "generation": w.status_generation(),
             "tensors": len(index.tensors) if index else 0,
             "views": len(index.all_views()) if index else 0,
             "segments": [s.name for s in index.segments] if index else [],
             "bytes": {"total": sum(by_dtype.values()), **by_dtype},
             "leases": [
-                {"client": l.client, "pid": l.pid, "age_s": round(now - l.created, 3), "idle_s": round(now - l.seen, 3)}
-                for l in self.leases.values()
+                {"client": l.client, "pid": l.pid, "generation": l.generation, "age_s": round(now - l.created, 3),
+                 "idle_s": round(now - l.seen, 3)}
+                for l in w.gens.leases.values()
             ],
+            "generations": w.gens.status(),
+            "job": job.to_dict() if job is not None else None,
             "uptime_s": round(time.time() - self.started, 3),
         }
-
-    def _expire_leases(self) -> None:
-        now = time.monotonic()
-        for client, lease in list(self.leases.items()):
-            if now - lease.seen > self.cfg.lease_timeout_s:
-                log.info("lease %s (pid %d) expired after %.1fs without heartbeat", client, lease.pid, now - lease.seen)
-                del self.leases[client]
 
 
 def _endpoint_answers(ctx: zmq.Context, endpoint: str, timeout_ms: int = 500) -> bool:

@@ -173,7 +173,7 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
             out = arena.tensor(where, tuple(entry.shape), DTYPES[entry.dtype])
             out.view(-1).view(torch.uint8).copy_(old.part(entry, 0, 1))
             n = len(entry.sources)
-            chunks = out.view(n, *out.shape[1:]).view(n, -1) if n > 1 else out.view(1, -1)
+            chunks = out.view(-1).view(n, -1)
             digests = list(parts.get(entry.name) or [""] * n)
             for p in pushes:
                 dest = out.view(-1) if p.part is None else chunks[p.part]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+
+from expertd.errors import ConfigError
 
 DTYPES = ("bfloat16", "float16", "float32")  # --dtype of doctor; torch is imported only when a tool runs
 
@@ -33,18 +34,6 @@ def _formats(text: str) -> list[str]:
     return names
 
 
-def _daemon(args) -> tuple[str | None, str | None, str | None]:
-    """(endpoint, token, checkpoint) from --endpoint/--token or from the daemon's --config."""
-    endpoint, token, checkpoint = getattr(args, "endpoint", None), getattr(args, "token", None), None
-    if getattr(args, "config", None):
-        from ..config import load_config
-
-        cfg = load_config(args.config)
-        endpoint, checkpoint = cfg.endpoint, cfg.checkpoint
-        token = token or getattr(cfg, "auth_token", None)
-    return endpoint, token, checkpoint
-
-
 def cmd_convert(args) -> int:
     from .convert import convert
 
@@ -61,8 +50,14 @@ def cmd_convert(args) -> int:
 def cmd_inspect(args) -> int:
     from .inspect import inspect
 
-    report = inspect(args.src, args.out, formats=args.formats, sample=args.sample, plots=not args.no_plots,
-                     timeout=args.timeout, token=args.token)
+    from ..config import resolve_target
+
+    target = resolve_target(None, args.config, args.token)
+    src = args.src or target.endpoint
+    if src is None:
+        raise ConfigError("give a SRC (checkpoint folder, endpoint or capture folder) or --config")
+    report = inspect(src, args.out, formats=args.formats, sample=args.sample, plots=not args.no_plots,
+                     timeout=args.timeout, token=target.token)
     totals = report["totals"]
     print(f"{report['source']['kind']} {report['source']['where']}: {totals['tensors']} tensors, "
           f"{totals['bytes']:,} bytes; {len(report['plots'])} picture(s)")
@@ -75,13 +70,15 @@ def cmd_doctor(args) -> int:
 
     from .doctor import diagnose
 
-    endpoint, token, config_checkpoint = _daemon(args)
-    checkpoint = args.checkpoint or config_checkpoint
-    problem = ("give a CHECKPOINT folder, --endpoint or --config" if checkpoint is None and endpoint is None else
-               "--load-model needs a daemon (--endpoint or --config)" if args.load_model and endpoint is None else None)
-    if problem:
-        print(f"expertd doctor: error: {problem}", file=sys.stderr)
-        return 2
+    from ..config import resolve_target
+
+    target = resolve_target(args.endpoint, args.config, args.token)
+    endpoint, token = target.endpoint, target.token
+    checkpoint = args.checkpoint or target.checkpoint
+    if checkpoint is None and endpoint is None:
+        raise ConfigError("give a CHECKPOINT folder, --endpoint or --config")
+    if args.load_model and endpoint is None:
+        raise ConfigError("--load-model needs a daemon (--endpoint or --config)")
     dtype = getattr(torch, args.dtype)
     client = model = None
     try:
@@ -115,13 +112,14 @@ def add_tool_commands(sub) -> None:
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("inspect", help="statistics, format comparison and pictures of a checkpoint, daemon or capture")
-    p.add_argument("src", help="checkpoint folder, daemon endpoint (ipc://... or tcp://...) or activation capture folder")
+    p.add_argument("src", nargs="?", help="checkpoint folder, daemon endpoint (ipc://... or tcp://...) or activation capture folder")
+    p.add_argument("--config", help="inspect the daemon this YAML config describes (instead of SRC)")
     p.add_argument("--out", required=True, help="folder for stats.json, stats.md, the PNGs and index.html")
     p.add_argument("--formats", type=_formats, default="all", help="comma-separated formats to compare, 'all' or 'none'")
     p.add_argument("--sample", type=int, default=100_000, help="values per group drawn for histograms, box and QQ plots")
     p.add_argument("--no-plots", action="store_true", help="statistics only")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a daemon")
-    p.add_argument("--token", help="the daemon's auth token (default: $EXPERTD_TOKEN)")
+    p.add_argument("--token", help="the daemon's auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("doctor", help="check every tensor's dtype across checkpoint, daemon index, shared memory and model")
@@ -134,5 +132,5 @@ def add_tool_commands(sub) -> None:
     p.add_argument("--strict", action="store_true", help="warnings (casts that work but cost memory or precision) fail too")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon")
-    p.add_argument("--token", help="the daemon's auth token (default: $EXPERTD_TOKEN or the config's)")
+    p.add_argument("--token", help="the daemon's auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
     p.set_defaults(func=cmd_doctor)

@@ -1,0 +1,101 @@
+"""Building a generation off the request loop: one job at a time, its outcome kept for those who ask.
+
+A job (the first load, a reload, an update) runs in a thread and ends with a built, unpublished
+generation or an error. The daemon's loop publishes finished builds itself, so every change to
+what is served happens on one thread, between two requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from expertd.errors import Busy, ExpertdError
+
+from .loader import Built, Cancelled
+
+log = logging.getLogger("expertd.jobs")
+
+KEEP = 32  # finished jobs remembered for `job` requests
+
+
+@dataclass
+class Job:
+    number: int
+    kind: str  # "load" | "reload" | "update"
+    generation: int  # the number it publishes as
+    state: str = "building"  # "building" | "built" | "published" | "failed"
+    error: str | None = None
+    message: str | None = None
+    built: Built | None = None
+    exc: BaseException | None = None
+    thread: threading.Thread | None = field(default=None, repr=False)
+    on_end: object = None  # called on the loop's thread once the job is published or failed
+
+    def to_dict(self) -> dict:
+        out = {"job": self.number, "kind": self.kind, "state": self.state, "generation": self.generation}
+        if self.state == "failed":
+            out.update(error=self.error, message=self.message)
+        if self.built is not None:
+            out.update(bytes_written=self.built.bytes_written, tensors_written=self.built.tensors_written,
+                       seconds=round(self.built.seconds, 4))
+        return out
+
+
+class Jobs:
+    def __init__(self):
+        self.current: Job | None = None
+        self.done: OrderedDict[int, Job] = OrderedDict()
+        self._ids = itertools.count(1)
+
+    def check_idle(self) -> None:
+        if self.current is not None:
+            raise Busy(f"{self.current.kind} {self.current.number} (generation {self.current.generation}) is still building; "
+                       "one reload or update at a time")
+
+    def start(self, kind: str, generation: int, work, on_end=None) -> Job:
+        """Run `work()` (returning a Built) in a thread as a new job."""
+        self.check_idle()
+        job = Job(next(self._ids), kind, generation, on_end=on_end)
+
+        def run() -> None:
+            try:
+                job.built = work()
+                job.state = "built"
+            except BaseException as exc:  # reported through the job, never lost
+                job.exc, job.error, job.message = exc, type(exc).__name__, str(exc)
+                job.state = "failed"
+                if not isinstance(exc, (Cancelled, ExpertdError)):
+                    log.exception("%s %d failed", kind, job.number)
+
+        job.thread = threading.Thread(target=run, name=f"expertd-{kind}", daemon=True)
+        self.current = job
+        job.thread.start()
+        return job
+
+    def finished(self) -> Job | None:
+        """The current job once its thread has ended (built or failed), else None."""
+        job = self.current
+        if job is None or job.thread.is_alive():
+            return None
+        return job
+
+    def close(self, job: Job) -> None:
+        """Remember a published or failed job; the next one may start."""
+        self.current = None
+        job.thread = None
+        self.done[job.number] = job
+        while len(self.done) > KEEP:
+            self.done.popitem(last=False)
+
+    def get(self, number) -> Job | None:
+        if self.current is not None and self.current.number == number:
+            return self.current
+        return self.done.get(number)
+
+    def join(self) -> None:
+        if self.current is not None and self.current.thread is not None:
+            self.current.thread.join()

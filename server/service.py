@@ -1,0 +1,215 @@
+"""The weight service: the generations a daemon serves, and how new ones are built and published.
+
+The daemon's loop dispatches requests; this module decides. It owns the live generations and
+their leases (`generations`), the one build in flight (`jobs`), staged updates (`updates`), and
+the manifest that lets a successor reap what a crash leaves behind. Everything that changes
+what is served runs on the loop's thread: builds only hand back an unpublished generation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from expertd.errors import Busy, ExpertdError, NotReady, ProtocolError, UpdateRejected
+
+from .arena import segment_name
+from .config import DaemonConfig
+from .generations import Generation, Generations, Lease
+from .jobs import Job, Jobs
+from .loader import Cancelled, build, prepare, publish
+from .runstate import RunState
+from .updates import Staging, build_update, plan_update
+
+log = logging.getLogger("expertd.daemon")
+
+
+class WeightService:
+    def __init__(self, cfg: DaemonConfig, runstate: RunState, device: torch.device, should_stop):
+        self.cfg = cfg
+        self.runstate = runstate
+        self.device = device
+        self.should_stop = should_stop
+        self.checkpoint = cfg.checkpoint  # what the latest generation was built from
+        self.gens = Generations(cfg.max_generations)
+        self.jobs = Jobs()
+        self.staging: dict[int, Staging] = {}
+        self._updates = 0
+        self.first_generation = 1
+        self.load_error: BaseException | None = None
+
+    def lease_of(self, msg: dict) -> Lease:
+        client = msg.get("client")
+        if not isinstance(client, str):
+            raise ProtocolError(f"op {msg['op']!r} needs a string 'client' (the lease id)")
+        return self.gens.get(client)
+
+    def latest(self) -> Generation:
+        if self.gens.latest is None:
+            raise NotReady("the daemon is still loading")
+        return self.gens.latest
+
+    def start_load(self, ckpt, plan) -> None:
+        """Build the first generation from a validated checkpoint (its number continues the namespace's count)."""
+        self.first_generation = self.runstate.next_generation()
+        number = self.first_generation
+        self._start_build("load", number, lambda: self._build(ckpt, plan, number, None))
+
+    def tick(self, reload_requested: bool) -> None:
+        """Between requests: publish a finished build, start a SIGHUP reload, expire leases and stale staging."""
+        job = self.jobs.finished()
+        if job is not None:
+            self._finish(job)
+        if reload_requested:
+            try:
+                self._start_reload(self.cfg.checkpoint)
+            except ExpertdError as exc:
+                log.error("SIGHUP reload not started: %s", exc)
+        self.gens.expire(self.cfg.lease_timeout_s)
+        for number, staging in list(self.staging.items()):
+            if staging.client not in self.gens.leases and self.jobs.get(staging.number) is None:
+                log.info("update %d dropped: its lease %s is gone", number, staging.client)
+                self._drop_staging(number)
+
+    def _build(self, ckpt, plan, number: int, previous):
+        return build(ckpt, plan, namespace=self.cfg.namespace, generation=number, previous=previous,
+                     device=self.cfg.device, progress=self.cfg.progress and previous is None,
+                     should_stop=self.should_stop, group=self.cfg.group)
+
+    def _start_build(self, kind: str, number: int, work, on_end=None) -> Job:
+        job = self.jobs.start(kind, number, work, on_end)
+        self._write_manifest("loading" if kind == "load" else "serving", building=number)
+        return job
+
+    def _start_reload(self, checkpoint: str) -> Job:
+        self._check_idle()
+        self.gens.check_room()
+        previous, number = self.gens.latest.built, self.gens.latest.number + 1
+
+        def work():
+            ckpt, plan = prepare(checkpoint)  # every check `start` does, before anything is created
+            return self._build(ckpt, plan, number, previous)
+
+        def on_end(job: Job) -> None:
+            if job.state == "published":
+                self.checkpoint = checkpoint
+
+        return self._start_build("reload", number, work, on_end)
+
+    def _finish(self, job: Job) -> None:
+        """Publish a built generation (index JSON, then the switch, then the manifest), or record a failure."""
+        if job.state == "built":
+            try:
+                publish(job.built.index, self.cfg.index_path)
+            except BaseException as exc:
+                job.built.close()
+                job.exc, job.error, job.message, job.state = exc, type(exc).__name__, str(exc), "failed"
+            else:
+                self.gens.publish(Generation(job.built))
+                job.state = "published"
+                b = job.built
+                log.info("serving generation %d on %s (%s: %d tensor(s), %.1f MiB written in %.2fs)", job.generation,
+                         self.cfg.endpoint, job.kind, b.tensors_written, b.bytes_written / 2**20, b.seconds)
+        if job.state == "failed":
+            if job.kind == "load":
+                self.load_error = job.exc
+                if not isinstance(job.exc, Cancelled):
+                    log.error("loading failed: %s", job.exc)
+            else:
+                log.error("%s %d failed; generation %s stays published: %s", job.kind, job.number,
+                          self.gens.latest.number if self.gens.latest else None, job.message)
+        self.jobs.close(job)
+        if job.on_end is not None:
+            job.on_end(job)
+        self._write_manifest("serving" if self.gens.latest else "loading")
+
+    def _write_manifest(self, state: str, building: int | None = None) -> None:
+        segments = self.gens.segments_by_generation()
+        if building is not None:  # its segments are created one by one: record the names they will have
+            segments[building] = [segment_name(self.cfg.namespace, os.getpid(), building, 0).rsplit(".", 1)[0] + ".*"]
+        latest = self.gens.latest.number if self.gens.latest else self.first_generation
+        self.runstate.write_manifest(latest, segments, state, self.cfg.endpoint,
+                                     staging=[s.segment.name for s in self.staging.values()])
+
+    def _check_idle(self) -> None:
+        self.jobs.check_idle()
+        if self.staging:
+            number = next(iter(self.staging))
+            raise Busy(f"update {number} is staged and not yet committed; one reload or update at a time")
+
+    def _drop_staging(self, number: int) -> None:
+        staging = self.staging.pop(number, None)
+        if staging is not None:
+            staging.close()
+
+    def op_refresh(self, msg: dict) -> dict:
+        """Move the lease to the latest generation (the worker then fetches its index)."""
+        self.latest()
+        lease = self.gens.refresh(self.lease_of(msg).client)
+        return {"ok": True, "generation": lease.generation}
+
+    def op_reload(self, msg: dict) -> dict:
+        checkpoint = msg.get("checkpoint") or self.cfg.checkpoint
+        if not isinstance(checkpoint, str):
+            raise ProtocolError("'checkpoint' must be a folder path")
+        self.latest()
+        return {"ok": True, **self._start_reload(os.path.abspath(checkpoint)).to_dict()}
+
+    def op_update(self, msg: dict) -> dict:
+        """Check a push against the latest generation and hand out a staging segment to write it into."""
+        lease = self.lease_of(msg)
+        latest = self.latest()
+        self._check_idle()
+        self.gens.check_room()
+        pushes = plan_update(latest.index, msg.get("tensors"))
+        self._updates += 1
+        staging = Staging(self.cfg.namespace, self._updates, pushes, lease.client, group=self.cfg.group)
+        self.staging[staging.number] = staging
+        self._write_manifest("serving")
+        return {"ok": True, **staging.reply()}
+
+    def op_commit(self, msg: dict) -> dict:
+        """Verify the staged bytes and build the new generation from them (a job: poll it with `job`)."""
+        lease = self.lease_of(msg)
+        staging = self.staging.get(msg.get("update"))
+        if staging is None or staging.client != lease.client:
+            raise UpdateRejected(f"no staged update {msg.get('update')!r} of lease {lease.client!r}")
+        self.jobs.check_idle()
+        previous, number = self.latest().built, self.gens.latest.number + 1
+        checksums = msg.get("checksums")
+
+        def work():
+            staged = staging.verify(checksums)
+            return build_update(previous, staging, staged, generation=number, device=self.device, group=self.cfg.group)
+
+        job = self._start_build("update", number, work, on_end=lambda job: self._drop_staging(staging.number))
+        return {"ok": True, **job.to_dict()}
+
+    def op_job(self, msg: dict) -> dict:
+        job = self.jobs.get(msg.get("job"))
+        if job is None:
+            raise ProtocolError(f"no job {msg.get('job')!r} (finished jobs are kept a while, not forever)")
+        return {"ok": True, **job.to_dict()}
+
+    def status_generation(self) -> int:
+        if self.gens.latest is not None:
+            return self.gens.latest.number
+        return self.jobs.current.generation if self.jobs.current is not None else self.first_generation
+
+    def close(self) -> None:
+        """Remove every segment, staged update and the published index (the daemon is stopping)."""
+        self.jobs.join()
+        job = self.jobs.current
+        if job is not None and job.built is not None:
+            job.built.close()  # built but never published
+        for number in list(self.staging):
+            self._drop_staging(number)
+        if self.gens.latest is not None:
+            self.gens.close()
+            try:
+                os.unlink(self.cfg.index_path)
+            except FileNotFoundError:
+                pass
+        self.runstate.write_manifest(self.status_generation(), {}, "stopped", self.cfg.endpoint)
