@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .dtypes import E4M3_MAX
+
 BLOCK = 128  # DeepSeek-V3's block scales
 MX_BLOCK = 32  # OCP MX: elements sharing one E8M0 scale
 E8M0_MIN, E8M0_MAX = -127, 127  # exponent range of the E8M0 scale (0xFF is NaN)
@@ -45,7 +47,7 @@ class Minifloat:
         return 2 - 2 ** (self.exp_bits - 1)
 
 
-E4M3 = Minifloat("e4m3", 4, 3, 448.0, 8, torch.float8_e4m3fn)
+E4M3 = Minifloat("e4m3", 4, 3, E4M3_MAX, 8, torch.float8_e4m3fn)
 E5M2 = Minifloat("e5m2", 5, 2, 57344.0, 15, torch.float8_e5m2)
 E2M1 = Minifloat("e2m1", 2, 1, 6.0, 2, None)
 

@@ -15,24 +15,6 @@ from .errors import ProtocolError
 
 SCHEMA_VERSION = 1
 
-# dtype names as `str(torch.dtype)` writes them; the index stores these strings, the client
-# maps them back without importing server code.
-DTYPE_NAMES = (
-    "torch.bfloat16",
-    "torch.float16",
-    "torch.float32",
-    "torch.float64",
-    "torch.float8_e4m3fn",
-    "torch.float8_e5m2",
-    "torch.int64",
-    "torch.int32",
-    "torch.int16",
-    "torch.int8",
-    "torch.uint8",
-    "torch.bool",
-)
-
-
 @dataclass
 class SegmentEntry:
     name: str
@@ -150,6 +132,17 @@ def checksum(data) -> str:
     import xxhash
 
     return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
+
+
+def tensor_bytes(t):
+    """A CPU tensor's bytes as a buffer, without a copy (an empty tensor has none)."""
+    import torch
+
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+
+
+def tensor_checksum(t) -> str:
+    return checksum(tensor_bytes(t))
 
 
 def write_json_atomic(path: str, data: dict) -> None:

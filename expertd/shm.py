@@ -19,9 +19,8 @@ import posix_ipc
 import torch
 
 from expertd.errors import ShmError
-from expertd.index import DTYPE_NAMES, TensorEntry
-
-DTYPES = {name: getattr(torch, name.removeprefix("torch.")) for name in DTYPE_NAMES}
+from expertd.dtypes import BY_NAME as DTYPES
+from expertd.index import TensorEntry
 
 
 def to_dtype(name: str) -> torch.dtype:

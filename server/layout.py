@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from expertd.dtypes import DEQUANTIZED, FP8
 from expertd.errors import CheckpointError, MissingTensorError, ScaleError, ShapeError, UnsupportedDtypeError
 from expertd.fusion import parts_of
 from expertd.hf import fusions_for, model_state
 
 from .reader import Checkpoint, TensorInfo
 
-FP8_DTYPES = (torch.float8_e4m3fn,)  # what the kernels dequantize
-ALL_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -88,16 +87,16 @@ def check_scale_pairs(ckpt: Checkpoint) -> None:
     for name, info in ckpt.tensors.items():
         if name.endswith(SCALE_SUFFIX):
             weight = ckpt.tensors.get(name[: -len(SCALE_SUFFIX)])
-            if weight is None or weight.dtype not in ALL_FP8_DTYPES:
+            if weight is None or weight.dtype not in FP8:
                 what = "no weight" if weight is None else f"a {weight.dtype} weight"
                 raise ScaleError(f"scale belongs to {what}, not an FP8 one", file=info.file, tensor=name)
 
 
 def attach_scale(ckpt: Checkpoint, info: TensorInfo, block: tuple[int, int]) -> TensorInfo | None:
     """The scale of an FP8 weight, checked; None for a weight that is not FP8."""
-    if info.dtype not in ALL_FP8_DTYPES:
+    if info.dtype not in FP8:
         return None
-    if info.dtype not in FP8_DTYPES:
+    if info.dtype != DEQUANTIZED:
         raise UnsupportedDtypeError(
             f"{info.dtype} weights cannot be dequantized (DeepSeek-V3 block scales are for float8_e4m3fn)",
             file=info.file, tensor=info.name,

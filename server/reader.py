@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from expertd.dtypes import SAFETENSORS
 from expertd.errors import (
     CheckpointError,
     MissingShardError,
@@ -29,21 +30,6 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20
 
-# safetensors dtype tag -> (torch dtype, bytes per element)
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 @dataclass(frozen=True)
@@ -115,15 +101,15 @@ def read_shard_header(path: str) -> dict[str, TensorInfo]:
         if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
             raise ShardFormatError("header entry needs dtype, shape and data_offsets", file=path, tensor=name)
         tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if tag not in SAFETENSORS_DTYPES:
+        if tag not in SAFETENSORS:
             raise UnsupportedDtypeError(
-                f"dtype {tag!r} is not supported (supported: {', '.join(SAFETENSORS_DTYPES)})", file=path, tensor=name
+                f"dtype {tag!r} is not supported (supported: {', '.join(SAFETENSORS)})", file=path, tensor=name
             )
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
             raise ShardFormatError(f"shape {shape!r} is not a list of non-negative integers", file=path, tensor=name)
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
             raise ShardFormatError(f"data_offsets {offsets!r} is not [begin, end]", file=path, tensor=name)
-        dtype = SAFETENSORS_DTYPES[tag]
+        dtype = SAFETENSORS[tag]
         nbytes = math.prod(shape) * dtype.itemsize
         begin, end = offsets
         if begin < 0 or end < begin or end - begin != nbytes:

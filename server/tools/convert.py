@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from expertd.errors import CheckpointError, UnsupportedDtypeError
+from expertd.dtypes import FP8, SAFETENSORS_TAGS
+from expertd.errors import CheckpointError
 from expertd.units import parse_size
 
 from ..layout import SCALE_SUFFIX, attach_scale, block_size_of, check_scale_pairs, check_scale_values
-from ..reader import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, Checkpoint, TensorInfo
+from ..reader import INDEX_FILE, SINGLE_FILE, Checkpoint, TensorInfo
 
 log = logging.getLogger("expertd.convert")
 
@@ -38,8 +39,6 @@ STATE_FILE = ".expertd-convert.json"
 STATE_VERSION = 1
 PARTIAL_SUFFIX = ".partial"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HuggingFace's "5GB"
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-DTYPE_TAGS = {dtype: tag for tag, dtype in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass
@@ -74,7 +73,7 @@ class OutShard:
         entries: dict = {"__metadata__": {"format": "pt"}}
         offset = 0
         for t in self.tensors:
-            entries[t.name] = {"dtype": DTYPE_TAGS[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            entries[t.name] = {"dtype": SAFETENSORS_TAGS[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
             offset += t.nbytes
         raw = json.dumps(entries, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -126,12 +125,7 @@ def plan_conversion(ckpt: Checkpoint, max_shard_size: int = DEFAULT_MAX_SHARD_SI
             kept.append(name)
             outputs.append(OutTensor(name, info, None, info.dtype))
             continue
-        if info.dtype != torch.float8_e4m3fn:
-            raise UnsupportedDtypeError(
-                f"{info.dtype} weights cannot be dequantized (DeepSeek-V3 block scales are for float8_e4m3fn)",
-                file=info.file, tensor=name,
-            )
-        scale = attach_scale(ckpt, info, block)  # missing, misshapen or non-float32 scale: a typed error
+        scale = attach_scale(ckpt, info, block)  # e5m2 weight; missing, misshapen or non-float32 scale: a typed error
         check_scale_values(ckpt, scale)
         outputs.append(OutTensor(name, info, scale, torch.bfloat16))
 

@@ -21,9 +21,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from expertd.dtypes import DEQUANTIZED
 from expertd.errors import CheckpointError, ShmError
 
-from ..layout import FP8_DTYPES, SCALE_SUFFIX, plan_checkpoint
+from ..layout import SCALE_SUFFIX, plan_checkpoint
 from ..reader import Checkpoint
 
 log = logging.getLogger("expertd.doctor")
@@ -136,7 +137,7 @@ class Doctor:
         if plan is None:  # stored dtypes only, by checkpoint name
             for name, info in ckpt.tensors.items():
                 if not name.endswith(SCALE_SUFFIX):
-                    scaled = info.dtype in FP8_DTYPES and name + SCALE_SUFFIX in ckpt.tensors
+                    scaled = info.dtype == DEQUANTIZED and name + SCALE_SUFFIX in ckpt.tensors
                     self.row(name).checkpoint = dtype_name(info.dtype) + ("+scale" if scaled else "")
             return ckpt.config
         for t in plan.tensors:

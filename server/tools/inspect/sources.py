@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from expertd.dtypes import FP8
 from expertd.errors import CheckpointError
 
 from ...layout import SCALE_SUFFIX, is_fp8_weight
@@ -61,7 +62,7 @@ def _checkpoint_items(ckpt: Checkpoint) -> list[Item]:
     for name, info in ckpt.tensors.items():
         is_scale = name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in ckpt.tensors
         owner = name[: -len(SCALE_SUFFIX)] if is_scale else name
-        fp8 = info.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        fp8 = info.dtype in FP8
         scale = name + SCALE_SUFFIX if fp8 and name + SCALE_SUFFIX in ckpt.tensors else None
         note = "FP8 without *_scale_inv: values read unscaled" if fp8 and scale is None else None
         component = component_of(owner)
