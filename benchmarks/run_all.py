@@ -21,18 +21,19 @@ import datetime
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
 import time
 
 import torch
-import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from helpers.daemon import DaemonProcess  # noqa: E402
+from helpers.workers import Worker  # noqa: E402
 
 
 def machine() -> str:
@@ -61,36 +62,12 @@ def ensure_checkpoints(workdir: str) -> dict[str, str]:
     return paths
 
 
-class Daemon:
-    def __init__(self, workdir: str, name: str, checkpoint: str):
-        self.endpoint = f"ipc://{workdir}/run-{name}/expertd.sock"
-        self.config = os.path.join(workdir, f"{name}.yaml")
-        with open(self.config, "w") as f:
-            yaml.safe_dump({"checkpoint": checkpoint, "endpoint": self.endpoint, "namespace": f"bench{name}{os.getpid()}",
-                            "progress": False}, f)
-        self.proc = subprocess.Popen([sys.executable, "-m", "expertd.server.cli", "start", "--config", self.config],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        from expertd.client.connection import Connection
-        from expertd.errors import ExpertdError
-
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            conn = Connection(self.endpoint, timeout=1)
-            try:
-                self.status = conn.request("status")
-                if self.status["state"] == "serving":
-                    return
-            except ExpertdError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(self.proc.stderr.read())
-            finally:
-                conn.close()
-            time.sleep(0.2)
-        raise RuntimeError("daemon did not come up")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(120)
+def start_daemon(workdir: str, name: str, checkpoint: str) -> DaemonProcess:
+    """A daemon serving `checkpoint` from workdir/name, once it serves (the ~1 GB load may take minutes)."""
+    daemon = DaemonProcess.launch(os.path.join(workdir, name), checkpoint, f"bench{name}{os.getpid()}",
+                                  stdout=subprocess.DEVNULL)
+    daemon.wait_serving(timeout=600)
+    return daemon
 
 
 def best(fn, reps: int) -> float:
@@ -104,7 +81,7 @@ def best(fn, reps: int) -> float:
 
 # --- the figures ---------------------------------------------------------------------------
 
-def p1_attach(big: Daemon, tiny: Daemon, bf16_dir: str, reps: int) -> dict:
+def p1_attach(big: DaemonProcess, tiny: DaemonProcess, bf16_dir: str, reps: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from expertd.client import ExpertClient
@@ -122,45 +99,22 @@ def p1_attach(big: Daemon, tiny: Daemon, bf16_dir: str, reps: int) -> dict:
         t_tiny.append(best(lambda: attach(tiny.endpoint), 1))
         t_fp.append(best(lambda: AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16), 1))
     a, b, f = min(t_big), min(t_tiny), min(t_fp)
+    big_status, tiny_status = big.status(), tiny.status()
     return {"attach_big_ms": a * 1e3, "attach_tiny_ms": b * 1e3, "from_pretrained_ms": f * 1e3,
-            "P1": f / a, "P1b": a / b, "tensors_big": big.status["tensors"], "tensors_tiny": tiny.status["tensors"],
-            "views_big": big.status["views"]}
+            "P1": f / a, "P1b": a / b, "tensors_big": big_status["tensors"], "tensors_tiny": tiny_status["tensors"],
+            "views_big": big_status["views"]}
 
 
-WORKER = r"""
-import json, sys, torch
-from expertd.client import ExpertClient
-c = ExpertClient(sys.argv[1])
-m = c.load_model()
-s = sum(float(t.float().sum()) for t in c.served_tensors().values())
-print("READY", flush=True); sys.stdin.readline()
-size = pss = 0; cur = False
-for line in open("/proc/self/smaps"):
-    p = line.split()
-    if "-" in p[0] and len(p) >= 5 and ":" in p[3]:
-        cur = len(p) >= 6 and p[5].startswith("/dev/shm/" + sys.argv[2] + ".")
-    elif cur and p[0] == "Pss:": pss += int(p[1]) * 1024
-    elif cur and p[0] == "Size:": size += int(p[1]) * 1024
-print(json.dumps({"pss": pss, "size": size}), flush=True); sys.stdin.readline()
-"""
-
-
-def p2_pss(big: Daemon, n: int = 4) -> dict:
-    with open(big.config) as f:
-        ns = yaml.safe_load(f)["namespace"]
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, big.endpoint, ns], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for _ in range(n)]
-    for p in procs:
-        assert p.stdout.readline().strip() == "READY"
-    for p in procs:
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    reports = [json.loads(p.stdout.readline()) for p in procs]
-    for p in procs:
-        p.stdin.write("bye\n")
-        p.stdin.flush()
-        p.wait()
-    served = big.status["bytes"]["total"]
+def p2_pss(big: DaemonProcess, n: int = 4) -> dict:
+    workers = [Worker(big.endpoint, namespace=big.namespace, model=True) for _ in range(n)]
+    try:
+        reports = [w.ask("measure") for w in workers]  # every worker has touched every weight
+        for w in workers:
+            w.ask("exit")
+    finally:
+        for w in workers:
+            w.finish()
+    served = big.status()["bytes"]["total"]
     return {"P2": sum(r["pss"] for r in reports) / served, "served_bytes": served, "workers": n}
 
 
@@ -233,7 +187,7 @@ def p5_gpu() -> dict | None:
     return {"report": out.stdout.strip()}
 
 
-def p6_control(big: Daemon, seconds: float = 2.0, clients: int = 4, attach_clients: int = 64) -> dict:
+def p6_control(big: DaemonProcess, seconds: float = 2.0, clients: int = 4, attach_clients: int = 64) -> dict:
     # status throughput: several client processes, each a tight REQ loop
     code = ("import sys,time,zmq,msgpack\nctx=zmq.Context();s=ctx.socket(zmq.REQ);s.connect(sys.argv[1])\n"
             "m=msgpack.packb({'op':'status'});n=0;t=time.perf_counter();end=t+float(sys.argv[2])\n"
@@ -263,7 +217,7 @@ def p6_control(big: Daemon, seconds: float = 2.0, clients: int = 4, attach_clien
             "index_bytes": len(__import__("msgpack").packb(big_index(big)))}
 
 
-def big_index(big: Daemon) -> dict:
+def big_index(big: DaemonProcess) -> dict:
     from expertd.client.connection import Connection
 
     conn = Connection(big.endpoint)
@@ -281,15 +235,15 @@ def main() -> int:
     args = ap.parse_args()
     paths = ensure_checkpoints(args.workdir)
     results: dict = {"machine": machine(), "date": datetime.date.today().isoformat()}
-    big = Daemon(args.workdir, "big", paths["big"])
-    tiny = Daemon(args.workdir, "tiny", paths["tiny"])
+    big = start_daemon(args.workdir, "big", paths["big"])
+    tiny = start_daemon(args.workdir, "tiny", paths["tiny"])
     try:
         results["p1"] = p1_attach(big, tiny, paths["big_bf16"], args.reps)
         results["p2"] = p2_pss(big)
         results["p6"] = p6_control(big)
     finally:
-        big.stop()
-        tiny.stop()
+        big.stop(120)
+        tiny.stop(120)
     results["p3"] = p3_load(paths["big"], args.reps)
     results["p4"] = p4_dequant(args.reps * 3)
     results["p5"] = p5_gpu()

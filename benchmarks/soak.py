@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import hashlib
-import json
 import os
 import random
 import signal
@@ -21,83 +19,35 @@ import sys
 import tempfile
 import time
 
-import yaml
-
-from expertd.client.connection import Connection
-from expertd.errors import ExpertdError
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = r"""
-import hashlib, json, sys, torch
-from expertd.client import ExpertClient
-c = ExpertClient(sys.argv[1], timeout=60)
-def digest():
-    v = c.tensors(); h = hashlib.sha256()
-    for n in sorted(v):
-        h.update(n.encode()); h.update(v[n].contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-print(json.dumps({"lease": c.lease, "digest": digest()}), flush=True)
-for line in sys.stdin:
-    print(json.dumps({"lease": c.lease, "digest": digest()}), flush=True)
-"""
-
-
-def reference_digest(checkpoint: str) -> str:
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from reference import reference_tensors
-
-    tensors = reference_tensors(checkpoint)
-    h = hashlib.sha256()
-    for n in sorted(tensors):
-        h.update(n.encode())
-        h.update(tensors[n].contiguous().view(__import__("torch").uint8).numpy().tobytes())
-    return h.hexdigest()
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+from helpers.daemon import DaemonProcess, daemon_settings, save_config  # noqa: E402
+from helpers.reference import reference_tensors  # noqa: E402
+from helpers.worker import digest  # noqa: E402
+from helpers.workers import Worker  # noqa: E402
 
 
 class Soak:
     def __init__(self, checkpoint: str, folder: str, lease_timeout: float):
         self.namespace = f"soak{os.getpid()}"
-        self.endpoint = f"ipc://{folder}/run/expertd.sock"
-        self.config = os.path.join(folder, "expertd.yaml")
-        with open(self.config, "w") as f:
-            yaml.safe_dump({"checkpoint": checkpoint, "endpoint": self.endpoint, "namespace": self.namespace,
-                            "progress": False, "lease_timeout_s": lease_timeout}, f)
-        self.daemon: subprocess.Popen | None = None
+        settings = daemon_settings(folder, checkpoint, self.namespace, lease_timeout_s=lease_timeout)
+        self.config = save_config(folder, settings)
+        self.endpoint = settings["endpoint"]
+        self.daemon: DaemonProcess | None = None
         self.dead_daemon_pids: list[int] = []
 
-    def status(self) -> dict | None:
-        conn = Connection(self.endpoint, timeout=2)
-        try:
-            return conn.request("status")
-        except ExpertdError:
-            return None
-        finally:
-            conn.close()
-
     def start_daemon(self) -> None:
-        self.daemon = subprocess.Popen([sys.executable, "-m", "expertd.server.cli", "start", "--config", self.config],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            s = self.status()
-            if s and s["state"] == "serving":
-                return
-            time.sleep(0.1)
-        raise RuntimeError("daemon did not come up")
+        self.daemon = DaemonProcess(self.config, self.endpoint, namespace=self.namespace,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.daemon.wait_serving()
 
     def kill_daemon(self) -> None:
-        self.daemon.send_signal(signal.SIGKILL)
-        self.daemon.wait()
-        self.dead_daemon_pids.append(self.daemon.pid)
+        self.daemon.proc.send_signal(signal.SIGKILL)
+        self.daemon.proc.wait()
+        self.dead_daemon_pids.append(self.daemon.proc.pid)
 
     def segments(self) -> list[str]:
         return glob.glob(f"/dev/shm/{self.namespace}.*")
-
-
-def start_worker(endpoint: str) -> tuple[subprocess.Popen, dict]:
-    p = subprocess.Popen([sys.executable, "-c", WORKER, endpoint], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
-    return p, json.loads(p.stdout.readline())
 
 
 def main() -> int:
@@ -110,37 +60,33 @@ def main() -> int:
     parser.add_argument("--checkpoint", default=os.path.join(ROOT, "checkpoints", "tiny"))
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    want = reference_digest(args.checkpoint)
+    want = digest(reference_tensors(args.checkpoint))
     totals = dict(cycles=0, workers_started=0, workers_killed=0, daemon_kills=0, wrong_bytes=0, lost_leases=0,
                   stale_leases=0, leaked_segments_during=0)
     with tempfile.TemporaryDirectory() as folder:
         soak = Soak(args.checkpoint, folder, args.lease_timeout)
         soak.start_daemon()
-        live: list[tuple[subprocess.Popen, dict]] = []
+        live: list[Worker] = []
         started = time.monotonic()
         try:
             for cycle in range(args.cycles):
                 totals["cycles"] += 1
                 while len(live) < args.workers:
-                    live.append(start_worker(soak.endpoint))
+                    live.append(Worker(soak.endpoint, timeout=60))
                     totals["workers_started"] += 1
-                for p, hello in live:
-                    totals["wrong_bytes"] += hello["digest"] != want
+                for w in live:
+                    totals["wrong_bytes"] += w.hello["digest"] != want
                 for victim in rng.sample(live, rng.randrange(0, len(live) + 1)):
-                    victim[0].send_signal(signal.SIGKILL)
-                    victim[0].wait()
+                    victim.finish()  # SIGKILL
                     live.remove(victim)
                     totals["workers_killed"] += 1
                 if rng.random() < args.daemon_kill_rate:
                     soak.kill_daemon()
                     totals["daemon_kills"] += 1
-                    for p, _ in live:  # survivors keep valid views of the dead daemon's memory
-                        p.stdin.write("digest\n")
-                        p.stdin.flush()
-                        totals["wrong_bytes"] += json.loads(p.stdout.readline())["digest"] != want
-                    for p, _ in live:  # ... then restart, as a supervisor would, and re-attach
-                        p.kill()
-                        p.wait()
+                    for w in live:  # survivors keep valid views of the dead daemon's memory
+                        totals["wrong_bytes"] += w.ask("digest")["digest"] != want
+                    for w in live:  # ... then restart, as a supervisor would, and re-attach
+                        w.finish()
                     live.clear()
                     soak.start_daemon()
                     # the new daemon reaped every segment of the dead ones
@@ -148,17 +94,14 @@ def main() -> int:
                         len(glob.glob(f"/dev/shm/{soak.namespace}.{pid}.*")) for pid in soak.dead_daemon_pids)
                     continue
                 time.sleep(args.lease_timeout * 1.5 + 0.5)  # expiry sweeps every 0.1 s
-                held = {l["client"] for l in soak.status()["leases"]}
-                alive = {hello["lease"] for _, hello in live}
+                held = {l["client"] for l in soak.daemon.status()["leases"]}
+                alive = {w.hello["lease"] for w in live}
                 totals["lost_leases"] += len(alive - held)
                 totals["stale_leases"] += len(held - alive)
         finally:
-            for p, _ in live:
-                p.kill()
-                p.wait()
-            if soak.daemon.poll() is None:
-                soak.daemon.send_signal(signal.SIGTERM)
-                soak.daemon.wait(60)
+            for w in live:
+                w.finish()
+            soak.daemon.stop(60)
             leaked = soak.segments()
             for path in leaked:
                 os.unlink(path)

@@ -11,22 +11,23 @@ from __future__ import annotations
 
 import torch
 
-from .cpu import weight_dequant_cpu
+from .cpu import _dequant_cpu, weight_dequant_cpu
 from .quant import quantize_fp8_blockwise
 from .reference import (
     DEFAULT_BLOCK_SIZE,
     ceil_div,
     check_dequant_args,
-    check_out,
+    check_dequant_call,
     scale_shape,
     weight_dequant_reference,
 )
-from .triton_dequant import weight_dequant_triton
+from .triton_dequant import _dequant_triton, weight_dequant_triton
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "ceil_div",
     "check_dequant_args",
+    "check_dequant_call",
     "quantize_fp8_blockwise",
     "scale_shape",
     "weight_dequant",
@@ -49,22 +50,20 @@ def weight_dequant(
 
     On CUDA the inputs are moved to the GPU; a CPU `out` receives a copy of the GPU result.
     """
-    m, n = check_dequant_args(weight, scale_inv, block_size, name)
-    if out is not None:
-        check_out(out, m, n, out_dtype, name)
+    m, n = check_dequant_call(weight, scale_inv, block_size, out, out_dtype, name)
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if device.type != "cuda":
         if device.type != "cpu":
             raise ValueError(f"weight_dequant runs on cpu or cuda, not {device}")
-        return weight_dequant_cpu(weight, scale_inv, block_size, out=out, out_dtype=out_dtype, name=name)
+        return _dequant_cpu(weight, scale_inv, block_size, out, out_dtype, m, n)
 
     w = weight.to(device, non_blocking=True)
     s = scale_inv.to(device, non_blocking=True)
     if out is not None and out.device == w.device:
-        return weight_dequant_triton(w, s, block_size, out=out, out_dtype=out_dtype, name=name)
-    y = weight_dequant_triton(w, s, block_size, out_dtype=out_dtype, name=name)
+        return _dequant_triton(w, s, block_size, out, out_dtype, m, n)
+    y = _dequant_triton(w, s, block_size, None, out_dtype, m, n)
     if out is None:
         return y
     out.copy_(y)

@@ -17,13 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .reference import (
-    DEFAULT_BLOCK_SIZE,
-    check_dequant_args,
-    check_out,
-    check_out_dtype,
-    nan_bits,
-)
+from .reference import DEFAULT_BLOCK_SIZE, check_dequant_call, nan_bits
 
 # Elements per chunk: 2M (4 MiB of fp16 bits + 8 MiB of float32 scratch) stays in L3 between the six
 # passes while amortizing each torch op's fixed cost (thread fork/join); measured flat from 512K to 2M
@@ -79,16 +73,21 @@ def weight_dequant_cpu(
     name: str | None = None,
 ) -> torch.Tensor:
     """Dequantize on the CPU into `out` (allocated if None; may be a view of an mmap) and return it."""
-    m, n = check_dequant_args(weight, scale_inv, block_size, name)
-    check_out_dtype(out_dtype, name)
+    m, n = check_dequant_call(weight, scale_inv, block_size, out, out_dtype, name)
+    return _dequant_cpu(weight, scale_inv, block_size, out, out_dtype, m, n)
+
+
+def _dequant_cpu(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int, out: torch.Tensor | None, out_dtype: torch.dtype,
+    m: int, n: int,
+) -> torch.Tensor:
+    """`weight_dequant_cpu` on arguments `check_dequant_call` has passed; only the devices are checked here."""
     if weight.device.type != "cpu" or scale_inv.device.type != "cpu":
         raise ValueError(f"weight_dequant_cpu needs CPU tensors, got {weight.device} / {scale_inv.device}")
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype)
-    else:
-        check_out(out, m, n, out_dtype, name)
-        if out.device.type != "cpu":
-            raise ValueError(f"weight_dequant_cpu writes CPU tensors, out is on {out.device}")
+    elif out.device.type != "cpu":
+        raise ValueError(f"weight_dequant_cpu writes CPU tensors, out is on {out.device}")
     if m == 0 or n == 0:
         return out
 

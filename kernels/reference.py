@@ -75,6 +75,22 @@ def check_out(out: torch.Tensor, m: int, n: int, out_dtype: torch.dtype, name: s
         raise ShapeError("out must be contiguous", tensor=name)
 
 
+def check_dequant_call(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block_size: int,
+    out: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    name: str | None = None,
+) -> tuple[int, int]:
+    """Every check a dequant entry point makes before it touches a device: inputs, out_dtype, `out`; return (M, N)."""
+    m, n = check_dequant_args(weight, scale_inv, block_size, name)
+    check_out_dtype(out_dtype, name)
+    if out is not None:
+        check_out(out, m, n, out_dtype, name)
+    return m, n
+
+
 def expand_scale(scale_inv: torch.Tensor, m: int, n: int, block_size: int) -> torch.Tensor:
     """Per-element [m, n] scale: each scale entry repeated over its block, edge blocks cropped."""
     return scale_inv.repeat_interleave(block_size, dim=0)[:m].repeat_interleave(block_size, dim=1)[:, :n]
@@ -88,8 +104,7 @@ def weight_dequant_reference(
     name: str | None = None,
 ) -> torch.Tensor:
     """Obviously correct (and slow, full-size temporaries) dequant: (x.float() * s).to(out_dtype)."""
-    m, n = check_dequant_args(weight, scale_inv, block_size, name)
-    check_out_dtype(out_dtype, name)
+    m, n = check_dequant_call(weight, scale_inv, block_size, None, out_dtype, name)
     return (weight.float() * expand_scale(scale_inv, m, n, block_size)).contiguous().to(out_dtype)
 
 

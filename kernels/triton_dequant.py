@@ -12,13 +12,7 @@ import os
 
 import torch
 
-from .reference import (
-    DEFAULT_BLOCK_SIZE,
-    check_dequant_args,
-    check_out,
-    check_out_dtype,
-    nan_bits,
-)
+from .reference import DEFAULT_BLOCK_SIZE, check_dequant_call, nan_bits
 
 TILE_M = 32  # divides 128
 
@@ -45,10 +39,15 @@ def weight_dequant_triton(
     name: str | None = None,
 ) -> torch.Tensor:
     """Dequantize with the Triton kernel into `out` (allocated on weight's device if None); return it."""
-    m, n = check_dequant_args(weight, scale_inv, block_size, name)
-    check_out_dtype(out_dtype, name)
-    if out is not None:
-        check_out(out, m, n, out_dtype, name)
+    m, n = check_dequant_call(weight, scale_inv, block_size, out, out_dtype, name)
+    return _dequant_triton(weight, scale_inv, block_size, out, out_dtype, m, n)
+
+
+def _dequant_triton(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int, out: torch.Tensor | None, out_dtype: torch.dtype,
+    m: int, n: int,
+) -> torch.Tensor:
+    """`weight_dequant_triton` on arguments `check_dequant_call` has passed; only the devices are checked here."""
     device = weight.device
     if device.type != "cuda" and not _interpreting():
         raise ValueError(f"weight_dequant_triton needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")

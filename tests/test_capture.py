@@ -14,7 +14,7 @@ from expertd.client import ExpertClient, capture
 from expertd.client.capture import MANIFEST, close_env_captures, read_manifest
 from expertd.hf import model_config
 from expertd.server.tools.generate import make_config
-from inputs import INPUT_IDS
+from helpers.inputs import INPUT_IDS
 
 
 @pytest.fixture(scope="module")

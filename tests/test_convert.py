@@ -10,36 +10,14 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from expertd.server.tools import convert as convert_mod
 from expertd.server.cli import main
 from expertd.server.tools.convert import STATE_FILE, convert
 from expertd.server.reader import Checkpoint
-from reference import reference_tensors, write_reference_bf16
-
-INDEX = "model.safetensors.index.json"
-EXPERT = "model.layers.1.mlp.experts.3.gate_proj.weight"
-
-
-def edit_checkpoint(src: str, dst: str, drop=(), replace=None) -> str:
-    """A copy of `src` with tensors dropped or replaced (new dtype or shape allowed), shards and index rewritten."""
-    shutil.copytree(src, dst)
-    replace = replace or {}
-    with open(os.path.join(dst, INDEX)) as f:
-        index = json.load(f)
-    touched = {index["weight_map"][n] for n in [*drop, *replace]}
-    for shard in touched:
-        tensors = load_file(os.path.join(dst, shard))
-        for name in drop:
-            tensors.pop(name, None)
-        tensors.update({n: t.contiguous() for n, t in replace.items() if index["weight_map"][n] == shard})
-        save_file(tensors, os.path.join(dst, shard), metadata={"format": "pt"})
-    for name in drop:
-        del index["weight_map"][name]
-    with open(os.path.join(dst, INDEX), "w") as f:
-        json.dump(index, f)
-    return dst
+from helpers.checkpoints import EXPERT, INDEX, edit_checkpoint
+from helpers.reference import reference_tensors, write_reference_bf16
 
 
 def converted_tensors(folder: str) -> dict[str, torch.Tensor]:

@@ -11,9 +11,8 @@ from expertd.client import ExpertClient
 from expertd.server.cli import main
 from expertd.server.tools.doctor import diagnose
 from expertd.server.reader import Checkpoint
-from test_convert import edit_checkpoint
+from helpers.checkpoints import EXPERT, edit_checkpoint
 
-EXPERT = "model.layers.1.mlp.experts.3.gate_proj.weight"
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import stat
@@ -14,15 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import HERE
-from inputs import INPUT_IDS
-from reference import reference_tensors, write_reference_bf16
+from helpers.daemon import write_config
+from helpers.inputs import INPUT_IDS
+from helpers.reference import reference_tensors, write_reference_bf16
 
-
-def start_worker(endpoint: str, namespace: str, out_dir: str) -> subprocess.Popen:
-    os.makedirs(out_dir, exist_ok=True)
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "worker_probe.py"), endpoint, namespace, out_dir],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -36,31 +31,18 @@ def reference_logits(tiny_checkpoint, tmp_path_factory) -> torch.Tensor:
         return model(torch.tensor(INPUT_IDS)).logits, {k: str(v.dtype) for k, v in model.state_dict().items()}
 
 
-def test_two_workers_share_exact_weights(tiny_checkpoint, start_daemon, namespace, tmp_path, reference_logits):
+def test_two_workers_share_exact_weights(tiny_checkpoint, start_daemon, namespace, tmp_path, reference_logits, workers):
     daemon = start_daemon(tiny_checkpoint)
-    workers = [start_worker(daemon.endpoint, namespace, str(tmp_path / f"w{i}")) for i in range(2)]
-    try:
-        for w in workers:
-            line = w.stdout.readline()
-            assert line.strip() == "READY", w.stderr.read()
-        status = daemon.status()
-        assert len(status["leases"]) == 2
-        for w in workers:
-            w.stdin.write("measure\n")
-            w.stdin.flush()
-        reports = [json.loads(w.stdout.readline()) for w in workers]
-        for w in workers:
-            w.stdin.write("exit\n")
-            w.stdin.flush()
-            assert w.wait(60) == 0, w.stderr.read()
-    finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
-            w.stdin.close()
-            w.stdout.close()
-            w.stderr.close()
+    probes = [workers(daemon.endpoint, timeout=60, namespace=namespace, model=True, save=str(tmp_path / f"w{i}"))
+              for i in range(2)]
+    for w in probes:
+        assert w.hello["ready"], w.proc.stderr.read()
+    status = daemon.status()
+    assert len(status["leases"]) == 2
+    reports = [{**w.hello, **w.ask("measure")} for w in probes]  # measured while both are attached
+    for w in probes:
+        w.ask("exit")
+        assert w.proc.wait(60) == 0, w.proc.stderr.read()
 
     ref_logits, ref_dtypes = reference_logits
     expected = reference_tensors(tiny_checkpoint)
@@ -140,11 +122,8 @@ def test_bad_checkpoint_exits_nonzero_and_creates_nothing(tiny_checkpoint, start
 
 
 def test_example_worker_with_the_bundled_checkpoint(tmp_path, namespace):
-    from conftest import write_config
-
-    root = os.path.dirname(HERE)
-    cfg = write_config(tmp_path, os.path.join(root, "checkpoints", "tiny"), namespace)
-    out = subprocess.run([sys.executable, os.path.join(root, "examples", "worker.py"), "--with-daemon", cfg],
+    cfg = write_config(tmp_path, os.path.join(ROOT, "checkpoints", "tiny"), namespace)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "worker.py"), "--with-daemon", cfg],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "generated: [0, 5, 17, 42," in out.stdout and "dtypes: ['torch.bfloat16']" in out.stdout

@@ -16,11 +16,10 @@ from expertd.formats import FORMATS
 from expertd.server.tools.generate import make_config
 from expertd.server.tools.inspect import component_of, inspect
 from expertd.server.reader import Checkpoint
-from inputs import INPUT_IDS
-from reference import reference_tensors
-from test_convert import edit_checkpoint
+from helpers.checkpoints import EXPERT, edit_checkpoint
+from helpers.inputs import INPUT_IDS
+from helpers.reference import reference_tensors
 
-EXPERT = "model.layers.1.mlp.experts.3.gate_proj.weight"
 FEW = ["bf16", "fp8_e4m3_block128", "mxfp8_e4m3", "mxfp4_e2m1"]
 
 

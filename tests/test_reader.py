@@ -19,8 +19,7 @@ from expertd.errors import (
 )
 from expertd.server.layout import plan_checkpoint
 from expertd.server.reader import Checkpoint, read_shard_header
-
-EXPERT = "model.layers.1.mlp.experts.3.gate_proj.weight"
+from helpers.checkpoints import EXPERT
 
 
 @pytest.fixture

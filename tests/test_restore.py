@@ -77,7 +77,7 @@ def _tiny_v3_model():
 
 
 def test_fused_model_rebuilds_expert_blocks_from_per_expert_views(tiny_checkpoint):
-    from reference import reference_tensors
+    from helpers.reference import reference_tensors
 
     views = reference_tensors(tiny_checkpoint)
     # lay each layer's experts back to back, as the daemon does
@@ -100,7 +100,7 @@ def test_fused_model_rebuilds_expert_blocks_from_per_expert_views(tiny_checkpoin
 
 
 def test_fused_model_refuses_scattered_experts(tiny_checkpoint):
-    from reference import reference_tensors
+    from helpers.reference import reference_tensors
 
     views = reference_tensors(tiny_checkpoint)  # each expert its own allocation
     with pytest.raises(RestoreError, match="back to back"):
@@ -108,7 +108,7 @@ def test_fused_model_refuses_scattered_experts(tiny_checkpoint):
 
 
 def test_fused_model_refuses_parts_of_the_wrong_shape(tiny_checkpoint):
-    from reference import reference_tensors
+    from helpers.reference import reference_tensors
 
     views = reference_tensors(tiny_checkpoint)
     views["model.layers.1.mlp.experts.0.gate_proj.weight"] = views["model.layers.1.mlp.experts.0.gate_proj.weight"][:100]

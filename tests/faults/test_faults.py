@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import signal
@@ -13,50 +12,8 @@ import time
 
 import posix_ipc
 import pytest
-import yaml
 
-from conftest import DaemonProcess, expertd_cmd, write_config
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-class Worker:
-    def __init__(self, endpoint: str, *args: str):
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "hold_worker.py"), endpoint, *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.hello = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker died: {self.proc.wait()} {self.proc.stderr.read()}")
-        return json.loads(line)
-
-    def ask(self, cmd: str) -> dict:
-        self.proc.stdin.write(cmd + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def finish(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            f.close()
-
-
-@pytest.fixture
-def workers():
-    started: list[Worker] = []
-
-    def start(endpoint: str, *args: str) -> Worker:
-        w = Worker(endpoint, *args)
-        started.append(w)
-        return w
-
-    yield start
-    for w in started:
-        w.finish()
+from helpers.daemon import expertd_cmd, write_config
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -88,7 +45,7 @@ def test_sigkilled_worker_loses_its_lease(tiny_checkpoint, start_daemon, workers
 
 def test_worker_outlives_a_killed_daemon_and_reconnects_to_its_successor(tiny_checkpoint, start_daemon, workers, namespace):
     daemon = start_daemon(tiny_checkpoint)
-    worker = workers(daemon.endpoint, "2")
+    worker = workers(daemon.endpoint, timeout=2)
     dead_pid = daemon.proc.pid
     daemon.proc.send_signal(signal.SIGKILL)
     daemon.proc.wait()

@@ -13,11 +13,10 @@ import msgpack
 import pytest
 import zmq
 
-from conftest import expertd_cmd, write_config
 from expertd.client import DaemonError, ExpertClient
 from expertd.errors import ConfigError
 from expertd.protocol import MAX_MESSAGE_BYTES, OPS
-from test_faults import Worker, workers  # noqa: F401  (fixture)
+from helpers.daemon import expertd_cmd, write_config
 
 
 def random_value(rng: random.Random, depth: int = 0):
@@ -62,7 +61,7 @@ def random_frame(rng: random.Random) -> bytes:
         return struct.pack("<Q", rng.getrandbits(64))
 
 
-def test_fuzzed_control_socket_keeps_serving_correct_weights(tiny_checkpoint, start_daemon, workers):  # noqa: F811
+def test_fuzzed_control_socket_keeps_serving_correct_weights(tiny_checkpoint, start_daemon, workers):
     daemon = start_daemon(tiny_checkpoint)
     honest = workers(daemon.endpoint)
     ctx = zmq.Context()
@@ -114,22 +113,21 @@ def test_fuzzed_control_socket_keeps_serving_correct_weights(tiny_checkpoint, st
         assert client.verify() == []
 
 
-def test_write_into_a_served_view_kills_only_that_worker(tiny_checkpoint, start_daemon, workers):  # noqa: F811
+def test_write_into_a_served_view_kills_only_that_worker(tiny_checkpoint, start_daemon, workers):
     daemon = start_daemon(tiny_checkpoint)
     bystander = workers(daemon.endpoint)
     vandal = workers(daemon.endpoint)
-    vandal.proc.stdin.write("write\n")
-    vandal.proc.stdin.flush()
+    vandal.send("write")
     assert vandal.proc.wait(60) == -11  # SIGSEGV: the mapping is read-only
     assert bystander.ask("digest")["digest"] == bystander.hello["digest"]
     out = subprocess.run(expertd_cmd("verify", "--endpoint", daemon.endpoint), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "all bytes match" in out.stdout
 
 
-def test_copy_on_write_attach_keeps_writes_private(tiny_checkpoint, start_daemon, workers):  # noqa: F811
+def test_copy_on_write_attach_keeps_writes_private(tiny_checkpoint, start_daemon, workers):
     daemon = start_daemon(tiny_checkpoint)
     bystander = workers(daemon.endpoint)
-    mutator = workers(daemon.endpoint, "30", "--cow")
+    mutator = workers(daemon.endpoint, timeout=30, cow=True)
     changed = mutator.ask("write")
     assert changed["digest"] != mutator.hello["digest"]  # it sees its own write
     assert bystander.ask("digest")["digest"] == bystander.hello["digest"]  # nobody else does

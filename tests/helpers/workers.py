@@ -1,0 +1,53 @@
+"""The test side of `worker.py`: start a worker process, ask it one command at a time, end it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+
+
+class Worker:
+    """A `worker.py` process attached to `endpoint`; `hello` is its first reply (lease, digest, model report)."""
+
+    def __init__(self, endpoint: str, timeout: float = 30, cow: bool = False, namespace: str | None = None,
+                 model: bool = False, save: str | None = None):
+        args = [endpoint, "--timeout", str(timeout)]
+        if cow:
+            args.append("--cow")
+        if namespace is not None:
+            args += ["--namespace", namespace]
+        if model:
+            args.append("--model")
+        if save is not None:
+            os.makedirs(save, exist_ok=True)
+            args += ["--save", save]
+        self.proc = subprocess.Popen([sys.executable, WORKER_SCRIPT, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.hello = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker died: {self.proc.wait()} {self.proc.stderr.read()}")
+        return json.loads(line)
+
+    def send(self, cmd: str) -> None:
+        """Send a command without waiting for the reply (for commands that may kill the worker)."""
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, cmd: str) -> dict:
+        self.send(cmd)
+        return self._read()
+
+    def finish(self) -> None:
+        """Kill it if it still runs, reap it, close its pipes."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            f.close()
