@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .reference import DEFAULT_BLOCK_SIZE, check_dequant_call, nan_bits
+from .reference import checked_entry, nan_bits
 
 # Elements per chunk: 2M (4 MiB of fp16 bits + 8 MiB of float32 scratch) stays in L3 between the six
 # passes while amortizing each torch op's fixed cost (thread fork/join); measured flat from 512K to 2M
@@ -62,19 +62,6 @@ def _patch_nans(oc: torch.Tensor, xc_u8: torch.Tensor, out_dtype: torch.dtype) -
         hit = xc_u8 == byte
         if bool(hit.any()):
             ov.masked_fill_(hit, pattern)
-
-
-def weight_dequant_cpu(
-    weight: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    out: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-    name: str | None = None,
-) -> torch.Tensor:
-    """Dequantize on the CPU into `out` (allocated if None; may be a view of an mmap) and return it."""
-    m, n = check_dequant_call(weight, scale_inv, block_size, out, out_dtype, name)
-    return _dequant_cpu(weight, scale_inv, block_size, out, out_dtype, m, n)
 
 
 def _dequant_cpu(
@@ -127,3 +114,6 @@ def _dequant_cpu(
         if maybe_nan:
             _patch_nans(oc, x_u8[r0:r1], out_dtype)
     return out
+
+
+weight_dequant_cpu = checked_entry(_dequant_cpu, "weight_dequant_cpu", "Dequantize on the CPU into `out` (allocated if None; may be a view of an mmap) and return it.")

@@ -11,9 +11,11 @@ import torch.nn.functional as F
 
 from expertd.errors import ScaleError, ShapeError, UnsupportedDtypeError
 
+from expertd.dtypes import E4M3_MAX
+
 from .reference import DEFAULT_BLOCK_SIZE, FP8_DTYPE, expand_scale, scale_shape
 
-FP8_MAX = 448.0
+FP8_MAX = E4M3_MAX
 
 
 def quantize_fp8_blockwise(

@@ -12,9 +12,10 @@ import functools
 
 import torch
 
+from expertd.dtypes import DEQUANTIZED
 from expertd.errors import ScaleError, ShapeError, UnsupportedDtypeError
 
-FP8_DTYPE = torch.float8_e4m3fn
+FP8_DTYPE = DEQUANTIZED
 SCALE_DTYPE = torch.float32
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 DEFAULT_BLOCK_SIZE = 128
@@ -89,6 +90,24 @@ def check_dequant_call(
     if out is not None:
         check_out(out, m, n, out_dtype, name)
     return m, n
+
+
+def checked_entry(impl, name: str, doc: str):
+    """A public dequant entry point: `check_dequant_call`, then `impl` (which checks only devices).
+
+    The CPU and Triton paths share one signature and one preamble this way; `weight_dequant`
+    checks once and calls the `impl`s directly.
+    """
+
+    def entry(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE,
+              out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+              name: str | None = None) -> torch.Tensor:
+        m, n = check_dequant_call(weight, scale_inv, block_size, out, out_dtype, name)
+        return impl(weight, scale_inv, block_size, out, out_dtype, m, n)
+
+    entry.__name__ = entry.__qualname__ = name
+    entry.__doc__ = doc
+    return entry
 
 
 def expand_scale(scale_inv: torch.Tensor, m: int, n: int, block_size: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .reference import DEFAULT_BLOCK_SIZE, check_dequant_call, nan_bits
+from .reference import checked_entry, nan_bits
 
 TILE_M = 32  # divides 128
 
@@ -28,19 +28,6 @@ def _tiles(block_size: int) -> tuple[int, int, bool]:
     if block_size >= 16 and block_size & (block_size - 1) == 0:
         return min(TILE_M, block_size), block_size, True
     return TILE_M, 64, False  # odd block sizes: per-element scale gather
-
-
-def weight_dequant_triton(
-    weight: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-    out: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-    name: str | None = None,
-) -> torch.Tensor:
-    """Dequantize with the Triton kernel into `out` (allocated on weight's device if None); return it."""
-    m, n = check_dequant_call(weight, scale_inv, block_size, out, out_dtype, name)
-    return _dequant_triton(weight, scale_inv, block_size, out, out_dtype, m, n)
 
 
 def _dequant_triton(
@@ -83,3 +70,6 @@ def _dequant_triton(
             num_warps=4,
         )
     return out
+
+
+weight_dequant_triton = checked_entry(_dequant_triton, "weight_dequant_triton", "Dequantize with the Triton kernel into `out` (allocated on weight's device if None); return it.")
