@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from expertd.errors import ScaleError, ShapeError, UnsupportedDtypeError
-
 from expertd.dtypes import E4M3_MAX
+from expertd.errors import ScaleError, ShapeError, UnsupportedDtypeError
 
 from .reference import DEFAULT_BLOCK_SIZE, FP8_DTYPE, expand_scale, scale_shape
 
