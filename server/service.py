@@ -69,7 +69,7 @@ class WeightService:
                 log.error("SIGHUP reload not started: %s", exc)
         self.gens.expire(self.cfg.lease_timeout_s)
         for number, staging in list(self.staging.items()):
-            if staging.client not in self.gens.leases and self.jobs.get(staging.number) is None:
+            if staging.client not in self.gens.leases and not staging.committed:
                 log.info("update %d dropped: its lease %s is gone", number, staging.client)
                 self._drop_staging(number)
 
@@ -185,6 +185,7 @@ class WeightService:
             return build_update(previous, staging, staged, generation=number, device=self.device, group=self.cfg.group)
 
         job = self._start_build("update", number, work, on_end=lambda job: self._drop_staging(staging.number))
+        staging.committed = True
         return {"ok": True, **job.to_dict()}
 
     def op_job(self, msg: dict) -> dict:

@@ -112,6 +112,7 @@ class Staging:
     def __init__(self, namespace: str, number: int, pushes: list[Push], client: str, group: str | None = None):
         self.number = number
         self.client = client
+        self.committed = False  # a build from it is under way: it goes when that ends
         self.pushes = pushes
         self.created = time.monotonic()
         flat = [t for p in pushes for t in ((p, p.scale) if p.scale else (p,))]

@@ -6,7 +6,9 @@ Once attached it prints a hello: {"lease", "digest"} (a hash of every checkpoint
 with --model the report of a model loaded through the client, after touching every weight (where the
 parameters live, their dtypes, the server or kernel modules it imported). --save DIR writes the model's
 logits and the served tensors there. Commands: digest, call (ask the daemon for status), reconnect,
-write (write into a served view), lease, measure (size and Pss of its mappings of NS), exit.
+write (write into a served view), lease, measure (size and Pss of its mappings of NS), exit; with
+--model also: logits (a digest of the model's logits), refresh (move to the latest generation, rebinding
+in place), loop SECONDS (forwards back to back, refreshing whenever a newer generation appears).
 """
 
 import argparse
@@ -14,6 +16,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -57,7 +60,28 @@ def shm_pss(namespace: str) -> dict:
     return {"size": sum(sizes.values()), "pss": sum(pss.values())}
 
 
-def model_report(client: ExpertClient, namespace: str, save_dir: str | None) -> dict:
+def logits_digest(model) -> str:
+    with torch.no_grad():
+        logits = model(torch.tensor(INPUT_IDS)).logits
+    return hashlib.sha256(logits.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def forward_loop(client: ExpertClient, model, seconds: float) -> dict:
+    """Forwards back to back for `seconds`; whenever the daemon serves a newer generation, refresh first."""
+    seen, generations, refreshed, n = [], [], [], 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if client.latest_generation > (client.generation or 0):
+            refreshed.append(client.refresh(model))
+        d = logits_digest(model)
+        n += 1
+        if not seen or seen[-1] != d:
+            seen.append(d)
+            generations.append(client.generation)
+    return {"forwards": n, "digests": seen, "generations": generations, "refreshes": len(refreshed)}
+
+
+def model_report(client: ExpertClient, namespace: str, save_dir: str | None) -> tuple[dict, object]:
     """Load the model through the client, touch every weight, and say where and what its parameters are."""
     model = client.load_model()
     ranges = shm_ranges(namespace)
@@ -77,6 +101,7 @@ def model_report(client: ExpertClient, namespace: str, save_dir: str | None) -> 
         torch.save(logits, os.path.join(save_dir, "logits.pt"))
     touched = sum(float(v.float().abs().sum()) for v in client.served_tensors().values())
     return {
+        "generation": client.generation,
         "outside": outside,
         "writable_maps": len(writable),
         "dtypes": {k: str(v.dtype) for k, v in state.items()},
@@ -85,7 +110,7 @@ def model_report(client: ExpertClient, namespace: str, save_dir: str | None) -> 
         "nparams": len(state),
         # (triton itself may be imported by torch._dynamo when installed; client code never imports it)
         "forbidden_imports": sorted(m for m in sys.modules if m.startswith(("expertd.server", "expertd.kernels"))),
-    }
+    }, model
 
 
 def main() -> None:
@@ -99,9 +124,11 @@ def main() -> None:
     args = ap.parse_args()
     client = ExpertClient(args.endpoint, timeout=args.timeout, copy_on_write=args.cow)
     views = client.tensors()
-    hello = {"ready": True, "lease": client.lease, "digest": digest(views)}
+    hello = {"ready": True, "lease": client.lease, "digest": digest(views), "pid": os.getpid()}
+    model = None
     if args.model:
-        hello.update(model_report(client, args.namespace, args.save))
+        report, model = model_report(client, args.namespace, args.save)
+        hello.update(report)
     print(json.dumps(hello), flush=True)
     for line in sys.stdin:
         cmd = line.strip()
@@ -122,6 +149,14 @@ def main() -> None:
                 reply = {"lease": client.lease}
             elif cmd == "measure":
                 reply = shm_pss(args.namespace)
+            elif cmd == "logits":
+                reply = {"logits": logits_digest(model), "generation": client.generation}
+            elif cmd == "refresh":
+                names = client.refresh(model)
+                views = client.tensors()
+                reply = {"names": names, "generation": client.generation, "digest": digest(views)}
+            elif cmd.startswith("loop "):
+                reply = forward_loop(client, model, float(cmd.split()[1]))
             elif cmd == "exit":
                 client.close()
                 print(json.dumps({"bye": True}), flush=True)

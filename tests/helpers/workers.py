@@ -40,6 +40,10 @@ class Worker:
         self.proc.stdin.write(cmd + "\n")
         self.proc.stdin.flush()
 
+    def receive(self) -> dict:
+        """The reply to a command sent with `send`."""
+        return self._read()
+
     def ask(self, cmd: str) -> dict:
         self.send(cmd)
         return self._read()

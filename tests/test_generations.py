@@ -1,0 +1,238 @@
+"""Weight generations: reloads and pushed updates build only what changed, workers move on when they choose,
+old bytes leave /dev/shm, bad input changes nothing. Real daemon, real worker processes, generated checkpoints."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from expertd.client import ExpertClient
+from expertd.errors import GenerationLimit, UpdateRejected
+from expertd.kernels import quantize_fp8_blockwise
+from helpers.checkpoints import EXPERT, edit_checkpoint
+from helpers.daemon import DaemonProcess, expertd_cmd
+from helpers.inputs import INPUT_IDS
+from helpers.reference import reference_tensors, write_reference_bf16
+
+NORM = "model.layers.2.post_attention_layernorm.weight"
+FUSED = "model.layers.1.mlp.experts.gate_up_proj"  # EXPERT's served block
+FAST = {"lease_timeout_s": 1.5}  # heartbeats every 0.5 s: workers hear of new generations quickly
+
+
+def logits_digest(folder: str, tmp) -> str:
+    """Digest of transformers' own logits for the reference (bit-exact dequant) of a checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    bf16 = write_reference_bf16(folder, str(tmp))
+    model = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = model(torch.tensor(INPUT_IDS)).logits
+    return hashlib.sha256(logits.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def changed(tiny_checkpoint, tmp_path_factory) -> str:
+    """The tiny checkpoint with one expert of one layer (re-quantized, new scale) and one norm changed."""
+    ref = reference_tensors(tiny_checkpoint)
+    q, s = quantize_fp8_blockwise((ref[EXPERT].float() * -1.5), 128, name=EXPERT)
+    norm = ref[NORM] * 1.25
+    return edit_checkpoint(tiny_checkpoint, str(tmp_path_factory.mktemp("b") / "ckpt"),
+                           replace={EXPERT: q, EXPERT + "_scale_inv": s, NORM: norm})
+
+
+@pytest.fixture(scope="module")
+def digests(tiny_checkpoint, changed, tmp_path_factory) -> dict[str, str]:
+    out = {"a": logits_digest(tiny_checkpoint, tmp_path_factory.mktemp("ra")),
+           "b": logits_digest(changed, tmp_path_factory.mktemp("rb"))}
+    assert out["a"] != out["b"]  # the change shows in the logits
+    return out
+
+
+def reload(daemon: DaemonProcess, checkpoint: str | None = None) -> subprocess.CompletedProcess:
+    args = ["reload", "--config", daemon.config] + (["--checkpoint", checkpoint] if checkpoint else [])
+    return subprocess.run(expertd_cmd(*args), capture_output=True, text=True, timeout=120)
+
+
+def shm_files(namespace: str) -> dict[str, int]:
+    return {os.path.basename(p): os.path.getsize(p) for p in glob.glob(f"/dev/shm/{namespace}.*")}
+
+
+def latest_bytes(status: dict) -> int:
+    """Bytes of the segments the latest generation uses (each served tensor has a segment of its own)."""
+    return sum(os.path.getsize("/dev/shm" + s) for s in status["segments"])
+
+
+def test_reload_writes_only_what_changed_and_refresh_rebinds_only_that(
+        tiny_checkpoint, changed, digests, start_daemon, workers, namespace):
+    daemon = start_daemon(tiny_checkpoint)
+    w = workers(daemon.endpoint, model=True, namespace=namespace)
+    assert w.ask("logits")["logits"] == digests["a"]
+    before = daemon.status()
+    done = reload(daemon, changed)
+    assert done.returncode == 0, done.stderr
+    status = daemon.status()
+    assert status["generation"] == before["generation"] + 1
+    sizes = {t: n for t, n in ((FUSED, 8 * 2 * 200 * 320 * 2), (NORM, 320 * 2))}
+    job = status["job"]
+    assert job["kind"] == "reload" and job["state"] == "published" and job["tensors_written"] == 2
+    assert job["bytes_written"] == sum(sizes.values())  # those tensors' served blocks, not the model
+    assert job["bytes_written"] < status["bytes"]["total"] / 4
+    # the worker still computes with generation N until it refreshes
+    assert w.ask("logits") == {"logits": digests["a"], "generation": before["generation"]}
+    moved = w.ask("refresh")
+    assert sorted(moved["names"]) == sorted(sizes) and moved["generation"] == status["generation"]
+    assert w.ask("logits")["logits"] == digests["b"]
+    # nothing changed since: a reload of the same folder writes nothing
+    again = reload(daemon, changed)
+    assert again.returncode == 0, again.stderr
+    assert daemon.status()["job"]["bytes_written"] == 0
+
+
+def test_forwards_during_reloads_are_old_or_new_exactly(tiny_checkpoint, changed, digests, start_daemon, workers,
+                                                        namespace):
+    daemon = start_daemon(tiny_checkpoint, **FAST)
+    w = workers(daemon.endpoint, model=True, namespace=namespace)
+    w.send("loop 8")
+    for folder in (changed, tiny_checkpoint, changed, tiny_checkpoint, changed):
+        time.sleep(0.6)
+        done = reload(daemon, folder)
+        assert done.returncode == 0, done.stderr
+    result = w.receive()
+    assert result["forwards"] > 10
+    assert set(result["digests"]) <= {digests["a"], digests["b"]}, "a forward saw a mix of generations"
+    assert result["refreshes"] >= 2 and digests["b"] in result["digests"]
+
+
+def test_old_generation_bytes_leave_dev_shm_once_no_worker_holds_them(tiny_checkpoint, changed, start_daemon, workers,
+                                                                      namespace):
+    daemon = start_daemon(tiny_checkpoint, **FAST)
+    first = workers(daemon.endpoint, model=True, namespace=namespace)
+    second = workers(daemon.endpoint, model=True, namespace=namespace)
+    assert reload(daemon, changed).returncode == 0
+    status = daemon.status()
+    assert [g["generation"] for g in status["generations"]] == [status["generation"], status["generation"] - 1]
+    held = sum(shm_files(namespace).values())
+    assert held > latest_bytes(status)  # generation N's old blocks are still there: workers read them
+    first.ask("refresh")
+    assert sum(shm_files(namespace).values()) == held  # the second worker still reads generation N
+    second.ask("exit")  # a worker that leaves releases its lease
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(daemon.status()["generations"]) > 1:
+        time.sleep(0.05)
+    status = daemon.status()
+    assert len(status["generations"]) == 1
+    assert sum(shm_files(namespace).values()) == latest_bytes(status)  # nothing beside the latest generation
+    assert first.ask("digest")["digest"]  # and the refreshed worker still reads its weights
+
+
+def test_update_from_one_process_refresh_in_another(tiny_checkpoint, start_daemon, workers, namespace, tmp_path):
+    daemon = start_daemon(tiny_checkpoint, **FAST)
+    w = workers(daemon.endpoint, model=True, namespace=namespace)
+    heard = []
+    with ExpertClient(daemon.endpoint, on_update=heard.append) as updater:
+        start = updater.index().generation
+        served = updater.tensors()
+        pushed = {EXPERT: (served[EXPERT].float() * 0.5 - 0.01).bfloat16(), NORM: served[NORM] * 2}
+        generation = updater.update(pushed)
+        assert generation == start + 1 and updater.latest_generation == generation
+        deadline = time.monotonic() + 10
+        while not heard and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert heard == [generation]  # on_update, from the heartbeat thread
+        moved = w.ask("refresh")
+        assert sorted(moved["names"]) == [FUSED, NORM]
+        refreshed = updater.refresh()
+        assert sorted(refreshed) == [FUSED, NORM] and torch.equal(updater.tensors()[EXPERT], pushed[EXPERT])
+        # the model computes with the pushed values: as transformers does from a checkpoint holding them
+        expected = edit_checkpoint(tiny_checkpoint, str(tmp_path / "pushed"), replace=pushed)
+        assert w.ask("logits")["logits"] == logits_digest(expected, tmp_path / "ref")
+
+        # an FP8 push with its scale is dequantized exactly as at load
+        q, s = quantize_fp8_blockwise(pushed[EXPERT].float() * 3, 128, name=EXPERT)
+        updater.update({EXPERT: q, EXPERT + "_scale_inv": s})
+        updater.refresh()
+        again = edit_checkpoint(tiny_checkpoint, str(tmp_path / "fp8"), replace={EXPERT: q, EXPERT + "_scale_inv": s})
+        assert torch.equal(updater.tensors()[EXPERT], reference_tensors(again)[EXPERT])
+
+        # bad pushes name the tensor and publish nothing
+        files, latest = shm_files(namespace), daemon.status()["generation"]
+        for bad, words in (
+            ({"model.layers.1.mlp.experts.99.up_proj.weight": pushed[EXPERT]}, "experts.99.up_proj"),
+            ({EXPERT: pushed[EXPERT][:10]}, "shape"),
+            ({EXPERT: pushed[EXPERT].float()}, "dtype"),
+            ({EXPERT: q}, "_scale_inv"),
+        ):
+            with pytest.raises(UpdateRejected, match=words):
+                updater.update(bad)
+        assert daemon.status()["generation"] == latest and shm_files(namespace) == files
+
+
+def test_bad_reload_changes_nothing(tiny_checkpoint, start_daemon, workers, namespace, tmp_path):
+    daemon = start_daemon(tiny_checkpoint)
+    w = workers(daemon.endpoint, model=True, namespace=namespace)
+    before, files = daemon.status(), shm_files(namespace)
+    unscaled = edit_checkpoint(tiny_checkpoint, str(tmp_path / "unscaled"), drop=[EXPERT + "_scale_inv"])
+    truncated = edit_checkpoint(tiny_checkpoint, str(tmp_path / "truncated"))
+    shard = sorted(glob.glob(f"{truncated}/*.safetensors"))[0]
+    os.truncate(shard, os.path.getsize(shard) - 1000)
+    for folder, words in ((unscaled, ["ScaleError", EXPERT]), (truncated, ["truncated", os.path.basename(shard)])):
+        done = reload(daemon, folder)
+        assert done.returncode != 0 and "Traceback" not in done.stderr
+        assert all(word in done.stderr for word in words), done.stderr
+        status = daemon.status()
+        assert status["generation"] == before["generation"] and status["state"] == "serving"
+        assert shm_files(namespace) == files  # nothing new left behind
+    assert w.ask("digest")["digest"] == w.hello["digest"]
+    assert w.ask("logits")["generation"] == before["generation"]
+
+
+def test_sigkill_during_reload_then_restart_reaps_everything(tiny_checkpoint, tmp_path, namespace):
+    other = str(tmp_path / "other")
+    subprocess.run(expertd_cmd("generate", other, "--seed", "7"), check=True, capture_output=True)
+    daemon = DaemonProcess.launch(tmp_path, tiny_checkpoint, namespace)
+    try:
+        daemon.wait_serving()
+        from expertd.client.connection import Connection
+
+        conn = Connection(daemon.endpoint, timeout=10)
+        building = f"/dev/shm/{namespace}.{daemon.proc.pid}.2."
+        conn.request("reload", checkpoint=other)
+        conn.close()
+        deadline = time.monotonic() + 30
+        while not glob.glob(building + "*") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.wait()
+        assert glob.glob(building + "*")  # killed with generation 2 half-built
+    finally:
+        daemon.stop()
+    successor = DaemonProcess.launch(tmp_path, tiny_checkpoint, namespace)
+    try:
+        successor.wait_serving()
+        assert {name.split(".")[1] for name in shm_files(namespace)} == {str(successor.proc.pid)}
+    finally:
+        assert successor.stop() == 0
+    assert not shm_files(namespace)
+
+
+def test_max_generations_refusal_names_the_pinning_leases(tiny_checkpoint, changed, start_daemon, workers):
+    daemon = start_daemon(tiny_checkpoint, max_generations=2)
+    old = workers(daemon.endpoint, model=True)
+    assert reload(daemon, changed).returncode == 0
+    new = workers(daemon.endpoint, model=True)
+    first = daemon.status()["generation"] - 1
+    refused = reload(daemon, tiny_checkpoint)
+    assert refused.returncode != 0 and "GenerationLimit" in refused.stderr
+    assert f"pid {old.hello['pid']}" in refused.stderr and f"generation {first}" in refused.stderr
+    assert f"pid {new.hello['pid']}" in refused.stderr
+    with ExpertClient(daemon.endpoint) as client, pytest.raises(GenerationLimit, match=f"pid {old.hello['pid']}"):
+        client.update({NORM: client.tensors()[NORM] * 2})
+    old.ask("refresh")
+    assert reload(daemon, tiny_checkpoint).returncode == 0
