@@ -9,6 +9,8 @@ here: they stay in shared memory (pushed weights too: they go through a staging 
 
 from __future__ import annotations
 
+import re
+
 import msgpack
 
 from . import errors
@@ -26,6 +28,21 @@ OPS = ("hello", "index", "lease", "release", "heartbeat", "status", "stop", "ref
 ERRORS = {cls.__name__: cls for cls in (
     errors.NotReady, errors.LeaseExpired, errors.Busy, errors.GenerationLimit, errors.UpdateRejected,
 )}
+
+
+def ipc_path(endpoint: str) -> str | None:
+    """The socket file of an `ipc://PATH` endpoint; None for any other transport."""
+    return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+
+
+def tcp_host(endpoint: str) -> str | None:
+    """The host of a `tcp://HOST:PORT` endpoint; None for any other transport."""
+    m = re.match(r"^tcp://(.+):\d+$", endpoint)
+    return m.group(1) if m else None
+
+
+def is_endpoint(text: str) -> bool:
+    return text.startswith(("ipc://", "tcp://"))
 
 
 def pack(message: dict) -> bytes:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 import yaml
 
 from expertd.errors import ConfigError
-from expertd.protocol import DEFAULT_ENDPOINT
+from expertd.protocol import DEFAULT_ENDPOINT, ipc_path, tcp_host
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -37,8 +37,9 @@ class DaemonConfig:
     def resolved_run_dir(self) -> str:
         if self.run_dir:
             return self.run_dir
-        if self.endpoint.startswith("ipc://"):
-            return os.path.dirname(self.endpoint[len("ipc://"):]) or "."
+        path = ipc_path(self.endpoint)
+        if path is not None:
+            return os.path.dirname(path) or "."
         return os.path.join("/tmp", f"expertd-{self.namespace}")
 
 
@@ -78,7 +79,7 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: lease_timeout_s must be a positive number")
     if cfg.auth_token is not None and (not isinstance(cfg.auth_token, str) or len(cfg.auth_token) < 16):
         raise ConfigError(f"config {source}: auth_token must be a string of at least 16 characters")
-    host = _tcp_host(cfg.endpoint)
+    host = tcp_host(cfg.endpoint)
     if host is not None and host not in LOCAL_HOSTS and cfg.auth_token is None:
         raise ConfigError(
             f"config {source}: endpoint {cfg.endpoint} binds beyond this host; set auth_token (or bind 127.0.0.1)"
@@ -95,8 +96,8 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
 
 def resolve_endpoint(endpoint: str, base_dir: str = ".", where: str = "--endpoint") -> str:
     """Check an endpoint; a relative ipc:// path resolves against `base_dir`. `where` names its origin in errors."""
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
+    path = ipc_path(endpoint)
+    if path is not None:
         if not path:
             raise ConfigError(f"{where}: endpoint {endpoint!r} names no socket path")
         return "ipc://" + _resolve(path, base_dir)
@@ -134,11 +135,6 @@ def resolve_target(endpoint: str | None = None, config: str | None = None, token
         endpoint = resolve_endpoint(os.environ["EXPERTD_ENDPOINT"], where="$EXPERTD_ENDPOINT")
     token = token or (cfg.auth_token if cfg is not None else None) or os.environ.get("EXPERTD_TOKEN") or None
     return Target(endpoint, token, cfg)
-
-
-def _tcp_host(endpoint: str) -> str | None:
-    m = re.match(r"^tcp://(.+):\d+$", endpoint)
-    return m.group(1) if m else None
 
 
 def _resolve(path: str, base_dir: str) -> str:

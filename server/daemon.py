@@ -20,7 +20,7 @@ import time
 import zmq
 
 from expertd.errors import AuthError, ExpertdError, NotReady, ProtocolError
-from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, check_version, error_reply, pack, unpack
+from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, check_version, error_reply, ipc_path, pack, unpack
 
 from .config import DaemonConfig
 from .loader import Cancelled, prepare, resolve_device
@@ -88,9 +88,9 @@ class Daemon:
             sock.close(linger=0)
             ctx.term()
             self.weights.close()
-            if self.cfg.endpoint.startswith("ipc://"):
+            if ipc_path(self.cfg.endpoint) is not None:
                 try:
-                    os.unlink(self.cfg.endpoint[len("ipc://"):])
+                    os.unlink(ipc_path(self.cfg.endpoint))
                 except FileNotFoundError:
                     pass
             for s, h in old_handlers.items():
@@ -111,8 +111,8 @@ class Daemon:
 
     def _bind(self, ctx: zmq.Context) -> zmq.Socket:
         endpoint = self.cfg.endpoint
-        if endpoint.startswith("ipc://"):
-            path = endpoint[len("ipc://"):]
+        path = ipc_path(endpoint)
+        if path is not None:
             folder = os.path.dirname(path) or "."
             os.makedirs(folder, mode=0o700, exist_ok=True)
             if os.stat(folder).st_mode & 0o077 and not self.cfg.group:
@@ -131,14 +131,13 @@ class Daemon:
             sock.close(linger=0)
             raise ExpertdError(f"cannot bind control socket {endpoint}: {exc}") from exc
         try:
-            if endpoint.startswith("ipc://"):
-                path = endpoint[len("ipc://"):]
+            if path is not None:
                 if self.cfg.group:
                     os.chown(path, -1, grp.getgrnam(self.cfg.group).gr_gid)
                 os.chmod(path, 0o660 if self.cfg.group else 0o600)
         except BaseException:
             sock.close(linger=0)  # an open socket would make ctx.term() wait forever
-            os.unlink(endpoint[len("ipc://"):])
+            os.unlink(path)
             raise
         log.info("control socket %s", endpoint)
         return sock

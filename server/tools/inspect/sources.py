@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from expertd.protocol import is_endpoint
 from expertd.dtypes import FP8
 from expertd.errors import CheckpointError
 
@@ -102,10 +103,6 @@ def _capture_items(folder: str) -> list[Item]:
                                   math.prod(shape) * dtype.itemsize, component, f"{entry['direction']} {entry['tensor']}",
                                   role, load, entry.get("layer"), None, True))
     return items
-
-
-def is_endpoint(src: str) -> bool:
-    return src.startswith(("ipc://", "tcp://"))
 
 
 def is_capture(src: str) -> bool:
