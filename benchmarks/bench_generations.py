@@ -9,7 +9,7 @@ G3  update() of one fused expert block in one process, then refresh() in a worke
 
 The ~1 GB DeepSeek-V3-shaped FP8 checkpoint is generated into the workdir on first use; the changed
 copy flips a low mantissa bit of every FP8 byte of whole expert blocks (weights re-read and re-hashed,
-scales untouched), layer by layer until `fraction` of the served bytes is covered.
+scales untouched), the largest blocks first, as close to `fraction` of the served bytes as whole blocks come.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def changed_copy(src: str, dst: str, fraction: float) -> tuple[str, list[str]]:
 
     ckpt, plan = prepare(src)
     goal, picked, covered = fraction * plan.nbytes, [], 0
-    for t in plan.tensors:
-        if len(t.sources) > 1 and covered < goal:
+    for t in sorted((t for t in plan.tensors if len(t.sources) > 1), key=lambda t: -t.nbytes):
+        if covered + t.nbytes <= goal * 1.05:  # whole blocks, as close to the goal as they come
             picked.append(t)
             covered += t.nbytes
     sources = {s.name for t in picked for s in t.sources}
@@ -165,18 +165,23 @@ def main() -> int:
     ap.add_argument("--workdir", default="/tmp/expertd-bench")
     ap.add_argument("--fraction", type=float, default=0.125)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", choices=("G1", "G2", "G3"), help="run one measurement")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     a = ensure_big(args.workdir)
     b, picked = changed_copy(a, os.path.join(args.workdir, "bench-1g-changed"), args.fraction)
     print(f"machine: {machine()}")
     print(f"changed: {len(picked)} fused expert blocks ({picked[0]} ... {picked[-1]})", flush=True)
-    g1 = g1_in_process(a, b, args.reps)
-    print("G1", json.dumps(g1), flush=True)
-    g2 = g2_daemon(args.workdir, a, b)
-    print("G2", json.dumps(g2), flush=True)
-    g3 = g3_update(args.workdir, a, max(args.reps, 5))
-    print("G3", json.dumps(g3), flush=True)
+    run = {"G1": lambda: g1_in_process(a, b, args.reps), "G2": lambda: g2_daemon(args.workdir, a, b),
+           "G3": lambda: g3_update(args.workdir, a, max(args.reps, 5))}
+    results = {}
+    for key, fn in run.items():
+        if args.only in (None, key):
+            results[key] = fn()
+            print(key, json.dumps(results[key]), flush=True)
+    if args.only:
+        return 0
+    g1, g2, g3 = results["G1"], results["G2"], results["G3"]
     print()
     print("| id | measure | result (same run) | goal |\n|---|---|---|---|")
     print(f"| G1 | reload ({g1['reload_bytes'] / 2**20:.0f} MiB of {g1['restart_bytes'] / 2**20:.0f} MiB changed) "

@@ -180,17 +180,11 @@ class ExpertClient:
 
     def verify(self) -> list[str]:
         """Names of served tensors whose bytes in shared memory no longer match the index checksums."""
-        from expertd.index import checksum
+        from expertd.index import tensor_checksum
 
         segments = self._attach()
-        bad = []
-        for entry in self.index().tensors:
-            if entry.checksum is None:
-                continue
-            data = view(segments, entry).reshape(-1).view(torch.uint8)
-            if checksum(memoryview(data.numpy()) if data.numel() else b"") != entry.checksum:
-                bad.append(entry.name)
-        return bad
+        return [e.name for e in self.index().tensors
+                if e.checksum is not None and tensor_checksum(view(segments, e)) != e.checksum]
 
     def close(self) -> None:
         """Release the lease. Views already handed out stay valid."""

@@ -7,7 +7,7 @@ import time
 import torch
 
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
-from expertd.index import checksum
+from expertd.index import tensor_checksum
 from expertd.shm import map_segment, segment_bytes
 
 POLL_S = 0.01
@@ -35,7 +35,7 @@ def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> 
             if raw.numel() != slot["nbytes"]:
                 raise UpdateRejected(f"tensor {slot['name']!r}: {raw.numel()} bytes, the daemon staged {slot['nbytes']}")
             data[slot["offset"]: slot["offset"] + slot["nbytes"]].copy_(raw)
-            sums.append(checksum(memoryview(raw.numpy()) if raw.numel() else b""))
+            sums.append(tensor_checksum(raw))
         del data
     finally:
         mapping.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import uuid
 from dataclasses import asdict, dataclass, field
 
 from .errors import ProtocolError
@@ -145,13 +145,17 @@ def tensor_checksum(t) -> str:
     return checksum(tensor_bytes(t))
 
 
-def write_json_atomic(path: str, data: dict) -> None:
-    """Write JSON to `path` via a temp file in the same folder and rename, so readers never see half a file."""
+def write_json_atomic(path: str, data: dict, indent: int = 1, sort_keys: bool = True) -> None:
+    """Write JSON to `path` via a temp file in the same folder and rename, so readers never see half a file.
+
+    The temp file is created like any other (permissions from the umask) and removed on any failure.
+    """
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
+        with open(tmp, "x") as f:
+            json.dump(data, f, indent=indent, sort_keys=sort_keys)
+            f.write("\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -9,18 +9,17 @@ dequantizing them again. `publish` writes the index only once everything is in p
 
 from __future__ import annotations
 
-import collections
-import itertools
 import logging
 import os
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
-from expertd.index import SegmentEntry, TensorEntry, TensorIndex, checksum, write_json_atomic
+from expertd.index import SegmentEntry, TensorEntry, TensorIndex, tensor_checksum, write_json_atomic
 from expertd.shm import map_segment, segment_bytes, view
 
 from .arena import ALIGN, Arena, align_up
@@ -29,7 +28,7 @@ from .reader import Checkpoint
 
 log = logging.getLogger("expertd.loader")
 
-READ_AHEAD = 2  # sources read ahead of the one being written: memory stays a few tensors
+READ_AHEAD = 256  # sources hashed ahead of the one being written: views of the file mappings, not copies
 
 
 class Cancelled(Exception):
@@ -40,14 +39,6 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def _bytes_of(t: torch.Tensor):
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-
-
-def tensor_checksum(t: torch.Tensor) -> str:
-    return checksum(_bytes_of(t))
 
 
 @dataclass
@@ -79,36 +70,48 @@ def _read_source(ckpt: Checkpoint, src, known: dict) -> tuple:
     digest = known.get(weight_id)
     data = None
     if digest is None:
-        data = ckpt.read(src.name)
-        digest = checksum(_bytes_of(data))  # reads every page: the file is pulled in here, not in the writer
+        data = ckpt.view(src.info)
+        digest = tensor_checksum(data)  # touches every page: the file is pulled in here, not in the writer
     ids[weight_id] = digest
     scale = None
     if src.scale is not None:
-        scale = ckpt.read(src.scale.name)
-        scale_digest = checksum(_bytes_of(scale))
+        scale = ckpt.view(src.scale)
+        scale_digest = tensor_checksum(scale)
         ids[ckpt.identity(src.scale)] = scale_digest
         digest = f"{digest}+{scale_digest}"
     return src, digest, data, scale, ids
 
 
 def _read_ahead(ckpt: Checkpoint, sources: list, known: dict, depth: int = READ_AHEAD):
-    """Yield `_read_source` results in order while a thread reads the next `depth` sources."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="expertd-read")
-    pending = collections.deque()
-    upcoming = iter(sources)
+    """Yield `_read_source` results in order while a thread reads and hashes up to `depth` sources ahead."""
+    results: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def reader() -> None:
+        try:
+            for src in sources:
+                if stop.is_set():
+                    return
+                results.put((True, _read_source(ckpt, src, known)))
+        except BaseException as exc:  # handed to the consumer, raised there
+            results.put((False, exc))
+
+    thread = threading.Thread(target=reader, name="expertd-read", daemon=True)
+    thread.start()
     try:
-        for src in itertools.islice(upcoming, depth):
-            pending.append(pool.submit(_read_source, ckpt, src, known))
-        while pending:
-            done = pending.popleft().result()
-            nxt = next(upcoming, None)
-            if nxt is not None:
-                pending.append(pool.submit(_read_source, ckpt, nxt, known))
-            yield done
+        for _ in sources:
+            ok, item = results.get()
+            if not ok:
+                raise item
+            yield item
     finally:
-        for fut in pending:
-            fut.cancel()
-        pool.shutdown(wait=True)
+        stop.set()
+        while thread.is_alive():  # unblock a reader waiting on a full queue, then let it end
+            try:
+                results.get(timeout=0.01)
+            except queue.Empty:
+                pass
+        thread.join()
 
 
 class PreviousBytes:
@@ -212,7 +215,7 @@ def build(
                     chunks[k].view(-1).view(torch.uint8).copy_(old.part(prev, k, n))
                     continue
                 if data is None:
-                    data = ckpt.read(src.name)
+                    data = ckpt.view(src.info)
                 write_part(chunks[k], data, scale, name=src.name, block_size=plan.block_size[0], device=dev)
                 del data, scale
             if out is None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -140,6 +142,7 @@ class Checkpoint:
         self.tensors = tensors
         self._handles: dict[str, object] = {}
         self._stats: dict[str, os.stat_result] = {}
+        self._maps: dict[str, torch.Tensor] = {}
 
     @classmethod
     def open(cls, folder: str) -> "Checkpoint":
@@ -197,6 +200,26 @@ class Checkpoint:
             st = self._stats[info.file] = os.stat(info.file)
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, info.offset, info.nbytes, str(info.dtype), info.shape)
 
+    def view(self, info: TensorInfo) -> torch.Tensor:
+        """A read-only tensor over the tensor's bytes in a mapping of its file: no copy, pages come in as
+        they are touched. Falls back to `read` where the data is not aligned for its dtype."""
+        if info.nbytes == 0 or info.offset % info.dtype.itemsize:
+            return self.read(info.name)
+        data = self._maps.get(info.file)
+        if data is None:
+            try:
+                with open(info.file, "rb") as f:
+                    mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except OSError as exc:
+                raise ShardFormatError(f"cannot map shard: {exc}", file=info.file, tensor=info.name) from exc
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": read-only is the point
+                data = self._maps[info.file] = torch.frombuffer(mapping, dtype=torch.uint8)
+        if info.offset + info.nbytes > data.numel():
+            raise ShardFormatError(f"data past the end of the {data.numel()}-byte file (truncated since opened?)",
+                                   file=info.file, tensor=info.name)
+        return data[info.offset: info.offset + info.nbytes].view(info.dtype).view(info.shape)
+
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor into memory through safetensors (mmap-backed)."""
         info = self.tensors.get(name)
@@ -211,4 +234,6 @@ class Checkpoint:
             raise ShardFormatError(f"reading failed: {exc}", file=info.file, tensor=name) from exc
 
     def close(self) -> None:
+        """Drop file handles and mappings (a mapping lives on while a tensor over it does)."""
         self._handles.clear()
+        self._maps.clear()

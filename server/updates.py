@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from expertd.errors import UpdateRejected
-from expertd.index import TensorEntry, TensorIndex, checksum
+from expertd.index import TensorEntry, TensorIndex, tensor_checksum
 from expertd.shm import DTYPES, map_segment, segment_bytes
 
 from .arena import Arena
 from .layout import SCALE_SUFFIX, block_size_of
-from .loader import Built, PreviousBytes, _bytes_of, segments_of, tensor_checksum, write_part
+from .loader import Built, PreviousBytes, segments_of, write_part
 
 FP8 = "torch.float8_e4m3fn"
 
@@ -141,7 +141,7 @@ class Staging:
             raise UpdateRejected(f"commit needs one checksum per staged tensor ({len(self.tensors)})")
         staged = self.staged()
         for t, want in zip(self.tensors, checksums):
-            got = checksum(_bytes_of(staged[t.name]))
+            got = tensor_checksum(staged[t.name])
             if got != want:
                 raise UpdateRejected(f"staged bytes of {t.name!r} do not match the updater's checksum ({got} != {want})")
         return staged
@@ -180,8 +180,7 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
                 dest = out.view(-1) if p.part is None else chunks[p.part]
                 scale = staged[p.scale.name] if p.scale else None
                 write_part(dest.view(p.shape), staged[p.name], scale, name=p.name, block_size=block, device=device)
-                raw = _bytes_of(staged[p.name])
-                mark = f"pushed:{checksum(raw)}" + (f"+{checksum(_bytes_of(scale))}" if scale is not None else "")
+                mark = f"pushed:{tensor_checksum(staged[p.name])}" + (f"+{tensor_checksum(scale)}" if scale is not None else "")
                 for k in (range(n) if p.part is None else (p.part,)):
                     digests[k] = f"{mark}#{k}"
             parts[entry.name] = digests

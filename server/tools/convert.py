@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from expertd.dtypes import FP8, SAFETENSORS_TAGS
 from expertd.errors import CheckpointError
+from expertd.index import write_json_atomic
 from expertd.units import parse_size
 
 from ..layout import SCALE_SUFFIX, attach_scale, block_size_of, check_scale_pairs, check_scale_values
@@ -212,17 +213,6 @@ def _check_destination(src: str, dst: str, state: dict) -> dict | None:
     return old
 
 
-def _write_json(path: str, data: dict) -> None:
-    """Write JSON via a temp file and rename; permissions from the umask, like the shards."""
-    tmp = path + PARTIAL_SUFFIX
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _copy_atomic(src: str, dst: str) -> None:
     tmp = dst + PARTIAL_SUFFIX
     shutil.copyfile(src, tmp)
@@ -295,8 +285,8 @@ def convert(src: str, dst: str, *, device: str = "auto", max_shard_size: int | s
         index_path = os.path.join(dst, INDEX_FILE)
         if os.path.exists(index_path):  # a shard is to be rewritten: no index may name it meanwhile
             os.unlink(index_path)
-        _write_json(os.path.join(dst, STATE_FILE), state)
-        _write_json(os.path.join(dst, "config.json"), output_config(ckpt.config))
+        write_json_atomic(os.path.join(dst, STATE_FILE), state, indent=2, sort_keys=False)
+        write_json_atomic(os.path.join(dst, "config.json"), output_config(ckpt.config), indent=2, sort_keys=False)
         _copy_side_files(ckpt, dst)
         written, skipped = [], []
         with tqdm(total=plan.nbytes, initial=sum(s.nbytes for s, d in zip(plan.shards, done) if d), unit="B",
@@ -307,7 +297,8 @@ def convert(src: str, dst: str, *, device: str = "auto", max_shard_size: int | s
                     continue
                 _write_shard(plan, shard, path, dev, bar)
                 written.append(shard.file)
-        _write_json(index_path, {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(plan.weight_map().items()))})
+        write_json_atomic(index_path, {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(plan.weight_map().items()))},
+                          indent=2, sort_keys=False)
         if skipped:
             log.info("resumed: %d shard(s) kept from an earlier run, %d written", len(skipped), len(written))
         return ConvertResult(written, skipped, False, plan.nbytes)

@@ -154,7 +154,7 @@ def main() -> None:
             elif cmd == "refresh":
                 names = client.refresh(model)
                 views = client.tensors()
-                reply = {"names": names, "generation": client.generation, "digest": digest(views)}
+                reply = {"names": names, "generation": client.generation}
             elif cmd.startswith("loop "):
                 reply = forward_loop(client, model, float(cmd.split()[1]))
             elif cmd == "exit":
