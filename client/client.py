@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 
 import torch
 import zmq
@@ -38,6 +39,51 @@ def _gc_paused():
     finally:
         if was_enabled:
             gc.enable()
+
+
+class IndexViews(Mapping):
+    """An index's tensors as views: served tensors by the model's names, then checkpoint tensors by
+    checkpoint name (derived only when a name is asked for that is not served, as a 4.x model's are).
+
+    A view whose dtype differs from what `dtypes` wants for that name becomes a private copy.
+    `only` restricts it to these served tensors (and the checkpoint views inside them).
+    """
+
+    def __init__(self, index: TensorIndex, segments: dict[str, torch.Tensor],
+                 dtypes: dict[str, torch.dtype] | None = None, only: set[str] | None = None):
+        self.index, self.segments, self.dtypes, self.only = index, segments, dtypes or {}, only
+        self.served = {e.name: e for e in index.tensors if only is None or e.name in only}
+        self._checkpoint = None
+
+    def _entry(self, name: str):
+        entry = self.served.get(name)
+        if entry is None:
+            if self._checkpoint is None:
+                self._checkpoint = {n: e for n, e in self.index.checkpoint_entries().items()
+                                    if self.only is None or (e.base or n) in self.only}
+            entry = self._checkpoint.get(name)
+        return entry
+
+    def __contains__(self, name) -> bool:
+        return self._entry(name) is not None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        entry = self._entry(name)
+        if entry is None:
+            raise KeyError(name)
+        tensor = view(self.segments, entry)
+        want = self.dtypes.get(name)
+        if want is not None and tensor.dtype != want:
+            log.warning("%s is served as %s but the model needs %s: using a private copy", name, tensor.dtype, want)
+            tensor = tensor.to(want)
+        return tensor
+
+    def __iter__(self):
+        self._entry("")  # derive the checkpoint names
+        return iter(dict.fromkeys([*self.served, *self._checkpoint]))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 class ExpertClient:
@@ -114,7 +160,7 @@ class ExpertClient:
         index = self.index()
         with _gc_paused():
             model = empty_model(index.config, dtype)
-            self._bind(model, self.served_tensors(), dtype, strict=True)
+            self._bind(model, index, dtype, strict=True)
             model.eval()
         self._model_dtypes[id(model)] = dtype
         from .capture import capture_from_env  # EXPERTD_CAPTURE_DIR set: capture activations, no code changes
@@ -141,11 +187,8 @@ class ExpertClient:
         self._remap(new)
         if model is None:
             return changed
-        views = {name: view(self._segments, e) for name, e in new.checkpoint_entries().items() if (e.base or name) in changed}
-        served = {e.name: e for e in new.tensors}
-        views.update({name: view(self._segments, served[name]) for name in changed})
         dtype = self._model_dtypes.get(id(model), getattr(model, "dtype", torch.bfloat16))
-        return self._bind(model, views, dtype, strict=False).names
+        return self._bind(model, new, dtype, strict=False, only=set(changed)).names
 
     def update(self, tensors: dict[str, torch.Tensor]) -> int:
         """Publish a new generation in which `tensors` have these values and everything else is shared.
@@ -220,16 +263,14 @@ class ExpertClient:
         if isinstance(latest, int) and latest > self.latest_generation:
             self.latest_generation = latest
 
-    def _bind(self, model, views: dict[str, torch.Tensor], dtype: torch.dtype, strict: bool):
-        """Bind views with the dtypes `from_pretrained(dtype=dtype)` gives (a private copy where the served dtype differs)."""
+    def _bind(self, model, index: TensorIndex, dtype: torch.dtype, strict: bool, only: set[str] | None = None):
+        """Bind an index's views with the dtypes `from_pretrained(dtype=dtype)` gives (a private copy where the
+        served dtype differs): transformers 5.x models by served names, 4.x models by checkpoint names."""
         from expertd.hf import loaded_dtypes
 
         want = loaded_dtypes(model, dtype)
-        for name, tensor in views.items():
-            if name in want and tensor.dtype != want[name]:
-                log.warning("%s is served as %s but the model needs %s: using a private copy", name, tensor.dtype, want[name])
-                views[name] = tensor.to(want[name])
-        return restore(model, views, strict=strict, dtypes=want)
+        views = IndexViews(index, self._attach(), want, only)
+        return restore(model, views, strict=strict, dtypes=want, unexpected=False)
 
     def _remap(self, index: TensorIndex) -> None:
         """Map the segments a new index adds; forget those it no longer uses (views keep theirs alive)."""

@@ -8,6 +8,7 @@ daemon lays them out.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -44,10 +45,10 @@ def _fused_view(parts: list[torch.Tensor], shape: torch.Size) -> torch.Tensor | 
     return fused
 
 
-def _resolve(name: str, target: torch.Tensor, views: dict[str, torch.Tensor], fusions) -> torch.Tensor | None:
+def _resolve(name: str, target: torch.Tensor, views, fusions) -> torch.Tensor | None:
     if name in views:
         return views[name]
-    fused = parts_of(fusions, name, tuple(target.shape))
+    fused = parts_of(fusions(), name, tuple(target.shape))
     if fused is None or not all(n in views for n, _ in fused[1]):
         return None
     for n, part_shape in fused[1]:
@@ -64,15 +65,20 @@ def _resolve(name: str, target: torch.Tensor, views: dict[str, torch.Tensor], fu
     return view
 
 
-def restore(model: nn.Module, views: dict[str, torch.Tensor], strict: bool = True,
-            dtypes: dict[str, torch.dtype] | None = None) -> RestoreResult:
-    """Bind `views` into `model` in place, no copies; returns missing and unexpected names.
+def restore(model: nn.Module, views, strict: bool = True, dtypes: dict[str, torch.dtype] | None = None,
+            unexpected: bool = True) -> RestoreResult:
+    """Bind `views` (a mapping of name -> tensor) into `model` in place, no copies; returns missing and
+    unexpected names.
 
-    Raises RestoreError naming the parameter on a shape or dtype mismatch. `dtypes` gives the
-    dtype each name must have (default: the model's current dtypes); with `strict`, any
-    persistent parameter or buffer left without a view is an error.
+    Views named like the model's parameters bind directly (served names into a transformers 5.x model,
+    checkpoint names into a 4.x one); a fused expert parameter with no view of its own is rebuilt from its
+    per-expert checkpoint views, which needs transformers' expert fusions for the model (read only then).
+    Raises RestoreError naming the parameter on a shape or dtype mismatch. `dtypes` gives the dtype each
+    name must have (default: the model's current dtypes); with `strict`, any persistent parameter or
+    buffer left without a view is an error. `unexpected=False` skips listing the views nothing used.
     """
-    fusions = fusions_for(getattr(getattr(model, "config", None), "model_type", None))
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    fusions = functools.cache(lambda: fusions_for(model_type))
     result = RestoreResult()
     used: set[str] = set()
     dtypes = dtypes or {}
@@ -102,9 +108,10 @@ def restore(model: nn.Module, views: dict[str, torch.Tensor], strict: bool = Tru
             used.add(name)
             result.names.append(name)
             result.bound += 1
-    result.unexpected = sorted(
-        n for n in views if n not in used and (owner_of(fusions, n) or (None,))[0] not in used
-    )
+    if unexpected:
+        result.unexpected = sorted(
+            n for n in views if n not in used and (owner_of(fusions(), n) or (None,))[0] not in used
+        )
     if strict and result.missing:
         raise RestoreError(f"{len(result.missing)} parameter(s) have no view: {', '.join(result.missing[:8])}")
     return result

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -128,6 +129,112 @@ def loaded_dtypes(model, dtype: torch.dtype) -> dict[str, torch.dtype]:
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if tensor.is_floating_point():
             out[name] = torch.float32 if pattern is not None and pattern.search(name) else dtype
+    return out
+
+
+@dataclass
+class Assembly:
+    """How one model parameter is built from checkpoint tensors, as transformers' own loading builds it.
+
+    `sources` are checkpoint names in storage order; `patterns` (expert stacks only) the converter's
+    source patterns, so part k is expert k // len(patterns), pattern k % len(patterns).
+    """
+
+    param: str
+    sources: list[str]
+    patterns: tuple[str, ...] = ()
+
+
+class UnsupportedConversion(CheckpointError):
+    """transformers' conversion for a tensor is neither a rename nor an expert stack expertd can serve as views."""
+
+
+def _expert_index(name: str, pattern: str) -> int | None:
+    head, _, tail = pattern.partition("*")
+    i = name.rfind(head)
+    if i < 0 or not name.endswith(tail):
+        return None
+    middle = name[i + len(head): len(name) - len(tail)]
+    return int(middle) if middle.isdigit() else None
+
+
+def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[str], dict]:
+    """Map checkpoint names onto the parameters of the model a config describes, the way transformers'
+    own loading does (renames, prefix changes, expert stacks); returns ({param: Assembly}, unused names,
+    {param or persistent buffer: (shape, dtype)}).
+
+    transformers 5.x: its complete conversion mapping for the model (`get_model_conversion_mapping`).
+    4.x has none: checkpoint names are parameter names there.
+    """
+    model = empty_model(config, meta=True)
+    meta = model.state_dict()
+    state = {k: (tuple(v.shape), v.dtype) for k, v in meta.items()}
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            Concatenate, MergeModulelist, WeightConverter, WeightRenaming, dot_natural_key, rename_source_key,
+        )
+    except ImportError:
+        plan = {n: Assembly(n, [n]) for n in names if n in meta}
+        return plan, [n for n in names if n not in meta], state
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    plan: dict[str, Assembly] = {}
+    stacks: dict[str, dict[str, list[str]]] = {}
+    unused = []
+    for key in sorted(names, key=dot_natural_key):
+        renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if renamed not in meta and key in meta:
+            renamed, pattern = key, None
+        if renamed not in meta:
+            unused.append(key)
+            continue
+        if pattern is None:
+            if renamed in plan:
+                raise CheckpointError(f"both {plan[renamed].sources[0]!r} and {key!r} load into parameter {renamed!r}",
+                                      tensor=key)
+            plan[renamed] = Assembly(renamed, [key])
+            continue
+        conv = by_pattern[pattern]
+        ops = [(type(op), getattr(op, "dim", None)) for op in conv.operations]
+        stack = [(MergeModulelist, 0)] + ([(Concatenate, 1)] if len(conv.source_patterns) > 1 else [])
+        if ops != stack or not all(p.count("*") == 1 for p in conv.source_patterns):
+            raise UnsupportedConversion(
+                f"transformers converts it into {renamed!r} with {[type(op).__name__ for op in conv.operations]}; "
+                "expertd serves renames and expert stacks (MergeModulelist + Concatenate) only", tensor=key,
+            )
+        stacks.setdefault(renamed, {p: [] for p in conv.source_patterns})[pattern].append(key)
+        plan[renamed] = Assembly(renamed, [], tuple(conv.source_patterns))
+    for param, lists in stacks.items():
+        plan[param].sources = _interleave(param, lists)
+    return plan, unused, state
+
+
+def expert_name(keys: list[str], pattern: str, e: int) -> str:
+    """The checkpoint name expert `e` of `pattern` would have, from a sibling's name."""
+    head, _, tail = pattern.partition("*")
+    if not keys:
+        return pattern.replace("*", str(e))
+    like = keys[0]
+    i = like.rfind(head)
+    return like[: i + len(head)] + str(e) + tail
+
+
+def _interleave(param: str, lists: dict[str, list[str]]) -> list[str]:
+    """Expert e's parts in pattern order, e = 0, 1, ...: the storage order of MergeModulelist + Concatenate(1)."""
+    from .errors import MissingTensorError
+
+    count = max(len(v) for v in lists.values())
+    out = []
+    for e in range(count):
+        for pattern, keys in lists.items():
+            found = [k for k in keys if _expert_index(k, pattern) == e]
+            if not found:
+                raise MissingTensorError(f"checkpoint lacks a tensor the model needs (expert {e} of parameter {param!r})",
+                                         tensor=expert_name(keys, pattern, e))
+            out.append(found[0])
     return out
 
 

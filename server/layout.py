@@ -19,12 +19,12 @@ import torch
 
 from expertd.dtypes import DEQUANTIZED, FP8
 from expertd.errors import CheckpointError, MissingTensorError, ScaleError, ShapeError, UnsupportedDtypeError
-from expertd.fusion import parts_of
-from expertd.hf import fusions_for, model_state
+from expertd.hf import checkpoint_assembly, expert_name
 
 from .reader import Checkpoint, TensorInfo
 
 SCALE_SUFFIX = "_scale_inv"
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # DeepSeek stores float32, Qwen bf16; used as float32
 
 
 def is_fp8_weight(name: str, shape: tuple[int, ...]) -> bool:
@@ -119,15 +119,16 @@ def attach_scale(ckpt: Checkpoint, info: TensorInfo, block: tuple[int, int]) -> 
             file=scale.file,
             tensor=scale.name,
         )
-    if scale.dtype != torch.float32:
-        raise ScaleError(f"scale dtype {scale.dtype} is not torch.float32", file=scale.file, tensor=scale.name)
+    if scale.dtype not in SCALE_DTYPES:
+        raise ScaleError(f"scale dtype {scale.dtype} is not one of {', '.join(map(str, SCALE_DTYPES))}",
+                         file=scale.file, tensor=scale.name)
     return scale
 
 
 def check_scale_values(ckpt: Checkpoint, scale: TensorInfo) -> None:
     """Scales must be finite and positive: a NaN or zero scale silently ruins a whole block."""
     values = ckpt.view(scale)
-    flat = values.reshape(-1).numpy()
+    flat = values.reshape(-1).float().numpy()  # bf16 / fp16 scales are used as float32: exact
     if flat.size and bool(((flat > 0) & (flat < np.inf)).all()):  # NaN fails both, -inf and 0 the first
         return
     bad = ~(torch.isfinite(values) & (values > 0))
@@ -141,37 +142,48 @@ def check_scale_values(ckpt: Checkpoint, scale: TensorInfo) -> None:
 
 
 def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
-    """Check the checkpoint against the model its config describes and plan every served tensor."""
+    """Check the checkpoint against the model its config describes and plan every served tensor.
+
+    Which checkpoint tensors make which parameter is read from transformers' own loading rules for the
+    model (renames, expert stacks): each served tensor is exactly what transformers would put in the
+    parameter, and each of its checkpoint sources a contiguous part of it.
+    """
     config = ckpt.config
     model_type = config.get("model_type", "")
     block = block_size_of(config)
-    expected = model_state(config)
-    fusions = fusions_for(model_type)
-    used: set[str] = set()
+    weights = [n for n in ckpt.tensors if not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in ckpt.tensors)]
+    assembly, unused, expected = checkpoint_assembly(config, weights)
     planned: list[PlannedTensor] = []
 
     def source(name: str, param: str, want_shape: tuple[int, ...], what: str) -> Source:
         """The checkpoint tensor `name` for `param`, shape checked before its scale."""
-        info = ckpt.tensors.get(name)
-        if info is None:
-            raise MissingTensorError(
-                f"checkpoint lacks a tensor the model needs (for parameter {param!r})", file=ckpt.folder, tensor=name
-            )
+        info = ckpt.tensors[name]
         if info.shape != want_shape:
             raise ShapeError(f"shape {list(info.shape)} does not match {what} {list(want_shape)}", file=info.file, tensor=name)
-        used.add(name)
-        scale = attach_scale(ckpt, info, block)
-        if scale is not None:
-            used.add(scale.name)
-        return Source(name, info, scale)
+        return Source(name, info, attach_scale(ckpt, info, block))
 
     for param, (shape, _) in expected.items():
-        fused = parts_of(fusions, param, shape)
-        if fused is None:
-            src = source(param, param, shape, "the model's")
+        how = assembly.get(param)
+        if how is None:
+            raise MissingTensorError(
+                f"checkpoint lacks a tensor the model needs (for parameter {param!r})", file=ckpt.folder, tensor=param
+            )
+        if not how.patterns:
+            src = source(how.sources[0], param, shape, f"the model's {param!r}")
             planned.append(PlannedTensor(param, shape, served_dtype(src), [src]))
             continue
-        srcs = [source(n, param, part_shape, f"one expert's part of {param} {list(shape)}:") for n, part_shape in fused[1]]
+        per_expert = len(how.patterns)
+        experts = len(how.sources) // per_expert
+        if len(shape) >= 2 and experts < shape[0]:
+            raise MissingTensorError(
+                f"checkpoint lacks a tensor the model needs (expert {experts} of {shape[0]} for parameter {param!r})",
+                file=ckpt.folder, tensor=expert_name(how.sources[0::per_expert], how.patterns[0], experts),
+            )
+        if len(shape) < 2 or experts != shape[0] or shape[1] % per_expert:
+            raise ShapeError(f"{experts} experts of {per_expert} part(s) cannot make {param} {list(shape)}",
+                             file=ckpt.tensors[how.sources[0]].file, tensor=how.sources[0])
+        part = (shape[1] // per_expert, *shape[2:])
+        srcs = [source(n, param, part, f"one expert's part of {param} {list(shape)}:") for n in how.sources]
         dtypes = {served_dtype(s) for s in srcs}
         if len(dtypes) != 1:
             raise ShapeError(f"experts of {param} mix dtypes {sorted(map(str, dtypes))}", file=srcs[0].info.file, tensor=srcs[0].name)
@@ -181,9 +193,8 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
 
     # Tensors the model does not use (e.g. DeepSeek-V3's multi-token-prediction layer) are still
     # served under their checkpoint names, so `tensors()` covers the whole checkpoint.
-    for name, info in ckpt.tensors.items():
-        if name in used or name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in ckpt.tensors:
-            continue
+    for name in unused:
+        info = ckpt.tensors[name]
         src = Source(name, info, attach_scale(ckpt, info, block))
         planned.append(PlannedTensor(name, info.shape, served_dtype(src), [src]))
 

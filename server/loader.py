@@ -143,7 +143,8 @@ def write_part(out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None
     if scale is not None:
         from expertd.kernels import weight_dequant  # the daemon needs kernels; the client never imports them
 
-        weight_dequant(data, scale, block_size, out=out, out_dtype=out.dtype, name=name, device=device)
+        # bf16 / fp16 scales (Qwen's FP8 releases) widen to float32 exactly: y = bf16(float32(x) * float32(s))
+        weight_dequant(data, scale.float(), block_size, out=out, out_dtype=out.dtype, name=name, device=device)
     else:
         out.copy_(data.view(out.shape))
 

@@ -21,10 +21,11 @@ from expertd.index import TensorEntry, TensorIndex, tensor_checksum
 from expertd.shm import DTYPES, map_segment, segment_bytes
 
 from .arena import Arena
-from .layout import SCALE_SUFFIX, block_size_of
+from .layout import SCALE_DTYPES, SCALE_SUFFIX, block_size_of
 from .loader import Built, PreviousBytes, segments_of, write_part
 
 FP8 = "torch.float8_e4m3fn"
+SCALE_DTYPE_NAMES = tuple(str(d) for d in SCALE_DTYPES)
 
 
 @dataclass
@@ -90,9 +91,10 @@ def plan_update(index: TensorIndex, items: list) -> list[Push]:
             block = block_size_of(index.config)[0]
             s_shape, s_dtype = specs[scale_name]
             s_want = [math.ceil(d / block) for d in shape]
-            if len(shape) != 2 or s_shape != s_want or s_dtype != "torch.float32":
+            if len(shape) != 2 or s_shape != s_want or s_dtype not in SCALE_DTYPE_NAMES:
                 raise UpdateRejected(
-                    f"scale {scale_name!r} must be torch.float32 of shape {s_want} for {name!r} {shape}, got {s_dtype} {s_shape}"
+                    f"scale {scale_name!r} must be float32 (or bf16/fp16) of shape {s_want} for {name!r} {shape}, "
+                    f"got {s_dtype} {s_shape}"
                 )
             push.scale = Push(scale_name, s_shape, s_dtype, target, part, push.parts)
         elif dtype != want.dtype:

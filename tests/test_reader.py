@@ -182,7 +182,7 @@ BAD_CHECKPOINTS = [
      MissingTensorError, "ghost.weight"),
     ("fp8-without-scale", lambda f: _drop_tensor(f, SCALE), ScaleError, EXPERT),
     ("scale-wrong-shape", lambda f: _write_scale(f, SCALE, torch.ones(1, 3)), ScaleError, "expected [2, 3]"),
-    ("scale-wrong-dtype", lambda f: _write_scale(f, SCALE, torch.ones(2, 3, dtype=torch.bfloat16)), ScaleError, "float32"),
+    ("scale-wrong-dtype", lambda f: _write_scale(f, SCALE, torch.ones(2, 3, dtype=torch.float64)), ScaleError, "float32"),
     ("scale-nan", lambda f: _write_scale(f, SCALE, torch.tensor([[1.0, float("nan"), 1.0], [1.0, 1.0, 1.0]])), ScaleError, SCALE),
     ("scale-inf", lambda f: _write_scale(f, SCALE, torch.full((2, 3), float("inf"))), ScaleError, "non-finite"),
     ("scale-zero", lambda f: _write_scale(f, SCALE, torch.zeros(2, 3)), ScaleError, "non-positive"),
