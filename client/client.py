@@ -171,6 +171,15 @@ class ExpertClient:
     def status(self) -> dict:
         return self._conn.request("status")
 
+    def restore(self, model, dtype: torch.dtype | None = None, strict: bool = True):
+        """Bind this client's views into a model you built (transformers 4.x per-expert or 5.x fused
+        modules), with the dtypes `from_pretrained(dtype=dtype)` gives (default: the model's dtype);
+        where that differs from the served dtype the parameter gets a private copy."""
+        dtype = dtype or getattr(model, "dtype", torch.bfloat16)
+        self._model_dtypes[id(model)] = dtype
+        with _gc_paused():
+            return self._bind(model, self.index(), dtype, strict)
+
     def refresh(self, model=None) -> list[str]:
         """Move to the latest generation; rebind in `model` (same object) only what changed.
 

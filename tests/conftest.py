@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 import uuid
 
 import pytest
@@ -62,3 +63,35 @@ def workers():
     yield start
     for w in started:
         w.finish()
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> str:
+    """expertd built as a wheel from a copy of the tracked files (what `pip install expertd` would get)."""
+    from helpers.install import build_wheel, has_git_checkout
+
+    if not has_git_checkout():
+        pytest.skip("needs a git checkout to know which files belong to the package")
+    return build_wheel(tmp_path_factory.mktemp("build"))
+
+
+TF4 = "transformers==4.57.6"  # the last 4.x, still pinned by many inference stacks
+
+
+@pytest.fixture(scope="session")
+def tf4_python(wheel) -> str:
+    """The python of a virtualenv with transformers 4.57 and the client's needs (made once, cached in
+    ~/.cache/expertd), with this tree's wheel installed afresh each session."""
+    from helpers.install import PIP, TORCH, run
+
+    venv = os.path.join(os.path.expanduser("~"), ".cache", "expertd", f"venv-{TF4.replace('==', '-')}")
+    python = os.path.join(venv, "bin", "python")
+    ready = os.path.join(venv, ".expertd-ready")
+    if not os.path.exists(ready):
+        run([sys.executable, "-m", "venv", "--clear", venv], cwd="/")
+        run([python, *PIP, "install", TORCH], cwd=venv)
+        run([python, *PIP, "install", TF4, "accelerate>=1.0", "safetensors>=0.4", "pyzmq>=25", "msgpack>=1.0",
+             "posix_ipc>=1.1", "xxhash>=3"], cwd=venv)
+        open(ready, "w").close()
+    run([python, *PIP, "install", "--no-deps", "--force-reinstall", wheel], cwd=venv)
+    return python

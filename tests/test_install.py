@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 import textwrap
 import zipfile
 
 import pytest
-import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCH = f"torch=={torch.__version__.split('+')[0]}"  # the one the README's set-up installed here
-PIP = ("-m", "pip", "--disable-pip-version-check", "-q")
+from helpers.install import PIP, TORCH, run
+
 
 PROBE = textwrap.dedent(
     """
@@ -53,38 +49,6 @@ WORKER = textwrap.dedent(
     print("OK")
     """
 )
-
-
-def run(cmd: list[str], cwd, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run outside this environment: no PYTHONPATH, no user site, not from the repo's folder."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env["PYTHONNOUSERSITE"] = "1"
-    proc = subprocess.run(cmd, cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc
-
-
-def copy_tracked_files(dst) -> None:
-    """Copy the files git tracks (as they are in the working tree) to `dst`."""
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    for rel in filter(None, listed.decode().split("\0")):
-        src = os.path.join(ROOT, rel)
-        if os.path.isfile(src):  # deleted but not yet committed: skip
-            os.makedirs(os.path.join(dst, os.path.dirname(rel)), exist_ok=True)
-            shutil.copy2(src, os.path.join(dst, rel))
-
-
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> str:
-    """expertd built as a wheel from a copy of the tracked files."""
-    if shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")):  # a file in a worktree
-        pytest.skip("needs a git checkout to know which files belong to the package")
-    tmp = tmp_path_factory.mktemp("build")
-    src, out = tmp / "src", tmp / "wheels"
-    copy_tracked_files(str(src))
-    run([sys.executable, *PIP, "wheel", "--no-deps", "-w", str(out), str(src)], cwd=tmp)
-    (built,) = out.glob("expertd-*.whl")
-    return str(built)
 
 
 @pytest.fixture(scope="module")

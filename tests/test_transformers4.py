@@ -1,0 +1,61 @@
+"""A worker running transformers 4.57 (per-expert modules, its own dtypes) against a daemon running 5.x:
+a real virtualenv with 4.57, a real daemon, real shared memory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+
+from helpers.inputs import INPUT_IDS
+from helpers.reference import write_reference_bf16
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import torch, transformers
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from expertd.client import ExpertClient
+
+    endpoint, reference, ids = sys.argv[1], sys.argv[2], torch.tensor(json.loads(sys.argv[3]))
+    ref = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.bfloat16)  # 4.57's own load
+    with ExpertClient(endpoint) as client:
+        model = client.load_model()
+        with init_empty_weights():  # a model the worker built itself, bound by restore
+            own = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(reference), dtype=torch.bfloat16)
+        client.restore(own)
+        shared = {t.untyped_storage().data_ptr() for t in client.tensors().values()}
+        with torch.no_grad():
+            out = {name: m(ids).logits for name, m in (("load_model", model), ("restore", own), ("from_pretrained", ref))}
+        print(json.dumps({
+            "transformers": transformers.__version__,
+            "names": sorted(n for n, _ in model.named_parameters()),
+            "ref_names": sorted(n for n, _ in ref.named_parameters()),
+            "dtypes": {n: str(t.dtype) for n, t in model.state_dict().items()},
+            "ref_dtypes": {n: str(t.dtype) for n, t in ref.state_dict().items()},
+            "equal": {k: torch.equal(v, out["from_pretrained"]) for k, v in out.items()},
+            "zero_copy": sum(p.untyped_storage().data_ptr() in shared for p in model.parameters()),
+            "params": sum(1 for _ in model.parameters()),
+        }))
+    """
+)
+
+
+def test_transformers4_worker_gets_per_expert_modules_with_exact_logits(tf4_python, tiny_checkpoint, start_daemon,
+                                                                        tmp_path):
+    reference = write_reference_bf16(tiny_checkpoint, str(tmp_path / "bf16"))
+    daemon = start_daemon(tiny_checkpoint)
+    script = tmp_path / "worker4.py"
+    script.write_text(WORKER)
+    proc = subprocess.run([tf4_python, str(script), daemon.endpoint, reference, json.dumps(INPUT_IDS)],
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["transformers"].startswith("4.57")
+    assert got["names"] == got["ref_names"]  # the model 4.57 builds: per-expert modules
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in got["names"]
+    assert got["dtypes"] == got["ref_dtypes"]  # the dtypes 4.57's from_pretrained gives (bias in bf16 there)
+    assert got["equal"] == {"load_model": True, "restore": True, "from_pretrained": True}
+    # every parameter is a view into shared memory (the fp32-served bias is a buffer 4.57 wants in bf16: a copy)
+    assert got["zero_copy"] == got["params"] > 0
