@@ -118,3 +118,97 @@ def generate(folder: str, preset: str = "tiny", seed: int = 0, shards: int = 2, 
     config = make_config(preset, **overrides)
     write_checkpoint(folder, config, checkpoint_tensors(config, seed), shards=shards)
     return config
+
+
+# --- Any MoE model type, written by transformers' own save_pretrained ---------------------------
+
+# Small enough to build and run in a second on CPU; 320 and 200 leave partial 128-blocks.
+# Only the keys a model type's config has are passed; heads == kv heads suits MLA and GQA alike.
+TINY_DIMS = dict(
+    vocab_size=256, hidden_size=192, intermediate_size=320, moe_intermediate_size=200,
+    shared_expert_intermediate_size=200, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    head_dim=48, max_position_embeddings=256,
+    n_routed_experts=8, num_experts=8, num_local_experts=8, moe_num_experts=8, num_experts_per_tok=2,
+    n_group=2, topk_group=1, first_k_dense_replace=1, decoder_sparse_step=1, mlp_only_layers=[], moe_layer_freq=1,
+    q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+)
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=0, eos_token_id=1)  # real releases' ids lie beyond a tiny vocab
+
+# The dtype each family's FP8 release stores `weight_scale_inv` in; other families ship bf16.
+FP8_SCALE_DTYPES: dict[str, torch.dtype] = {
+    "deepseek_v3": torch.float32,
+    "glm4_moe": torch.float32,
+    "qwen3_moe": torch.bfloat16,
+}
+
+FP8_QUANTIZATION_CONFIG = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
+
+
+def tiny_config(model_type: str, **overrides):
+    """A transformers config of `model_type` at TINY_DIMS (the keys its config has), plus `overrides`."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    values = {k: v for k, v in TINY_DIMS.items() if k in defaults}
+    if "kv_lora_rank" in defaults:  # MLA: the head dims come from the rope/nope split
+        values.pop("head_dim", None)
+    values.update((k, v) for k, v in TOKEN_IDS.items() if defaults.get(k) is not None)
+    values.update(overrides)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def generate_model_type(folder: str, model_type: str, fp8: bool | None = None, seed: int = 0,
+                        max_shard_size: str = "400KB", **overrides) -> dict:
+    """Write a tiny randomly initialised `model_type` checkpoint with transformers' `save_pretrained`.
+
+    save_pretrained writes the names the family's releases use (per-expert tensors, renamed modules), so
+    this is what a real checkpoint of that family looks like. With `fp8` (default: the families in
+    FP8_SCALE_DTYPES) the linear weights inside the layers are then quantized to FP8 with 128x128 block
+    scales, each scale stored in the family's dtype in the shard after its weight's. Returns config.json.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if fp8 is None:
+        fp8 = model_type in FP8_SCALE_DTYPES
+    if fp8:
+        quantize_saved_checkpoint(folder, FP8_SCALE_DTYPES.get(model_type, torch.float32))
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
+def quantize_saved_checkpoint(folder: str, scale_dtype: torch.dtype = torch.float32, block_size: int = 128) -> None:
+    """Rewrite a bf16 checkpoint folder in place as FP8: `is_fp8_weight` tensors quantized, scales in the next shard."""
+    from safetensors.torch import load_file
+
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    shards = [load_file(os.path.join(folder, file)) for file in files]
+    out: list[dict[str, torch.Tensor]] = [{} for _ in files]
+    for i, tensors in enumerate(shards):
+        for name, w in tensors.items():
+            if is_fp8_weight(name, tuple(w.shape)):
+                q, s = quantize_fp8_blockwise(w.float(), block_size, name=name)
+                out[i][name] = q
+                out[(i + 1) % len(files)][name + SCALE_SUFFIX] = s.to(scale_dtype).contiguous()
+            else:
+                out[i][name] = w
+    weight_map = {}
+    for file, tensors in zip(files, out):
+        save_file(tensors, os.path.join(folder, file), metadata={"format": "pt"})
+        weight_map.update((name, file) for name in tensors)
+    total = sum(t.numel() * t.element_size() for tensors in out for t in tensors.values())
+    with open(index_path, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {**FP8_QUANTIZATION_CONFIG, "weight_block_size": [block_size, block_size]}
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
