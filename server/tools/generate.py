@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from expertd.fusion import parts_of
-from expertd.hf import fusions_for, model_state
+from expertd.hf import fusions_for, loaded_dtypes, model_state
 from expertd.kernels import quantize_fp8_blockwise
 
 from ..layout import SCALE_SUFFIX, is_fp8_weight
@@ -125,7 +125,7 @@ def generate(folder: str, preset: str = "tiny", seed: int = 0, shards: int = 2, 
 # Small enough to build and run in a second on CPU; 320 and 200 leave partial 128-blocks.
 # Only the keys a model type's config has are passed; heads == kv heads suits MLA and GQA alike.
 TINY_DIMS = dict(
-    vocab_size=256, hidden_size=192, intermediate_size=320, moe_intermediate_size=200,
+    vocab_size=384, hidden_size=192, intermediate_size=320, moe_intermediate_size=200,
     shared_expert_intermediate_size=200, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
     head_dim=48, max_position_embeddings=256,
     n_routed_experts=8, num_experts=8, num_local_experts=8, moe_num_experts=8, num_experts_per_tok=2,
@@ -169,7 +169,13 @@ def generate_model_type(folder: str, model_type: str, fp8: bool | None = None, s
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides)).to(torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    # bf16, but float32 where from_pretrained keeps it (e.g. e_score_correction_bias, F32 in DeepSeek's releases)
+    dtypes = loaded_dtypes(model, torch.bfloat16)
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if name in dtypes:
+                tensor.data = tensor.data.to(dtypes[name])
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     if fp8 is None:
         fp8 = model_type in FP8_SCALE_DTYPES
@@ -212,3 +218,40 @@ def quantize_saved_checkpoint(folder: str, scale_dtype: torch.dtype = torch.floa
     config["quantization_config"] = {**FP8_QUANTIZATION_CONFIG, "weight_block_size": [block_size, block_size]}
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+
+
+# Causal-LM MoE model types with an expert conversion in transformers' mapping that build and run at
+# TINY_DIMS on CPU (checked against transformers 5.23).
+MOE_MODEL_TYPES = (
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe",
+    "olmoe", "phimoe", "minimax", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "flex_olmo",
+    "cohere2_moe", "afmoe", "mimo_v2_flash", "deepseek_v4", "axk1", "axk2", "flint", "hy_v3", "kolibri1",
+    "laguna", "mellum", "nemotron_h",
+)
+
+# The others with an expert conversion, and why they are not in MOE_MODEL_TYPES.
+SKIPPED_MODEL_TYPES = {
+    "jamba": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "bailing_hybrid": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "kimi_linear": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "qwen3_next": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "qwen3_5_moe_text": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "qwen4_exp_text": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "longcat_flash": "does not build and run at tiny size within a minute",
+    "dots1": "its config leaves a dimension None at tiny size (TypeError in the model's __init__)",
+    "lfm2_moe": "its config needs a layer-type list that the tiny overrides do not give",
+    "beam": "no expert parameters at tiny size",
+    "mistral_large4_text": "not a causal LM in AutoModelForCausalLM",
+    "glm5_next_text": "not a causal LM in AutoModelForCausalLM",
+    "deepseek_ocr2": "vision-language model, not a causal LM",
+    "dots3_note_vision_encoder": "vision encoder, not a causal LM",
+    "glm4v_moe": "vision-language model, not a causal LM",
+    "kimi_k25": "vision-language model, not a causal LM",
+    "minimax_m3_vl": "vision-language model, not a causal LM",
+    "qwen3_omni_moe": "multimodal model, not a causal LM",
+    "qwen3_omni_moe_text": "multimodal model, not a causal LM",
+    "qwen3_omni_moe_thinker": "multimodal model, not a causal LM",
+    "glm4_moe_lite": "not checked at tiny size yet",
+    "glm_moe_dsa": "not checked at tiny size yet",
+    "solar_open": "not checked at tiny size yet",
+}
