@@ -60,3 +60,15 @@ def test_fp8_families_are_quantized_with_their_scale_dtype(model_checkpoint):
     assert {w.dtype for w in weights} == {torch.float8_e4m3fn}
     assert any(w.shape[0] % 128 or w.shape[1] % 128 for w in weights)
     assert any(ckpt.tensors[n[: -len("_scale_inv")]].file != i.file for n, i in scales.items())
+
+
+def test_cli_generates_a_model_type(tmp_path, capsys):
+    from expertd.server.cli import main
+    from expertd.server.reader import Checkpoint
+
+    out = str(tmp_path / "qwen3")
+    assert main(["generate", out, "--model-type", "qwen3_moe", "--no-fp8"]) == 0
+    ckpt = Checkpoint.open(out)
+    assert ckpt.config["model_type"] == "qwen3_moe" and "quantization_config" not in ckpt.config
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in ckpt.tensors
+    assert main(["generate", str(tmp_path / "ds"), "--no-fp8"]) == 2  # the presets are always FP8

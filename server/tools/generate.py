@@ -225,7 +225,7 @@ def quantize_saved_checkpoint(folder: str, scale_dtype: torch.dtype = torch.floa
 MOE_MODEL_TYPES = (
     "deepseek_v2", "deepseek_v3", "deepseek_v32", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe",
     "olmoe", "phimoe", "minimax", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "flex_olmo",
-    "cohere2_moe", "afmoe", "mimo_v2_flash", "deepseek_v4", "axk1", "axk2", "flint", "hy_v3", "kolibri1",
+    "cohere2_moe", "afmoe", "deepseek_v4", "axk1", "axk2", "flint", "hy_v3", "kolibri1",
     "laguna", "mellum", "nemotron_h",
 )
 
@@ -237,6 +237,8 @@ SKIPPED_MODEL_TYPES = {
     "qwen3_next": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
     "qwen3_5_moe_text": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
     "qwen4_exp_text": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "mimo_v2_flash": "transformers' own save_pretrained -> from_pretrained does not round-trip at tiny size "
+                     "(forward: size of tensor a (4) must match b (0))",
     "longcat_flash": "does not build and run at tiny size within a minute",
     "dots1": "its config leaves a dimension None at tiny size (TypeError in the model's __init__)",
     "lfm2_moe": "its config needs a layer-type list that the tiny overrides do not give",
