@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 
-from expertd.errors import ExpertdError
+from expertd.errors import ConfigError, ExpertdError
 
 EXIT_ERROR = 2
 
@@ -120,9 +120,14 @@ def cmd_verify(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .tools.generate import generate
+    from .tools.generate import generate, generate_model_type
 
-    generate(args.out, preset=args.preset, seed=args.seed, shards=args.shards)
+    if args.model_type:
+        generate_model_type(args.out, args.model_type, fp8=args.fp8, seed=args.seed)
+    elif args.fp8 is False:
+        raise ConfigError("--no-fp8 needs --model-type (the --preset checkpoints are always FP8)")
+    else:
+        generate(args.out, preset=args.preset, seed=args.seed, shards=args.shards)
     print(args.out)
     return 0
 
@@ -157,9 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="seconds to wait for the new generation to be published (default 3600)")
         p.set_defaults(func=func)
 
-    p = sub.add_parser("generate", help="write a deterministic DeepSeek-V3-format FP8 checkpoint")
+    p = sub.add_parser("generate", help="write a deterministic FP8 DeepSeek-V3 checkpoint, or a tiny one of any MoE model type")
     p.add_argument("out", help="folder to write")
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", help="DeepSeek-V3 preset (when no --model-type)")
+    p.add_argument("--model-type", help="a tiny checkpoint of this transformers model type, written by its save_pretrained")
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --model-type: quantize to FP8 block scales (default: as the family's releases)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shards", type=int, default=2)
     p.set_defaults(func=cmd_generate)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from expertd.fusion import parts_of
-from expertd.hf import fusions_for, model_state
+from expertd.hf import fusions_for, loaded_dtypes, model_state
 from expertd.kernels import quantize_fp8_blockwise
 
 from ..layout import SCALE_SUFFIX, is_fp8_weight
@@ -118,3 +118,142 @@ def generate(folder: str, preset: str = "tiny", seed: int = 0, shards: int = 2, 
     config = make_config(preset, **overrides)
     write_checkpoint(folder, config, checkpoint_tensors(config, seed), shards=shards)
     return config
+
+
+# --- Any MoE model type, written by transformers' own save_pretrained ---------------------------
+
+# Small enough to build and run in a second on CPU; 320 and 200 leave partial 128-blocks.
+# Only the keys a model type's config has are passed; heads == kv heads suits MLA and GQA alike.
+TINY_DIMS = dict(
+    vocab_size=384, hidden_size=192, intermediate_size=320, moe_intermediate_size=200,
+    shared_expert_intermediate_size=200, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+    head_dim=48, max_position_embeddings=256,
+    n_routed_experts=8, num_experts=8, num_local_experts=8, moe_num_experts=8, num_experts_per_tok=2,
+    n_group=2, topk_group=1, first_k_dense_replace=1, decoder_sparse_step=1, mlp_only_layers=[], moe_layer_freq=1,
+    q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+)
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=0, eos_token_id=1)  # real releases' ids lie beyond a tiny vocab
+
+# The dtype each family's FP8 release stores `weight_scale_inv` in; other families ship bf16.
+FP8_SCALE_DTYPES: dict[str, torch.dtype] = {
+    "deepseek_v3": torch.float32,
+    "glm4_moe": torch.float32,
+    "qwen3_moe": torch.bfloat16,
+}
+
+FP8_QUANTIZATION_CONFIG = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
+
+
+def tiny_config(model_type: str, **overrides):
+    """A transformers config of `model_type` at TINY_DIMS (the keys its config has), plus `overrides`."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type).to_dict()
+    values = {k: v for k, v in TINY_DIMS.items() if k in defaults}
+    if "kv_lora_rank" in defaults:  # MLA: the head dims come from the rope/nope split
+        values.pop("head_dim", None)
+    values.update((k, v) for k, v in TOKEN_IDS.items() if defaults.get(k) is not None)
+    values.update(overrides)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def generate_model_type(folder: str, model_type: str, fp8: bool | None = None, seed: int = 0,
+                        max_shard_size: str = "400KB", **overrides) -> dict:
+    """Write a tiny randomly initialised `model_type` checkpoint with transformers' `save_pretrained`.
+
+    save_pretrained writes the names the family's releases use (per-expert tensors, renamed modules), so
+    this is what a real checkpoint of that family looks like. With `fp8` (default: the families in
+    FP8_SCALE_DTYPES) the linear weights inside the layers are then quantized to FP8 with 128x128 block
+    scales, each scale stored in the family's dtype in the shard after its weight's. Returns config.json.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    # bf16, but float32 where from_pretrained keeps it (e.g. e_score_correction_bias, F32 in DeepSeek's releases)
+    dtypes = loaded_dtypes(model, torch.bfloat16)
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if name in dtypes:
+                tensor.data = tensor.data.to(dtypes[name])
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if fp8 is None:
+        fp8 = model_type in FP8_SCALE_DTYPES
+    if fp8:
+        quantize_saved_checkpoint(folder, FP8_SCALE_DTYPES.get(model_type, torch.float32))
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
+def quantize_saved_checkpoint(folder: str, scale_dtype: torch.dtype = torch.float32, block_size: int = 128) -> None:
+    """Rewrite a bf16 checkpoint folder in place as FP8: `is_fp8_weight` tensors quantized, scales in the next shard."""
+    from safetensors.torch import load_file
+
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    shards = [load_file(os.path.join(folder, file)) for file in files]
+    out: list[dict[str, torch.Tensor]] = [{} for _ in files]
+    for i, tensors in enumerate(shards):
+        for name, w in tensors.items():
+            if is_fp8_weight(name, tuple(w.shape)):
+                q, s = quantize_fp8_blockwise(w.float(), block_size, name=name)
+                out[i][name] = q
+                out[(i + 1) % len(files)][name + SCALE_SUFFIX] = s.to(scale_dtype).contiguous()
+            else:
+                out[i][name] = w
+    weight_map = {}
+    for file, tensors in zip(files, out):
+        save_file(tensors, os.path.join(folder, file), metadata={"format": "pt"})
+        weight_map.update((name, file) for name in tensors)
+    total = sum(t.numel() * t.element_size() for tensors in out for t in tensors.values())
+    with open(index_path, "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["quantization_config"] = {**FP8_QUANTIZATION_CONFIG, "weight_block_size": [block_size, block_size]}
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+# Causal-LM MoE model types with an expert conversion in transformers' mapping that build and run at
+# TINY_DIMS on CPU (checked against transformers 5.23).
+MOE_MODEL_TYPES = (
+    "deepseek_v2", "deepseek_v3", "deepseek_v32", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe",
+    "olmoe", "phimoe", "minimax", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "flex_olmo",
+    "cohere2_moe", "afmoe", "deepseek_v4", "axk1", "axk2", "flint", "hy_v3", "kolibri1",
+    "laguna", "mellum", "nemotron_h",
+)
+
+# The others with an expert conversion, and why they are not in MOE_MODEL_TYPES.
+SKIPPED_MODEL_TYPES = {
+    "jamba": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "bailing_hybrid": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "kimi_linear": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "qwen3_next": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "qwen3_5_moe_text": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "qwen4_exp_text": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
+    "mimo_v2_flash": "transformers' own save_pretrained -> from_pretrained does not round-trip at tiny size "
+                     "(forward: size of tensor a (4) must match b (0))",
+    "longcat_flash": "does not build and run at tiny size within a minute",
+    "dots1": "its config leaves a dimension None at tiny size (TypeError in the model's __init__)",
+    "lfm2_moe": "its config needs a layer-type list that the tiny overrides do not give",
+    "beam": "no expert parameters at tiny size",
+    "mistral_large4_text": "not a causal LM in AutoModelForCausalLM",
+    "glm5_next_text": "not a causal LM in AutoModelForCausalLM",
+    "deepseek_ocr2": "vision-language model, not a causal LM",
+    "dots3_note_vision_encoder": "vision encoder, not a causal LM",
+    "glm4v_moe": "vision-language model, not a causal LM",
+    "kimi_k25": "vision-language model, not a causal LM",
+    "minimax_m3_vl": "vision-language model, not a causal LM",
+    "qwen3_omni_moe": "multimodal model, not a causal LM",
+    "qwen3_omni_moe_text": "multimodal model, not a causal LM",
+    "qwen3_omni_moe_thinker": "multimodal model, not a causal LM",
+    "glm4_moe_lite": "not checked at tiny size yet",
+    "glm_moe_dsa": "not checked at tiny size yet",
+    "solar_open": "not checked at tiny size yet",
+}

@@ -15,15 +15,18 @@ SCALE_SUFFIX = "_scale_inv"
 
 
 def reference_tensors(folder: str) -> dict[str, torch.Tensor]:
+    """name -> tensor for every checkpoint tensor but the scales; FP8 weights dequantized to bf16."""
     ckpt = Checkpoint.open(folder)
-    block = ckpt.config["quantization_config"]["weight_block_size"][0]
+    block = (ckpt.config.get("quantization_config") or {}).get("weight_block_size", [128])[0]
     out = {}
     for name, info in ckpt.tensors.items():
         if name.endswith(SCALE_SUFFIX):
             continue
         t = ckpt.read(name)
         if info.dtype == torch.float8_e4m3fn:
-            t = weight_dequant_reference(t, ckpt.read(name + SCALE_SUFFIX), block, out_dtype=torch.bfloat16)
+            # bf16 scales (Qwen's releases) widen to float32 exactly: the reference is bf16(f32(x) * f32(s))
+            scale_inv = ckpt.read(name + SCALE_SUFFIX).float()
+            t = weight_dequant_reference(t, scale_inv, block, out_dtype=torch.bfloat16)
         out[name] = t
     return out
 

@@ -1,0 +1,74 @@
+"""Every MoE model type the generator builds: save_pretrained checkpoint -> real daemon -> real worker, exact logits.
+
+The checkpoint is what transformers itself writes for the family (per-expert names, renamed modules),
+FP8-quantized where the family's releases are FP8 (scales in the family's dtype). The worker's logits
+must be bitwise those of `from_pretrained` on a bf16 checkpoint of the reference-dequantized weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertd.server.tools.generate import FP8_SCALE_DTYPES, MOE_MODEL_TYPES, generate_model_type
+from helpers.inputs import INPUT_IDS
+from helpers.reference import write_reference_bf16
+
+
+@pytest.fixture(scope="module", params=MOE_MODEL_TYPES)
+def model_checkpoint(request, tmp_path_factory) -> tuple[str, str, torch.Tensor]:
+    """(model type, checkpoint folder, reference logits), generated once per model type."""
+    from transformers import AutoModelForCausalLM
+
+    model_type = request.param
+    root = tmp_path_factory.mktemp(model_type)
+    folder = str(root / "checkpoint")
+    config = generate_model_type(folder, model_type)
+    assert config["vocab_size"] > max(max(row) for row in INPUT_IDS)
+    reference = AutoModelForCausalLM.from_pretrained(write_reference_bf16(folder, str(root / "reference")),
+                                                     dtype=torch.bfloat16)
+    with torch.no_grad():
+        logits = reference(torch.tensor(INPUT_IDS)).logits
+    return model_type, folder, logits
+
+
+def test_worker_logits_equal_transformers(model_checkpoint, start_daemon, workers, namespace, tmp_path):
+    model_type, folder, expected = model_checkpoint
+    daemon = start_daemon(folder)
+    worker = workers(daemon.endpoint, timeout=60, namespace=namespace, model=True, save=str(tmp_path / "worker"))
+    assert worker.hello["ready"], worker.proc.stderr.read()
+    assert worker.hello["outside"] == [], "parameters outside shared memory"
+    worker.ask("exit")
+    assert worker.proc.wait(60) == 0, worker.proc.stderr.read()
+    logits = torch.load(tmp_path / "worker" / "logits.pt")
+    assert logits.shape == expected.shape
+    assert torch.equal(logits, expected), f"{model_type}: max |diff| {(logits.float() - expected.float()).abs().max()}"
+
+
+def test_fp8_families_are_quantized_with_their_scale_dtype(model_checkpoint):
+    """The checkpoint of an FP8 family holds FP8 weights with partial blocks and scales in the family's dtype."""
+    from expertd.server.reader import Checkpoint
+
+    model_type, folder, _ = model_checkpoint
+    ckpt = Checkpoint.open(folder)
+    scales = {n: i for n, i in ckpt.tensors.items() if n.endswith("_scale_inv")}
+    if model_type not in FP8_SCALE_DTYPES:
+        assert scales == {} and "quantization_config" not in ckpt.config
+        return
+    assert scales and {i.dtype for i in scales.values()} == {FP8_SCALE_DTYPES[model_type]}
+    weights = [ckpt.tensors[n[: -len("_scale_inv")]] for n in scales]
+    assert {w.dtype for w in weights} == {torch.float8_e4m3fn}
+    assert any(w.shape[0] % 128 or w.shape[1] % 128 for w in weights)
+    assert any(ckpt.tensors[n[: -len("_scale_inv")]].file != i.file for n, i in scales.items())
+
+
+def test_cli_generates_a_model_type(tmp_path, capsys):
+    from expertd.server.cli import main
+    from expertd.server.reader import Checkpoint
+
+    out = str(tmp_path / "qwen3")
+    assert main(["generate", out, "--model-type", "qwen3_moe", "--no-fp8"]) == 0
+    ckpt = Checkpoint.open(out)
+    assert ckpt.config["model_type"] == "qwen3_moe" and "quantization_config" not in ckpt.config
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in ckpt.tensors
+    assert main(["generate", str(tmp_path / "ds"), "--no-fp8"]) == 2  # the presets are always FP8
