@@ -16,7 +16,7 @@ from torch import nn
 
 from expertd.errors import RestoreError
 from expertd.fusion import owner_of, parts_of
-from expertd.hf import fusions_for
+from expertd.hf import fusions_for, tied_aliases
 
 
 @dataclass
@@ -108,6 +108,14 @@ def restore(model: nn.Module, views, strict: bool = True, dtypes: dict[str, torc
             used.add(name)
             result.names.append(name)
             result.bound += 1
+    for alias, target in tied_aliases(model).items():  # tied embeddings: bind the alias to its target's view
+        if alias in result.missing and target in used:
+            owner, _, attr = alias.rpartition(".")
+            head, _, tattr = target.rpartition(".")
+            model.get_submodule(owner)._parameters[attr] = model.get_submodule(head)._parameters[tattr]
+            result.missing.remove(alias)
+            result.names.append(alias)
+            used.add(alias)
     if unexpected:
         result.unexpected = sorted(
             n for n in views if n not in used and (owner_of(fusions(), n) or (None,))[0] not in used

@@ -50,11 +50,37 @@ def fusions_for(model_type: str | None) -> tuple[Fusion, ...]:
     return tuple(fusions) or FALLBACK_FUSIONS.get(model_type, ())
 
 
+def _decode_floats(value):
+    """transformers writes non-finite floats into config.json as {"__float__": "Infinity"}; its own loading decodes them."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"}:
+            return float(value["__float__"])
+        return {k: _decode_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_decode_floats(v) for v in value]
+    return value
+
+
+def tied_aliases(model) -> dict[str, str]:
+    """Parameters that are another parameter under a second name when the config ties them (tied
+    embeddings): alias -> the name transformers loads. 5.x declares them as a dict, 4.x as a list of
+    aliases of the input embeddings."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    keys = getattr(model, "_tied_weights_keys", None)
+    if not keys or not getattr(config, "tie_word_embeddings", False):
+        return {}
+    if isinstance(keys, dict):
+        return dict(keys)
+    embeddings = model.get_input_embeddings()
+    target = next(n for n, m in model.named_modules() if m is embeddings) + ".weight"
+    return {k: target for k in keys if k != target}
+
+
 def model_config(config: dict):
     """A transformers config object for a checkpoint's config.json, minus quantization (served weights are bf16)."""
     from transformers import AutoConfig
 
-    values = {k: v for k, v in config.items() if k != "quantization_config"}
+    values = {k: _decode_floats(v) for k, v in config.items() if k != "quantization_config"}
     model_type = values.pop("model_type", None)
     if not model_type:
         raise CheckpointError("config.json has no 'model_type'")
@@ -149,13 +175,17 @@ class UnsupportedConversion(CheckpointError):
     """transformers' conversion for a tensor is neither a rename nor an expert stack expertd can serve as views."""
 
 
-def _expert_index(name: str, pattern: str) -> int | None:
-    head, _, tail = pattern.partition("*")
-    i = name.rfind(head)
-    if i < 0 or not name.endswith(tail):
+def _expert_position(keys: list[str]) -> int | None:
+    """Which dot-separated component of these checkpoint names is the expert index: the one numeric
+    component they differ in (transformers' patterns are regexes, so the names decide, not the pattern)."""
+    parts = [k.split(".") for k in keys]
+    if len({len(p) for p in parts}) != 1:
         return None
-    middle = name[i + len(head): len(name) - len(tail)]
-    return int(middle) if middle.isdigit() else None
+    differ = [i for i in range(len(parts[0])) if len({p[i] for p in parts}) > 1]
+    if len(differ) == 1 and all(p[differ[0]].isdigit() for p in parts):
+        return differ[0]
+    numeric = [i for i, c in enumerate(parts[0]) if c.isdigit()]
+    return numeric[-1] if len(parts) == 1 and numeric else None
 
 
 def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[str], dict]:
@@ -168,14 +198,16 @@ def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[
     """
     model = empty_model(config, meta=True)
     meta = model.state_dict()
-    state = {k: (tuple(v.shape), v.dtype) for k, v in meta.items()}
+    tied = tied_aliases(model)  # served once, under the name transformers loads, unless the checkpoint has both
+    present = set(names)
+    state = {k: (tuple(v.shape), v.dtype) for k, v in meta.items() if k not in tied or k in present}
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (
             Concatenate, MergeModulelist, WeightConverter, WeightRenaming, dot_natural_key, rename_source_key,
         )
     except ImportError:
-        plan = {n: Assembly(n, [n]) for n in names if n in meta}
+        plan = {n: Assembly(n, [n]) for n in names if n in state}
         return plan, [n for n in names if n not in meta], state
     mapping = get_model_conversion_mapping(model)
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
@@ -200,7 +232,7 @@ def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[
         conv = by_pattern[pattern]
         ops = [(type(op), getattr(op, "dim", None)) for op in conv.operations]
         stack = [(MergeModulelist, 0)] + ([(Concatenate, 1)] if len(conv.source_patterns) > 1 else [])
-        if ops != stack or not all(p.count("*") == 1 for p in conv.source_patterns):
+        if ops != stack:
             raise UnsupportedConversion(
                 f"transformers converts it into {renamed!r} with {[type(op).__name__ for op in conv.operations]}; "
                 "expertd serves renames and expert stacks (MergeModulelist + Concatenate) only", tensor=key,
@@ -212,29 +244,34 @@ def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[
     return plan, unused, state
 
 
-def expert_name(keys: list[str], pattern: str, e: int) -> str:
-    """The checkpoint name expert `e` of `pattern` would have, from a sibling's name."""
-    head, _, tail = pattern.partition("*")
-    if not keys:
-        return pattern.replace("*", str(e))
-    like = keys[0]
-    i = like.rfind(head)
-    return like[: i + len(head)] + str(e) + tail
+def expert_name(keys: list[str], e: int) -> str:
+    """The checkpoint name expert `e` would have, from its siblings' names."""
+    pos = _expert_position(keys)
+    if pos is None:
+        return f"expert {e} like {keys[0]!r}"
+    parts = keys[0].split(".")
+    parts[pos] = str(e)
+    return ".".join(parts)
 
 
 def _interleave(param: str, lists: dict[str, list[str]]) -> list[str]:
     """Expert e's parts in pattern order, e = 0, 1, ...: the storage order of MergeModulelist + Concatenate(1)."""
     from .errors import MissingTensorError
 
-    count = max(len(v) for v in lists.values())
+    by_index = {}
+    for pattern, keys in lists.items():
+        pos = _expert_position(keys)
+        if pos is None:
+            raise UnsupportedConversion(f"cannot tell the expert index in the names of {param!r}'s parts", tensor=keys[0])
+        by_index[pattern] = {int(k.split(".")[pos]): k for k in keys}
+    count = max(max(d) + 1 for d in by_index.values())
     out = []
     for e in range(count):
-        for pattern, keys in lists.items():
-            found = [k for k in keys if _expert_index(k, pattern) == e]
-            if not found:
+        for pattern, found in by_index.items():
+            if e not in found:
                 raise MissingTensorError(f"checkpoint lacks a tensor the model needs (expert {e} of parameter {param!r})",
-                                         tensor=expert_name(keys, pattern, e))
-            out.append(found[0])
+                                         tensor=expert_name(lists[pattern], e))
+            out.append(found[e])
     return out
 
 

@@ -177,7 +177,7 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
         if len(shape) >= 2 and experts < shape[0]:
             raise MissingTensorError(
                 f"checkpoint lacks a tensor the model needs (expert {experts} of {shape[0]} for parameter {param!r})",
-                file=ckpt.folder, tensor=expert_name(how.sources[0::per_expert], how.patterns[0], experts),
+                file=ckpt.folder, tensor=expert_name(how.sources[0::per_expert], experts),
             )
         if len(shape) < 2 or experts != shape[0] or shape[1] % per_expert:
             raise ShapeError(f"{experts} experts of {per_expert} part(s) cannot make {param} {list(shape)}",

@@ -30,6 +30,15 @@ PRESETS: dict[str, dict] = {
         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
         q_lora_rank=192, kv_lora_rank=160, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
     ),
+    # DeepSeek-V3's counts at tiny dims (61 layers, first 3 dense, 256 routed experts, the MTP layer 61:
+    # ~92k checkpoint tensors in ~30 MB), for per-tensor costs at real scale.
+    "dsv3-counts": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=16,
+        num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=2, num_key_value_heads=2,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+        num_nextn_predict_layers=1,
+    ),
     # ~1 GB of bf16 once dequantized: DeepSeek-V3's shapes scaled down, for the benchmarks.
     "bench-1g": dict(
         vocab_size=8192, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=384,
@@ -54,6 +63,21 @@ class GeneratedTensor:
     tensor: torch.Tensor
 
 
+def mtp_names(config: dict, names: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...]]]:
+    """DeepSeek-V3's multi-token-prediction layers (`num_nextn_predict_layers`), which transformers does not
+    build: layer L = num_hidden_layers + k holds a whole MoE decoder layer plus its own embedding, norms,
+    projection and head. Checkpoints ship them; expertd serves them under their checkpoint names."""
+    count = config.get("num_nextn_predict_layers") or 0
+    last = config["num_hidden_layers"] - 1
+    prefix = f"model.layers.{last}."
+    layer = [(n[len(prefix):], shape) for n, shape in names if n.startswith(prefix)]
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    extra = [("embed_tokens.weight", (vocab, hidden)), ("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)),
+             ("eh_proj.weight", (hidden, 2 * hidden)), ("shared_head.norm.weight", (hidden,)),
+             ("shared_head.head.weight", (vocab, hidden))]
+    return [(f"model.layers.{last + 1 + k}.{n}", shape) for k in range(count) for n, shape in layer + extra]
+
+
 def checkpoint_tensors(config: dict, seed: int = 0) -> list[GeneratedTensor]:
     """Every checkpoint tensor of the model `config` describes, in checkpoint (per-expert) naming."""
     gen = torch.Generator().manual_seed(seed)
@@ -62,6 +86,7 @@ def checkpoint_tensors(config: dict, seed: int = 0) -> list[GeneratedTensor]:
     for param, (shape, _) in model_state(config).items():
         fused = parts_of(fusions, param, shape)
         names.extend(fused[1] if fused is not None else [(param, shape)])
+    names.extend(mtp_names(config, names))
     out: list[GeneratedTensor] = []
     for name, shape in names:
         if name.endswith("e_score_correction_bias"):
