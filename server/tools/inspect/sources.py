@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from expertd.protocol import is_endpoint
@@ -17,6 +18,9 @@ from expertd.errors import CheckpointError
 from ...layout import SCALE_SUFFIX, is_fp8_weight
 from ...reader import Checkpoint
 from .groups import component_of, expert_of, layer_of
+
+
+MASK_KEYS = ("attention_mask", "causal_mask", "position_ids", "cache_position")
 
 
 @dataclass
@@ -29,7 +33,7 @@ class Item:
     nbytes: int
     component: str
     group: str  # what histograms and box plots pool: the component, or a capture's direction
-    role: str  # "weight" | "scale" | "activation" | "gradient"
+    role: str  # "weight" | "scale" | "activation" | "gradient" | "mask"
     load: Callable[[], torch.Tensor]
     layer: int | None = None
     expert: int | None = None
@@ -99,10 +103,22 @@ def _capture_items(folder: str) -> list[Item]:
                         return f.get_tensor(key)
 
                 role = "activation" if entry["direction"] == "forward" else "gradient"
+                if key.rsplit(".", 1)[-1] in MASK_KEYS:  # additive masks hold float min: not values to draw
+                    role = "mask"
                 items.append(Item(f"{prefix}{entry['file'].removesuffix('.safetensors')}:{key}", dtype, shape,
                                   math.prod(shape) * dtype.itemsize, component, f"{entry['direction']} {entry['tensor']}",
                                   role, load, entry.get("layer"), None, True))
     return items
+
+
+def attention_maps(items: list[Item], limit: int = 24) -> dict[str, np.ndarray]:
+    """Per-head attention probabilities [heads, query, key] (first batch row) of a capture's attention
+    modules, by file label; the first `limit` in file order."""
+    maps = {}
+    for it in items:
+        if it.group == "forward attention_probs" and len(it.shape) == 4 and len(maps) < limit:
+            maps[it.name.removesuffix(":probs")] = it.load()[0].float().numpy()
+    return maps
 
 
 def is_capture(src: str) -> bool:
