@@ -17,7 +17,7 @@ from ..plotting import log_floor, log_lines
 from ..plotting import pyplot as _pyplot
 from ..plotting import save as _save
 
-HEATMAP_FORMATS = ("fp8_e4m3_block128", "mxfp8_e4m3", "mxfp4_e2m1")
+HEATMAP_FORMATS = ("fp8_e4m3_block128", "mxfp8_e4m3", "mxfp4_e2m1", "hif8")
 
 
 def _grid(plt, n: int, size=(4.0, 3.0)):
