@@ -22,6 +22,7 @@ With `EXPERTD_CAPTURE_DIR` set, `ExpertClient.load_model()` captures without cod
 `$EXPERTD_CAPTURE_DIR/pid<PID>[-<n>]` (one folder per worker process); `EXPERTD_CAPTURE_MODULES`
 (comma-separated globs), `EXPERTD_CAPTURE_STEPS` (e.g. `1-3,10`), `EXPERTD_CAPTURE_DIRECTIONS`
 (`forward`, `backward` or both) and `EXPERTD_CAPTURE_MAX_BYTES` (e.g. `2GB`) narrow it down.
+`encoding="hif8"` stores floating tensors as HiFloat8 byte codes (`expertd.hif8`; inspect decodes them).
 
 `attention_probs=True` also saves each attention module's per-head probabilities [batch, heads, query,
 key] (`..._forward_attention_probs.safetensors`, tensor `probs`): the model runs eager attention while
@@ -46,7 +47,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from expertd.index import write_json_atomic
-from expertd.units import parse_size
+from expertd.units import parse_size, parse_steps
+
+from expertd.hif8 import hif8_encode
 
 from .manifest import FORMAT, MANIFEST, VERSION, read_manifest  # noqa: F401  (read_manifest: re-exported)
 from .simulate import simulation_info, simulation_tag
@@ -86,6 +89,7 @@ class CaptureFile:
     nbytes: int
     tensors: dict[str, dict] = field(default_factory=dict)  # key -> {"dtype", "shape"}
     simulated: str | None = None  # the simulation's tag when the module ran simulated formats
+    encoding: str | None = None  # "hif8": floating tensors stored as uint8 HiFloat8 codes (expertd.hif8)
 
 
 @dataclass
@@ -125,7 +129,7 @@ class Capture:
     """Hooks on a model's linear and attention modules; `close()` (or leaving `with`) removes them."""
 
     def __init__(self, model: nn.Module, out_dir: str, modules=None, steps=None, directions=None,
-                 max_bytes: int | None = None, attention_probs: bool = False):
+                 max_bytes: int | None = None, attention_probs: bool = False, encoding: str | None = None):
         self.model = model
         self.out_dir = os.path.abspath(out_dir)
         self.patterns = [modules] if isinstance(modules, str) else list(modules or ["*"])
@@ -136,6 +140,9 @@ class Capture:
             raise ValueError(f"unknown capture direction(s) {unknown}; expected some of {list(DIRECTIONS)}")
         self.directions = tuple(directions)
         self.max_bytes = max_bytes
+        if encoding not in (None, "hif8"):
+            raise ValueError(f"unknown capture encoding {encoding!r}; expected None or 'hif8'")
+        self.encoding = encoding
         self.attention_probs = attention_probs
         self._attn_impl = None
         if attention_probs:  # eager attention for the pass: the only one that computes the probabilities
@@ -255,7 +262,8 @@ class Capture:
         present = {k: t for k, t in tensors.items() if t is not None}
         if not present:
             return
-        nbytes = sum(t.numel() * t.element_size() for t in present.values())
+        packed = lambda t: self.encoding is not None and t.is_floating_point()  # noqa: E731
+        nbytes = sum(t.numel() * (1 if packed(t) else t.element_size()) for t in present.values())
         if self.max_bytes is not None and self.nbytes + nbytes > self.max_bytes:  # checked before any copy
             if not self.skipped:
                 log.warning("capture: byte budget of %d reached; further tensors are not saved", self.max_bytes)
@@ -263,14 +271,15 @@ class Capture:
             return
         # one copy each: to the CPU for device tensors, a private clone for CPU ones (they may be views
         # into buffers the model reuses)
-        data = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in present.items()}
+        data = {k: hif8_encode(t.detach()).cpu() if packed(t) else t.detach().to("cpu", copy=True).contiguous()
+                for k, t in present.items()}
         layer, short = split_layer(record.name)
         sim = simulation_tag(self.model, record.name)
         stem = f"{record.step:06d}_" + (f"L{layer:02d}_" if layer is not None else "") + f"{short}_{direction}_{tensor}"
         file = stem + (f"_call{record.call}" if record.call else "") + (f"_sim-{sim}" if sim else "") + ".safetensors"
         entry = CaptureFile(file, record.step, layer, record.name, type(record.module).__name__, record.kind, direction, tensor,
                             record.call, nbytes, {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                                                  for k, t in data.items()}, sim)
+                                                  for k, t in data.items()}, sim, self.encoding)
         metadata = {"format": FORMAT, **{k: json.dumps(v) for k, v in asdict(entry).items() if k != "tensors"}}
         save_file(data, os.path.join(self.out_dir, file), metadata=metadata)
         self.files.append(entry)
@@ -284,7 +293,7 @@ class Capture:
             "model": type(self.model).__name__,
             "options": {"modules": self.patterns, "steps": None if self.steps is None else sorted(self.steps),
                         "directions": list(self.directions), "max_bytes": self.max_bytes,
-                        "attention_probs": self.attention_probs},
+                        "attention_probs": self.attention_probs, "encoding": self.encoding},
             "simulation": simulation_info(self.model),
             "steps": self.step,
             "nbytes": self.nbytes,
@@ -326,29 +335,19 @@ def _set_attn_implementation(model: nn.Module, impl: str | None) -> None:
 
 
 def capture(model: nn.Module, out_dir: str, *, modules=None, steps=None, directions=None,
-            max_bytes: int | str | None = None, attention_probs: bool = False) -> Capture:
+            max_bytes: int | str | None = None, attention_probs: bool = False, encoding: str | None = None) -> Capture:
     """Start capturing `model`'s linear and attention modules into `out_dir`; use as a context manager.
 
     `modules`: globs on qualified module names (default all); `steps`: forward calls of the root model
     to capture (ints, or a string like "1-3,10"; default all); `directions`: "forward" and/or
     "backward"; `max_bytes`: stop saving once this many bytes are written (an int or "2GB");
-    `attention_probs`: also save attention modules' per-head probabilities (eager attention meanwhile).
+    `attention_probs`: also save attention modules' per-head probabilities (eager attention meanwhile);
+    `encoding="hif8"`: store floating tensors as HiFloat8 byte codes (a quarter of fp32; `expertd.hif8.hif8_decode`).
     """
     if isinstance(max_bytes, str):
         max_bytes = parse_size(max_bytes)
     return Capture(model, out_dir, modules=modules, steps=steps, directions=directions, max_bytes=max_bytes,
-                   attention_probs=attention_probs)
-
-
-def parse_steps(text: str) -> list[int]:
-    """'1-3,10' -> [1, 2, 3, 10]."""
-    steps = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or hi and not hi.isdigit():
-            raise ValueError(f"capture steps {text!r}: {part!r} is not N or N-M")
-        steps.extend(range(int(lo), int(hi or lo) + 1))
-    return steps
+                   attention_probs=attention_probs, encoding=encoding)
 
 
 _ENV_CAPTURES: list[Capture] = []

@@ -48,3 +48,24 @@ def test_capture_saves_attention_probabilities_and_inspect_draws_them(model, tmp
             assert img.format == "PNG"
     page = (tmp_path / "report" / "index.html").read_text()
     assert all(f"src='{f}'" in page for f in maps) and "formats_summary.png" in page  # beside the statistics
+
+
+def test_capture_stores_hif8_codes_that_inspect_decodes(model, tmp_path):
+    from expertd.hif8 import hif8_decode, hif8_round_trip
+
+    out = tmp_path / "codes"
+    with capture(model, str(out), modules=["*.layers.1.self_attn.o_proj"], directions="forward", encoding="hif8"):
+        with torch.no_grad():
+            model(torch.tensor(INPUT_IDS))
+    x = load_file(str(out / "000001_L01_self_attn.o_proj_forward_input.safetensors"))["args.0"]
+    assert x.dtype == torch.uint8
+    with capture(model, str(tmp_path / "plain"), modules=["*.layers.1.self_attn.o_proj"], directions="forward"):
+        with torch.no_grad():
+            model(torch.tensor(INPUT_IDS))
+    plain = load_file(str(tmp_path / "plain" / "000001_L01_self_attn.o_proj_forward_input.safetensors"))["args.0"]
+    assert torch.equal(hif8_decode(x), hif8_round_trip(plain).reshape(plain.shape))
+    report = inspect(str(out), str(tmp_path / "report"), formats=["hif8"], plots=False)
+    row = next(t for t in report["tensors"] if t["name"].endswith("forward_input:args.0"))
+    assert row["dtype"] == "float32" and row["formats"]["hif8"]["rel_error"] == 0  # decoded: already HiF8 values
+    with pytest.raises(ValueError, match="encoding"):
+        capture(model, str(tmp_path / "bad"), encoding="fp3")

@@ -14,6 +14,7 @@ import torch
 from expertd.protocol import is_endpoint
 from expertd.dtypes import FP8
 from expertd.errors import CheckpointError
+from expertd.hif8 import hif8_decode
 
 from ...layout import SCALE_SUFFIX, is_fp8_weight
 from ...reader import Checkpoint
@@ -97,10 +98,13 @@ def _capture_items(folder: str) -> list[Item]:
                 dtype = getattr(torch, meta["dtype"])
                 shape = tuple(meta["shape"])
                 component = component_of(entry["module"])
+                codes = entry.get("encoding") == "hif8" and dtype == torch.uint8  # HiFloat8 codes: decoded
+                dtype = torch.float32 if codes else dtype
 
-                def load(path=path, key=key) -> torch.Tensor:
+                def load(path=path, key=key, codes=codes) -> torch.Tensor:
                     with safe_open(path, framework="pt") as f:
-                        return f.get_tensor(key)
+                        t = f.get_tensor(key)
+                    return hif8_decode(t) if codes else t
 
                 role = "activation" if entry["direction"] == "forward" else "gradient"
                 if key.rsplit(".", 1)[-1] in MASK_KEYS:  # additive masks hold float min: not values to draw
