@@ -61,13 +61,14 @@ def test_weights_simulated_without_touching_shared_memory(served):
     # the same model with the round-tripped weights put in by hand gives the same logits
     manual = by_hand(model, "mxfp4_e2m1", EXPERTS)
     assert len(manual) == 4
+    originals = {key: key[0]._parameters[key[1]] for key in manual}
     for (module, pname), q in manual.items():
         module._parameters[pname] = nn.Parameter(q, requires_grad=False)
     try:
         assert torch.equal(logits(model), simulated)
     finally:
-        for (module, pname) in manual:
-            module._parameters[pname] = params[f"{[n for n, m in model.named_modules() if m is module][0]}.{pname}"]
+        for (module, pname), p in originals.items():
+            module._parameters[pname] = p
 
 
 def test_activations_simulated_by_a_pre_hook():

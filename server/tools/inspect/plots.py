@@ -8,7 +8,6 @@ report dict's statistics and format errors), saves it under the output folder an
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
