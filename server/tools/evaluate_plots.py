@@ -15,6 +15,9 @@ def plot_kl(kl: dict[str, tuple[float, float]], out_dir: str):
     floor = log_floor([v for pair in kl.values() for v in pair])
     log_lines(ax, names, {"KL mean": [kl[f][0] for f in names], "KL max": [kl[f][1] for f in names]}, floor, marker="o")
     ax.set_xlabel("format")
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    for label in ax.get_xticklabels():
+        label.set_ha("right")
     ax.set_ylabel("KL(p || q) of the next token (nats)")
     ax.set_title("End-to-end cost of each format (lower is better)", fontsize=10)
     ax.legend(fontsize=7)

@@ -14,12 +14,13 @@ FP8_NOTE = ("fp8: e4m3 with float32 128x128 block scales for the tensors DeepSee
             "stored in fp8, and their kind elsewhere), bf16 for the rest (norms, router, embeddings).")
 E5M2_NOTE = (
     "fp8_e5m2_block128 can show a higher error than fp8_e5m2_tensor on weights that were stored as e4m3 with "
-    "128x128 block scales. This is not a defect: a block's scale maps its amax (448 x its e4m3 scale) to 57344, "
-    "i.e. multiplies by 128, a power of two, so every value keeps its 3-bit e4m3 mantissa, and each one with an odd "
-    "last bit lands halfway (up to the float32 rounding of the scale) between two e5m2 values (2 mantissa bits): the largest possible rounding error, "
-    "on about half the values. A per-tensor scale is not aligned with the blocks and spreads the values over the "
-    "grid. An independent numpy re-implementation of e5m2 block scaling gives the same numbers on such a tensor, and "
-    "on Gaussian values (no e4m3 grid) block and per-tensor e5m2 agree within 0.2%.")
+    "128x128 block scales. This is not a defect: a block's e5m2 scale maps its amax (448 x its e4m3 scale) to "
+    "57344, so each e4m3 value q becomes 128 q and keeps its 3-bit mantissa; every value with an odd last bit then "
+    "lands halfway (up to the bf16 rounding of the dequantized weight) between two e5m2 values (2 mantissa bits): "
+    "the largest possible rounding error, on about half the values. A per-tensor scale is not aligned with the "
+    "blocks and spreads the values over the grid. An independent numpy re-implementation of e5m2 block scaling "
+    "gives the same numbers on such a tensor, and on Gaussian values (no e4m3 grid) block and per-tensor e5m2 "
+    "agree within 0.2%.")
 
 
 def _fmt_bytes(n: float) -> str:
