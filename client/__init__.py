@@ -8,5 +8,6 @@ from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, RestoreErro
 from .capture import capture
 from .client import ExpertClient
 from .restore import RestoreResult, restore
+from .simulate import simulate
 
-__all__ = ["ExpertClient", "capture", "restore", "RestoreResult", "ExpertdError", "DaemonError", "DaemonTimeout", "RestoreError"]
+__all__ = ["ExpertClient", "capture", "simulate", "restore", "RestoreResult", "ExpertdError", "DaemonError", "DaemonTimeout", "RestoreError"]

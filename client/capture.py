@@ -22,6 +22,13 @@ With `EXPERTD_CAPTURE_DIR` set, `ExpertClient.load_model()` captures without cod
 `$EXPERTD_CAPTURE_DIR/pid<PID>[-<n>]` (one folder per worker process); `EXPERTD_CAPTURE_MODULES`
 (comma-separated globs), `EXPERTD_CAPTURE_STEPS` (e.g. `1-3,10`), `EXPERTD_CAPTURE_DIRECTIONS`
 (`forward`, `backward` or both) and `EXPERTD_CAPTURE_MAX_BYTES` (e.g. `2GB`) narrow it down.
+`encoding="hif8"` stores floating tensors as HiFloat8 byte codes (`expertd.hif8`; inspect decodes them).
+
+`attention_probs=True` also saves each attention module's per-head probabilities [batch, heads, query,
+key] (`..._forward_attention_probs.safetensors`, tensor `probs`): the model runs eager attention while
+the capture is open (SDPA and flash kernels never materialize them). When the model runs under
+`expertd.client.simulate`, the manifest records the simulation and the files of simulated modules
+carry its tag (`..._forward_input_sim-w-mxfp4_e2m1.a-hif8.safetensors`).
 """
 
 from __future__ import annotations
@@ -40,13 +47,15 @@ from safetensors.torch import save_file
 from torch import nn
 
 from expertd.index import write_json_atomic
-from expertd.units import parse_size
+from expertd.units import parse_size, parse_steps
+
+from expertd.hif8 import hif8_encode
+
+from .manifest import FORMAT, MANIFEST, VERSION, read_manifest  # noqa: F401  (read_manifest: re-exported)
+from .simulate import simulation_info, simulation_tag
 
 log = logging.getLogger("expertd.capture")
 
-MANIFEST = "manifest.json"
-FORMAT = "expertd-capture"
-VERSION = 1
 DIRECTIONS = ("forward", "backward")
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "cross_attn", "encoder_attn")
 _LAYER_RE = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
@@ -75,10 +84,12 @@ class CaptureFile:
     module_type: str
     kind: str  # "linear" | "attention"
     direction: str  # "forward" | "backward"
-    tensor: str  # "input" | "output" | "grad_input" | "grad_output"
+    tensor: str  # "input" | "output" | "grad_input" | "grad_output" | "attention_probs"
     call: int
     nbytes: int
     tensors: dict[str, dict] = field(default_factory=dict)  # key -> {"dtype", "shape"}
+    simulated: str | None = None  # the simulation's tag when the module ran simulated formats
+    encoding: str | None = None  # "hif8": floating tensors stored as uint8 HiFloat8 codes (expertd.hif8)
 
 
 @dataclass
@@ -118,7 +129,7 @@ class Capture:
     """Hooks on a model's linear and attention modules; `close()` (or leaving `with`) removes them."""
 
     def __init__(self, model: nn.Module, out_dir: str, modules=None, steps=None, directions=None,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, attention_probs: bool = False, encoding: str | None = None):
         self.model = model
         self.out_dir = os.path.abspath(out_dir)
         self.patterns = [modules] if isinstance(modules, str) else list(modules or ["*"])
@@ -129,6 +140,14 @@ class Capture:
             raise ValueError(f"unknown capture direction(s) {unknown}; expected some of {list(DIRECTIONS)}")
         self.directions = tuple(directions)
         self.max_bytes = max_bytes
+        if encoding not in (None, "hif8"):
+            raise ValueError(f"unknown capture encoding {encoding!r}; expected None or 'hif8'")
+        self.encoding = encoding
+        self.attention_probs = attention_probs
+        self._attn_impl = None
+        if attention_probs:  # eager attention for the pass: the only one that computes the probabilities
+            self._attn_impl = getattr(model.config, "_attn_implementation", None)
+            _set_attn_implementation(model, "eager")
         self.step = 0
         self.files: list[CaptureFile] = []
         self.nbytes = 0
@@ -208,6 +227,9 @@ class Capture:
             with self._lock:
                 if "forward" in self.directions:
                     self._save(record, "forward", "output", dict(_flatten(output, "output")))
+                probs = output[1] if kind == "attention" and isinstance(output, tuple) and len(output) > 1 else None
+                if self.attention_probs and isinstance(probs, torch.Tensor) and probs.dim() == 4:
+                    self._save(record, "forward", "attention_probs", {"probs": probs})
             if "backward" in self.directions:
                 outs = [(k, t) for k, t in _flatten(output, "output") if _needs_grad(t)]
                 record.expected["grad_output"] = len(outs)
@@ -240,7 +262,8 @@ class Capture:
         present = {k: t for k, t in tensors.items() if t is not None}
         if not present:
             return
-        nbytes = sum(t.numel() * t.element_size() for t in present.values())
+        packed = lambda t: self.encoding is not None and t.is_floating_point()  # noqa: E731
+        nbytes = sum(t.numel() * (1 if packed(t) else t.element_size()) for t in present.values())
         if self.max_bytes is not None and self.nbytes + nbytes > self.max_bytes:  # checked before any copy
             if not self.skipped:
                 log.warning("capture: byte budget of %d reached; further tensors are not saved", self.max_bytes)
@@ -248,13 +271,15 @@ class Capture:
             return
         # one copy each: to the CPU for device tensors, a private clone for CPU ones (they may be views
         # into buffers the model reuses)
-        data = {k: t.detach().to("cpu", copy=True).contiguous() for k, t in present.items()}
+        data = {k: hif8_encode(t.detach()).cpu() if packed(t) else t.detach().to("cpu", copy=True).contiguous()
+                for k, t in present.items()}
         layer, short = split_layer(record.name)
+        sim = simulation_tag(self.model, record.name)
         stem = f"{record.step:06d}_" + (f"L{layer:02d}_" if layer is not None else "") + f"{short}_{direction}_{tensor}"
-        file = stem + (f"_call{record.call}" if record.call else "") + ".safetensors"
+        file = stem + (f"_call{record.call}" if record.call else "") + (f"_sim-{sim}" if sim else "") + ".safetensors"
         entry = CaptureFile(file, record.step, layer, record.name, type(record.module).__name__, record.kind, direction, tensor,
                             record.call, nbytes, {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                                                  for k, t in data.items()})
+                                                  for k, t in data.items()}, sim, self.encoding)
         metadata = {"format": FORMAT, **{k: json.dumps(v) for k, v in asdict(entry).items() if k != "tensors"}}
         save_file(data, os.path.join(self.out_dir, file), metadata=metadata)
         self.files.append(entry)
@@ -267,7 +292,9 @@ class Capture:
             "version": VERSION,
             "model": type(self.model).__name__,
             "options": {"modules": self.patterns, "steps": None if self.steps is None else sorted(self.steps),
-                        "directions": list(self.directions), "max_bytes": self.max_bytes},
+                        "directions": list(self.directions), "max_bytes": self.max_bytes,
+                        "attention_probs": self.attention_probs, "encoding": self.encoding},
+            "simulation": simulation_info(self.model),
             "steps": self.step,
             "nbytes": self.nbytes,
             "skipped": self.skipped,
@@ -289,6 +316,8 @@ class Capture:
                     if len(grads) != record.expected.get(tensor):
                         self._save(record, "backward", tensor, grads)
             self._pending.clear()
+            if self.attention_probs:
+                _set_attn_implementation(self.model, self._attn_impl)
             self.write_manifest()
 
     def __enter__(self) -> "Capture":
@@ -298,28 +327,27 @@ class Capture:
         self.close()
 
 
+def _set_attn_implementation(model: nn.Module, impl: str | None) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    else:  # older transformers: the config is read at each forward
+        model.config._attn_implementation = impl
+
+
 def capture(model: nn.Module, out_dir: str, *, modules=None, steps=None, directions=None,
-            max_bytes: int | str | None = None) -> Capture:
+            max_bytes: int | str | None = None, attention_probs: bool = False, encoding: str | None = None) -> Capture:
     """Start capturing `model`'s linear and attention modules into `out_dir`; use as a context manager.
 
     `modules`: globs on qualified module names (default all); `steps`: forward calls of the root model
     to capture (ints, or a string like "1-3,10"; default all); `directions`: "forward" and/or
-    "backward"; `max_bytes`: stop saving once this many bytes are written (an int or "2GB").
+    "backward"; `max_bytes`: stop saving once this many bytes are written (an int or "2GB");
+    `attention_probs`: also save attention modules' per-head probabilities (eager attention meanwhile);
+    `encoding="hif8"`: store floating tensors as HiFloat8 byte codes (a quarter of fp32; `expertd.hif8.hif8_decode`).
     """
     if isinstance(max_bytes, str):
         max_bytes = parse_size(max_bytes)
-    return Capture(model, out_dir, modules=modules, steps=steps, directions=directions, max_bytes=max_bytes)
-
-
-def parse_steps(text: str) -> list[int]:
-    """'1-3,10' -> [1, 2, 3, 10]."""
-    steps = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or hi and not hi.isdigit():
-            raise ValueError(f"capture steps {text!r}: {part!r} is not N or N-M")
-        steps.extend(range(int(lo), int(hi or lo) + 1))
-    return steps
+    return Capture(model, out_dir, modules=modules, steps=steps, directions=directions, max_bytes=max_bytes,
+                   attention_probs=attention_probs, encoding=encoding)
 
 
 _ENV_CAPTURES: list[Capture] = []
@@ -360,28 +388,3 @@ def close_env_captures() -> None:
     """Close every capture EXPERTD_CAPTURE_DIR started (also run at exit): manifests written, hooks gone."""
     while _ENV_CAPTURES:
         _ENV_CAPTURES.pop().close()
-
-
-def read_manifest(folder: str) -> dict:
-    """A capture folder's manifest.json, or one rebuilt from the files' own metadata if it is missing."""
-    path = os.path.join(folder, MANIFEST)
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    from safetensors import safe_open
-
-    files = []
-    for name in sorted(os.listdir(folder)):
-        if not name.endswith(".safetensors"):
-            continue
-        with safe_open(os.path.join(folder, name), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != FORMAT:
-                continue
-            entry = {k: json.loads(v) for k, v in meta.items() if k != "format"}
-            entry["tensors"] = {}
-            for key in f.keys():
-                s = f.get_slice(key)
-                entry["tensors"][key] = {"dtype": str(s.get_dtype()), "shape": list(s.get_shape())}
-        files.append(entry)
-    return {"format": FORMAT, "version": VERSION, "files": files}

@@ -166,6 +166,7 @@ class ExpertClient:
         from .capture import capture_from_env  # EXPERTD_CAPTURE_DIR set: capture activations, no code changes
 
         capture_from_env(model)
+        from .simulate import simulate_from_env; simulate_from_env(model)  # EXPERTD_SIMULATE_*: simulated formats
         return model
 
     def status(self) -> dict:

@@ -10,6 +10,8 @@ dequantization, so formats can be compared on real weights and activations:
   an E8M0 power-of-two scale X = 2^(floor(log2(amax)) - emax_elem), clamped to [2^-127, 2^127]; each
   element is V / X rounded to nearest even in E4M3 (emax_elem 8) or E2M1 (emax_elem 2, values
   {0, 0.5, 1, 1.5, 2, 3, 4, 6}), magnitudes past the largest normal clamped to it.
+- `hif8`: HiFloat8 (expertd/hif8.py), a direct cast with no scale: tapered precision over 2^-22..2^15,
+  rounded half away from zero, magnitudes past 32768 saturated to it.
 
 Tensors of any rank are compared on a 2-D view [-1, last dim] (1-D tensors as one row).
 """
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .dtypes import E4M3_MAX
+from .hif8 import hif8_round_trip
 
 BLOCK = 128  # DeepSeek-V3's block scales
 MX_BLOCK = 32  # OCP MX: elements sharing one E8M0 scale
@@ -161,7 +164,23 @@ FORMATS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "fp8_e5m2_block128": lambda x: fp8_block(x, E5M2),
     "mxfp8_e4m3": mxfp8,
     "mxfp4_e2m1": mxfp4,
+    "hif8": lambda x: hif8_round_trip(as_2d(x)),
 }
+# other spellings accepted wherever a format is named (`simulate`, `evaluate --formats`)
+ALIASES = {"mxfp4": "mxfp4_e2m1", "mxfp8": "mxfp8_e4m3", "hifloat8": "hif8"}
+
+
+def resolve_format(name: str) -> str:
+    """The FORMATS key for `name` or one of its aliases; a ValueError naming the known formats otherwise."""
+    key = ALIASES.get(name, name)
+    if key not in FORMATS:
+        raise ValueError(f"unknown format {name!r}; known: {', '.join(FORMATS)} (aliases {', '.join(ALIASES)})")
+    return key
+
+
+def round_trip(x: torch.Tensor, name: str) -> torch.Tensor:
+    """`x` after the round trip through format `name`, in x's shape and dtype."""
+    return FORMATS[resolve_format(name)](x).reshape(x.shape).to(x.dtype)
 
 
 @dataclass

@@ -21,3 +21,14 @@ def parse_size(text: str | int) -> int:
     if size <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return size
+
+
+def parse_steps(text: str) -> list[int]:
+    """'1-3,10' -> [1, 2, 3, 10]."""
+    steps = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or hi and not hi.isdigit():
+            raise ValueError(f"capture steps {text!r}: {part!r} is not N or N-M")
+        steps.extend(range(int(lo), int(hi or lo) + 1))
+    return steps

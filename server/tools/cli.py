@@ -1,4 +1,4 @@
-"""Subcommands for the tools around the weights (convert, inspect, doctor)."""
+"""Subcommands for the tools around the weights (convert, inspect, evaluate, doctor)."""
 
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ def _size(text: str) -> int:
 
 
 def _formats(text: str) -> list[str]:
-    from expertd.formats import FORMATS
+    from expertd.formats import ALIASES, FORMATS
 
     if text == "all":
         return list(FORMATS)
     if text == "none":
         return []
     names = [f.strip() for f in text.split(",") if f.strip()]
+    names = [ALIASES.get(f, f) for f in names]
     unknown = [f for f in names if f not in FORMATS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(FORMATS)}, all, none")
@@ -62,6 +63,45 @@ def cmd_inspect(args) -> int:
     print(f"{report['source']['kind']} {report['source']['where']}: {totals['tensors']} tensors, "
           f"{totals['bytes']:,} bytes; {len(report['plots'])} picture(s)")
     print(f"{args.out}/index.html" if not args.no_plots else f"{args.out}/stats.md")
+    return 0
+
+
+def _globs(text: str) -> list[str]:
+    return [g.strip() for g in text.split(",") if g.strip()]
+
+
+def cmd_evaluate(args) -> int:
+    import torch
+
+    from .evaluate import evaluate_model, load_checkpoint_model, token_batch, write_outputs
+
+    from ..config import resolve_target
+
+    target = resolve_target(args.endpoint, args.config, args.token)
+    if args.checkpoint is None and target.endpoint is None:
+        raise ConfigError("give a CHECKPOINT folder, --endpoint or --config")
+    dtype = getattr(torch, args.dtype)
+    client = None
+    try:
+        if args.checkpoint is not None:
+            model, where = load_checkpoint_model(args.checkpoint, dtype), args.checkpoint
+        else:
+            from expertd.client import ExpertClient
+
+            client = ExpertClient(target.endpoint, timeout=args.timeout, heartbeat=False,
+                                  **({"token": target.token} if target.token else {}))
+            model, where = client.load_model(dtype=dtype), target.endpoint  # zero copy: shared-memory views
+        ids = token_batch(args.tokens, args.random, model.config.vocab_size)
+        result = evaluate_model(model, ids, args.formats, modules=args.modules, weights=not args.activations_only,
+                                activations=not args.weights_only, per_layer=args.per_layer)
+        result = write_outputs(result, args.out, where, plots=not args.no_plots)
+    finally:
+        if client is not None:
+            client.close()
+    for fmt, r in result["formats"].items():
+        print(f"{fmt:>20}: KL mean {r['kl_mean']:.3g}, max {r['kl_max']:.3g}; top-1 {r['top1_agreement']:.4f}; "
+              f"max |dlogit| {r['max_abs_dlogit']:.3g}")
+    print(f"{args.out}/evaluate.md")
     return 0
 
 
@@ -121,6 +161,27 @@ def add_tool_commands(sub) -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a daemon")
     p.add_argument("--token", help="the daemon's auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("evaluate", help="end-to-end cost of number formats: KL of the next token, top-1 agreement")
+    p.add_argument("checkpoint", nargs="?", help="checkpoint folder (FP8 or bf16) to load instead of a daemon")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--endpoint", help="a running daemon's endpoint (the model is its shared memory, no copy)")
+    where.add_argument("--config", help="a running daemon's YAML config")
+    p.add_argument("--formats", type=_formats, required=True, help="comma-separated formats (or 'all'), e.g. hif8,mxfp4_e2m1")
+    p.add_argument("--modules", type=_globs, default=["*"], help="comma-separated globs of the modules simulated (default all)")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--weights-only", action="store_true", help="simulate the weights only")
+    only.add_argument("--activations-only", action="store_true", help="simulate the modules' inputs only")
+    tokens = p.add_mutually_exclusive_group()
+    tokens.add_argument("--tokens", help="token ids: a JSON list of lists, or one sequence of integers per line")
+    tokens.add_argument("--random", type=int, default=64, help="N random token ids (fixed seed; default 64)")
+    p.add_argument("--per-layer", action="store_true", help="also simulate one layer at a time")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the dtype the model runs in")
+    p.add_argument("--out", required=True, help="folder for evaluate.json, evaluate.md and the PNGs")
+    p.add_argument("--no-plots", action="store_true", help="numbers only")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a daemon")
+    p.add_argument("--token", help="the daemon's auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
+    p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("doctor", help="check every tensor's dtype across checkpoint, daemon index, shared memory and model")
     p.add_argument("checkpoint", nargs="?", help="checkpoint folder (default: the one the daemon serves)")

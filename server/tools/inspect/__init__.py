@@ -8,7 +8,8 @@ router, embeddings, norms), with the memory the model would take in bf16, fp16, 
 errors are summed over components, layers and (layer, expert) pairs, so their spread can be drawn.
 
 `sources` turns the source into tensors to load, `inspection` walks them (`stats` per tensor,
-`groups` for the sums), `report` writes OUT/stats.json, stats.md and index.html, `plots` the PNGs.
+`groups` for the sums), `report` writes OUT/stats.json, stats.md and index.html, `plots` the PNGs
+(`attention_plots` the per-head heatmaps of a capture made with `attention_probs=True`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from expertd import formats as fmts
 from .groups import component_of
 from .inspection import Inspection
 from .report import write_report
-from .sources import open_source
+from .sources import attention_maps, open_source
 
 __all__ = ["component_of", "inspect"]
 
@@ -34,12 +35,13 @@ def inspect(src: str, out_dir: str, formats: list[str] | None = None, sample: in
         raise ValueError(f"unknown format(s) {unknown}; known: {', '.join(fmts.FORMATS)}")
     with open_source(src, timeout=timeout, token=token) as source:
         inspection = Inspection(source, formats, sample).run()
+        attention = attention_maps(source.items) if plots and source.kind == "capture" else {}
     report = inspection.to_dict()
     os.makedirs(out_dir, exist_ok=True)
     report["plots"] = []
     if plots:
         from .plots import draw_all
 
-        report["plots"] = draw_all(*inspection.value_samples(), report, out_dir)
+        report["plots"] = draw_all(*inspection.value_samples(), report, out_dir, attention)
     write_report(report, out_dir, page=plots)
     return report

@@ -34,6 +34,11 @@ def component_of(name: str) -> str:
     return "other"
 
 
+def group_rank(label: str) -> tuple[int, str]:
+    """The one order of groups in every table and picture: components as COMPONENTS lists them, then by name."""
+    return (COMPONENTS.index(label) if label in COMPONENTS else len(COMPONENTS), label)
+
+
 def layer_of(name: str) -> int | None:
     match = _LAYER_RE.search(name)
     return int(match.group(1)) if match else None
@@ -85,6 +90,9 @@ class ErrorTable:
                 out["by_expert"].setdefault(fmt, []).append({"layer": key.layer, "expert": key.expert, **error_dict(e)})
             else:
                 out[key.table].setdefault(fmt, {})[key.label] = error_dict(e)
+        for table in ("by_component", "by_group"):
+            for fmt in out[table]:
+                out[table][fmt] = dict(sorted(out[table][fmt].items(), key=lambda kv: group_rank(kv[0])))
         for fmt in out["by_layer"]:
             out["by_layer"][fmt] = dict(sorted(out["by_layer"][fmt].items(), key=lambda kv: int(kv[0])))
         return out
@@ -109,11 +117,10 @@ def totals(tensors: list[dict]) -> dict:
             for k, v in t["footprint"].items():
                 c["footprint"][k] += v
                 footprint_total[k] += v
-    order = {c: i for i, c in enumerate(COMPONENTS)}
     return {
         "tensors": len(tensors),
         "bytes": sum(t["bytes"] for t in tensors),
         "by_dtype": dict(sorted(by_dtype.items())),
-        "by_component": dict(sorted(by_component.items(), key=lambda kv: order.get(kv[0], 99))),
+        "by_component": dict(sorted(by_component.items(), key=lambda kv: group_rank(kv[0]))),
         "footprint": footprint_total,
     }

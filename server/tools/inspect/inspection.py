@@ -13,7 +13,7 @@ import torch
 from expertd import formats as fmts
 from expertd.errors import CheckpointError, ExpertdError
 
-from .groups import COMPONENTS, ErrorTable, group_keys, totals
+from .groups import ErrorTable, group_keys, group_rank, totals
 from .sources import Item, Source
 from .stats import error_dict, footprint, tensor_stats
 
@@ -84,13 +84,12 @@ class Inspection:
 
     def value_samples(self) -> tuple[dict[str, np.ndarray], dict[int, np.ndarray]]:
         """The sampled values as plain arrays for the plots: per group (components first, in order) and per layer."""
-        order = {c: i for i, c in enumerate(COMPONENTS)}
         groups = [(g, torch.cat(parts)) for g, parts in self.samples.items() if parts]
-        groups = sorted([(g, v) for g, v in groups if v.numel()], key=lambda gv: (order.get(gv[0], 99), gv[0]))
+        groups = sorted([(g, v) for g, v in groups if v.numel()], key=lambda gv: group_rank(gv[0]))
         layers = {k: torch.cat(self.layer_samples[k]).numpy() for k in sorted(self.layer_samples)}
         return {g: v.numpy() for g, v in groups}, layers
 
 
 def _plotted(it: Item) -> bool:
-    """Values worth drawing and quantizing: floating weights, activations and gradients (not scales)."""
-    return it.role != "scale" and it.dtype.is_floating_point and math.prod(it.shape) > 0
+    """Values worth drawing and quantizing: floating weights, activations and gradients (not scales or masks)."""
+    return it.role not in ("scale", "mask") and it.dtype.is_floating_point and math.prod(it.shape) > 0

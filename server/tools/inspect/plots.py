@@ -8,27 +8,15 @@ report dict's statistics and format errors), saves it under the output folder an
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import torch
 
-HEATMAP_FORMATS = ("fp8_e4m3_block128", "mxfp8_e4m3", "mxfp4_e2m1")
+from ..plotting import log_floor, log_lines
+from ..plotting import pyplot as _pyplot
+from ..plotting import save as _save
 
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, out_dir: str, file: str) -> str:
-    fig.savefig(os.path.join(out_dir, file), dpi=90, bbox_inches="tight")
-    _pyplot().close(fig)
-    return file
+HEATMAP_FORMATS = ("fp8_e4m3_block128", "mxfp8_e4m3", "mxfp4_e2m1", "hif8")
 
 
 def _grid(plt, n: int, size=(4.0, 3.0)):
@@ -51,6 +39,7 @@ def plot_histograms(groups: dict[str, np.ndarray], out_dir: str):
         ax.set_yscale("log")
         ax.set_title(f"{group} ({values.size:,} sampled values)", fontsize=9)
         ax.set_xlabel("value")
+        ax.set_ylabel("count (log scale)")
     fig.suptitle("Value histograms")
     return _save(fig, out_dir, "histograms.png"), "Value histograms per group (log count), from a proportional sample."
 
@@ -171,11 +160,20 @@ def plot_format_summary(report: dict, out_dir: str):
     rel = [_as_float(overall[f]["rel_error"]) for f in names]
     snr = [_as_float(overall[f]["snr_db"]) for f in names]
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4), layout="constrained")
-    a.bar(names, [r if math.isfinite(r) and r > 0 else math.nan for r in rel], color="tab:red")
+    floor = log_floor(rel)
+    a.bar(names, [r if math.isfinite(r) and r > 0 else math.nan for r in rel], color="tab:red", label="relative error")
+    exact = [i for i, r in enumerate(rel) if r == 0]
+    if exact:  # a log axis has no place for 0: a marker at its floor, named
+        a.plot(exact, [floor] * len(exact), "v", color="black", markersize=8, label="exact round trip (error 0)")
     a.set_yscale("log")
+    a.set_ylim(bottom=floor / 2)
     a.set_ylabel("||x - q(x)|| / ||x||")
-    a.set_title("relative error (lower is better; exact round trips have no bar)", fontsize=9)
+    a.set_title("relative error (lower is better)", fontsize=9)
+    a.legend(fontsize=7)
     b.bar(names, [s if math.isfinite(s) else math.nan for s in snr], color="tab:green")
+    for i, s in enumerate(snr):
+        if s == math.inf:
+            b.annotate("exact", (i, 0), ha="center", va="bottom", fontsize=7)
     b.set_ylabel("SNR (dB)")
     b.set_title("signal-to-quantization-noise ratio (higher is better)", fontsize=9)
     for ax in (a, b):
@@ -192,13 +190,10 @@ def _plot_lines(report: dict, out_dir: str, key: str, file: str, xlabel: str, ti
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    for fmt, cells in table.items():
-        xs = list(cells)
-        ys = [_as_float(cells[x]["rel_error"]) for x in xs]
-        ax.plot(range(len(xs)), [y if y > 0 else math.nan for y in ys], "o-", label=fmt, markersize=3)
+    xs = list(dict.fromkeys(x for cells in table.values() for x in cells))  # the table's order (groups: group_rank)
+    log_lines(ax, xs, {fmt: [_as_float(cells.get(x, {}).get("rel_error")) for x in xs] for fmt, cells in table.items()})
     ax.set_xticks(range(len(xs)), xs, rotation=30 if key != "by_layer" else 0, ha="right" if key != "by_layer" else "center",
                   fontsize=8)
-    ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("relative error")
     ax.set_title(title, fontsize=10)
@@ -206,12 +201,15 @@ def _plot_lines(report: dict, out_dir: str, key: str, file: str, xlabel: str, ti
     return _save(fig, out_dir, file), title + "."
 
 
-def draw_all(groups: dict[str, np.ndarray], layers: dict[int, np.ndarray], report: dict, out_dir: str) -> list[dict]:
+def draw_all(groups: dict[str, np.ndarray], layers: dict[int, np.ndarray], report: dict, out_dir: str,
+             attention: dict[str, np.ndarray] | None = None) -> list[dict]:
     """Every picture the data allows; returns [{"file", "caption"}] in display order.
 
     `groups` holds the sampled values per group in display order, `layers` per layer; `report` is
-    what stats.json holds.
+    what stats.json holds; `attention` per-head attention probabilities [heads, query, key] by label.
     """
+    from .attention_plots import plot_attention_maps
+
     drawn = [plot_histograms(groups, out_dir), plot_boxplots(groups, layers, out_dir),
              plot_qq(groups, out_dir), plot_format_summary(report, out_dir),
              _plot_lines(report, out_dir, "by_layer", "formats_by_layer.png", "layer",
@@ -219,5 +217,6 @@ def draw_all(groups: dict[str, np.ndarray], layers: dict[int, np.ndarray], repor
              _plot_lines(report, out_dir, "by_group", "formats_by_group.png", "group",
                          "Relative error of each format per group")]
     drawn += plot_expert_heatmaps(report, out_dir)
+    drawn += plot_attention_maps(attention or {}, out_dir)
     return [{"file": f, "caption": c} for f, c in filter(None, drawn)]
 

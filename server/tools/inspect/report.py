@@ -6,8 +6,21 @@ import html
 import json
 import os
 
-from .groups import COMPONENTS
+from .groups import group_rank
 from .stats import FOOTPRINT_DTYPES
+
+
+FP8_NOTE = ("fp8: e4m3 with float32 128x128 block scales for the tensors DeepSeek-V3 stores so (the ones already "
+            "stored in fp8, and their kind elsewhere), bf16 for the rest (norms, router, embeddings).")
+E5M2_NOTE = (
+    "fp8_e5m2_block128 can show a higher error than fp8_e5m2_tensor on weights that were stored as e4m3 with "
+    "128x128 block scales. This is not a defect: a block's e5m2 scale maps its amax (448 x its e4m3 scale) to "
+    "57344, so each e4m3 value q becomes 128 q and keeps its 3-bit mantissa; every value with an odd last bit then "
+    "lands halfway (up to the bf16 rounding of the dequantized weight) between two e5m2 values (2 mantissa bits): "
+    "the largest possible rounding error, on about half the values. A per-tensor scale is not aligned with the "
+    "blocks and spreads the values over the grid. An independent numpy re-implementation of e5m2 block scaling "
+    "gives the same numbers on such a tensor, and on Gaussian values (no e4m3 grid) block and per-tensor e5m2 "
+    "agree within 0.2%.")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -52,16 +65,18 @@ def markdown(report: dict) -> str:
         lines.append(f"| {c} | {v['tensors']} | {v['numel']:,} | {_fmt_bytes(v['bytes'])} | "
                      + " | ".join(_fmt_bytes(v["footprint"][k]) for k in keys) + " |")
     lines.append("| **total** | | | | " + " | ".join(f"**{_fmt_bytes(totals['footprint'][k])}**" for k in keys) + " |")
-    lines += ["", "fp8: e4m3 with float32 128x128 block scales for the tensors DeepSeek-V3 stores so, bf16 for the rest.", ""]
+    lines += ["", FP8_NOTE, ""]
     if formats["overall"]:
-        comps = sorted({c for v in formats["by_component"].values() for c in v}, key=lambda c: (COMPONENTS + (c,)).index(c))
+        comps = sorted({c for v in formats["by_component"].values() for c in v}, key=group_rank)
         lines += ["## Quantization formats: relative error ||x - q(x)|| / ||x|| (SNR dB)", "",
                   "| format | overall | " + " | ".join(comps) + " |", "|---|---:|" + "---:|" * len(comps)]
         for fmt, e in formats["overall"].items():
             cells = [formats["by_component"].get(fmt, {}).get(c) for c in comps]
             lines.append(f"| {fmt} | {_fmt_num(e['rel_error'])} ({_fmt_num(e['snr_db'])}) | "
                          + " | ".join(f"{_fmt_num(x['rel_error'])} ({_fmt_num(x['snr_db'])})" if x else "" for x in cells) + " |")
-        lines.append("")
+        lines += ["", "0 (inf): an exact round trip.", ""]
+        if {"fp8_e5m2_tensor", "fp8_e5m2_block128"} <= set(formats["overall"]):
+            lines += [E5M2_NOTE, ""]
     lines += ["## Tensors", "", "| name | dtype | shape | bytes | min | max | mean | std | zeros | non-finite |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for t in report["tensors"]:
@@ -86,13 +101,16 @@ def write_html(report: dict, out_dir: str) -> str:
     for c, v in totals["by_component"].items():
         parts.append(f"<tr><td>{e(c)}</td><td>{v['tensors']}</td><td>{_fmt_bytes(v['bytes'])}</td>"
                      + "".join(f"<td>{_fmt_bytes(v['footprint'][k])}</td>" for k in keys) + "</tr>")
-    parts.append("<tr><th>total</th><th></th><th>" + _fmt_bytes(totals["bytes"]) + "</th>"
-                 + "".join(f"<th>{_fmt_bytes(totals['footprint'][k])}</th>" for k in keys) + "</tr></table>")
+    parts += ["<tr><th>total</th><th></th><th>" + _fmt_bytes(totals["bytes"]) + "</th>"
+              + "".join(f"<th>{_fmt_bytes(totals['footprint'][k])}</th>" for k in keys) + "</tr></table>",
+              f"<p><small>{e(FP8_NOTE)}</small></p>"]
     if formats["overall"]:
         parts.append("<h2>Quantization formats</h2><table><tr><th>format</th><th>relative error</th><th>SNR (dB)</th></tr>")
         parts += [f"<tr><td>{e(f)}</td><td>{_fmt_num(v['rel_error'])}</td><td>{_fmt_num(v['snr_db'])}</td></tr>"
                   for f, v in formats["overall"].items()]
-        parts.append("</table>")
+        parts.append("</table><p><small>0 / inf: an exact round trip.</small></p>")
+        if {"fp8_e5m2_tensor", "fp8_e5m2_block128"} <= set(formats["overall"]):
+            parts.append(f"<p><small>{e(E5M2_NOTE)}</small></p>")
     parts.append("<h2>Pictures</h2>")
     parts += [f"<figure><img src='{e(p['file'])}' alt='{e(p['caption'])}'><figcaption>{e(p['caption'])}</figcaption></figure>"
               for p in report["plots"]]

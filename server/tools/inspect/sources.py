@@ -8,15 +8,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from expertd.protocol import is_endpoint
 from expertd.dtypes import FP8
 from expertd.errors import CheckpointError
+from expertd.hif8 import hif8_decode
 
 from ...layout import SCALE_SUFFIX, is_fp8_weight
 from ...reader import Checkpoint
 from .groups import component_of, expert_of, layer_of
+
+
+MASK_KEYS = ("attention_mask", "causal_mask", "position_ids", "cache_position")
 
 
 @dataclass
@@ -29,7 +34,7 @@ class Item:
     nbytes: int
     component: str
     group: str  # what histograms and box plots pool: the component, or a capture's direction
-    role: str  # "weight" | "scale" | "activation" | "gradient"
+    role: str  # "weight" | "scale" | "activation" | "gradient" | "mask"
     load: Callable[[], torch.Tensor]
     layer: int | None = None
     expert: int | None = None
@@ -93,16 +98,31 @@ def _capture_items(folder: str) -> list[Item]:
                 dtype = getattr(torch, meta["dtype"])
                 shape = tuple(meta["shape"])
                 component = component_of(entry["module"])
+                codes = entry.get("encoding") == "hif8" and dtype == torch.uint8  # HiFloat8 codes: decoded
+                dtype = torch.float32 if codes else dtype
 
-                def load(path=path, key=key) -> torch.Tensor:
+                def load(path=path, key=key, codes=codes) -> torch.Tensor:
                     with safe_open(path, framework="pt") as f:
-                        return f.get_tensor(key)
+                        t = f.get_tensor(key)
+                    return hif8_decode(t) if codes else t
 
                 role = "activation" if entry["direction"] == "forward" else "gradient"
+                if key.rsplit(".", 1)[-1] in MASK_KEYS:  # additive masks hold float min: not values to draw
+                    role = "mask"
                 items.append(Item(f"{prefix}{entry['file'].removesuffix('.safetensors')}:{key}", dtype, shape,
                                   math.prod(shape) * dtype.itemsize, component, f"{entry['direction']} {entry['tensor']}",
                                   role, load, entry.get("layer"), None, True))
     return items
+
+
+def attention_maps(items: list[Item], limit: int = 24) -> dict[str, np.ndarray]:
+    """Per-head attention probabilities [heads, query, key] (first batch row) of a capture's attention
+    modules, by file label; the first `limit` in file order."""
+    maps = {}
+    for it in items:
+        if it.group == "forward attention_probs" and len(it.shape) == 4 and len(maps) < limit:
+            maps[it.name.removesuffix(":probs")] = it.load()[0].float().numpy()
+    return maps
 
 
 def is_capture(src: str) -> bool:
