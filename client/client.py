@@ -19,7 +19,7 @@ from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
 
 from .connection import Connection
 from .restore import restore
-from expertd.shm import map_segment, segment_bytes, view
+from expertd.shm import map_segments, view
 
 log = logging.getLogger("expertd.client")
 
@@ -287,17 +287,13 @@ class ExpertClient:
         if self._segments is None:
             return
         keep = {s.name: self._segments[s.name] for s in index.segments if s.name in self._segments}
-        for s in index.segments:
-            if s.name not in keep:
-                keep[s.name] = segment_bytes(map_segment(s.name, s.nbytes, writable=self.copy_on_write))
+        keep.update(map_segments([s for s in index.segments if s.name not in keep], writable=self.copy_on_write))
         self._segments = keep
 
     def _attach(self) -> dict[str, torch.Tensor]:
         if self._segments is None:
             index = self.index()
-            self._segments = {
-                s.name: segment_bytes(map_segment(s.name, s.nbytes, writable=self.copy_on_write)) for s in index.segments
-            }
+            self._segments = map_segments(index.segments, writable=self.copy_on_write)
         return self._segments
 
     def _announce(self) -> None:

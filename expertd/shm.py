@@ -58,6 +58,16 @@ def segment_bytes(mapping: mmap.mmap) -> torch.Tensor:
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
+def map_segments(entries, writable: bool = False) -> dict[str, torch.Tensor]:
+    """Map every segment of an index (name -> its bytes as one uint8 tensor); one warnings guard for all."""
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": intended
+        for s in entries:
+            out[s.name] = torch.frombuffer(map_segment(s.name, s.nbytes, writable=writable), dtype=torch.uint8)
+    return out
+
+
 def view(segments: dict[str, torch.Tensor], entry: TensorEntry) -> torch.Tensor:
     """A tensor over an index entry's bytes, sharing its segment's storage."""
     dtype = to_dtype(entry.dtype)
