@@ -139,6 +139,7 @@ def test_update_from_one_process_refresh_in_another(tiny_checkpoint, start_daemo
     with ExpertClient(daemon.endpoint, on_update=heard.append) as updater:
         start = updater.index().generation
         served = updater.tensors()
+        original = served[EXPERT].clone()
         pushed = {EXPERT: (served[EXPERT].float() * 0.5 - 0.01).bfloat16(), NORM: served[NORM] * 2}
         generation = updater.update(pushed)
         assert generation == start + 1 and updater.latest_generation == generation
@@ -150,6 +151,10 @@ def test_update_from_one_process_refresh_in_another(tiny_checkpoint, start_daemo
         assert sorted(moved["names"]) == [FUSED, NORM]
         refreshed = updater.refresh()
         assert sorted(refreshed) == [FUSED, NORM] and torch.equal(updater.tensors()[EXPERT], pushed[EXPERT])
+        while len(daemon.status()["generations"]) > 1 and time.monotonic() < deadline + 10:
+            time.sleep(0.05)
+        assert len(daemon.status()["generations"]) == 1  # the old generation is retired ...
+        assert torch.equal(served[EXPERT], original)  # ... and views taken from it still read its bytes
         # the model computes with the pushed values: as transformers does from a checkpoint holding them
         expected = edit_checkpoint(tiny_checkpoint, str(tmp_path / "pushed"), replace=pushed)
         assert w.ask("logits")["logits"] == logits_digest(expected, tmp_path / "ref")
@@ -236,3 +241,23 @@ def test_max_generations_refusal_names_the_pinning_leases(tiny_checkpoint, chang
         client.update({NORM: client.tensors()[NORM] * 2})
     old.ask("refresh")
     assert reload(daemon, tiny_checkpoint).returncode == 0
+
+
+def test_sighup_reloads_the_configured_folder_in_place(tiny_checkpoint, start_daemon, namespace, tmp_path):
+    folder = edit_checkpoint(tiny_checkpoint, str(tmp_path / "served"))
+    daemon = start_daemon(folder)
+    before = daemon.status()
+    ref = reference_tensors(folder)
+    edit_checkpoint(folder, str(tmp_path / "edited"), replace={NORM: ref[NORM] * 3})
+    shard = os.path.basename(glob.glob(f"{tmp_path}/edited/*.safetensors")[0])
+    for name in os.listdir(tmp_path / "edited"):  # rewrite the served folder's files in place
+        os.replace(tmp_path / "edited" / name, os.path.join(folder, name))
+    daemon.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 60
+    while daemon.status()["generation"] == before["generation"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    status = daemon.status()
+    assert status["generation"] == before["generation"] + 1 and status["job"]["kind"] == "reload"
+    assert status["job"]["tensors_written"] == 1 and status["job"]["bytes_written"] == 320 * 2, shard
+    with ExpertClient(daemon.endpoint) as client:
+        assert torch.equal(client.tensors()[NORM], ref[NORM] * 3)
