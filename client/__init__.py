@@ -3,10 +3,10 @@
 Never imports server code or Triton.
 """
 
-from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, RestoreError
+from expertd.errors import DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError, RestoreError
 
 from .capture import capture
 from .client import ExpertClient
 from .restore import RestoreResult, restore
 
-__all__ = ["ExpertClient", "capture", "restore", "RestoreResult", "ExpertdError", "DaemonError", "DaemonTimeout", "RestoreError"]
+__all__ = ["ExpertClient", "capture", "restore", "RestoreResult", "ExpertdError", "DaemonError", "DaemonNotRunning", "DaemonTimeout", "RestoreError"]

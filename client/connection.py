@@ -7,8 +7,29 @@ import threading
 
 import zmq
 
-from expertd.errors import DaemonTimeout
-from expertd.protocol import pack, unpack_reply
+from expertd.errors import DaemonNotRunning, DaemonTimeout
+from expertd.protocol import ipc_path, pack, unpack_reply
+
+# What each request is, in the user's words (errors name these, never the op on the wire).
+OP_WORDS = {
+    "hello": "the handshake", "lease": "attach", "index": "the tensor index", "heartbeat": "a heartbeat",
+    "release": "detach", "refresh": "refresh", "status": "status", "stop": "stop", "reload": "reload",
+    "update": "an update", "commit": "an update", "job": "build progress",
+}
+
+
+def op_words(op: str) -> str:
+    return OP_WORDS.get(op, op)
+
+
+def check_running(endpoint: str) -> None:
+    """Fail at once when an ipc:// endpoint has no socket file: no daemon can answer there."""
+    path = ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):
+        raise DaemonNotRunning(
+            f"no expertd daemon is running at {endpoint}: the socket file {path} does not exist; "
+            "start one with `expertd start --config CONFIG` (or point to the right one with --endpoint / $EXPERTD_ENDPOINT)"
+        )
 
 
 class Connection:
@@ -37,6 +58,8 @@ class Connection:
     def request(self, op: str, **fields) -> dict:
         """Send one request and return the reply map; raises DaemonTimeout or the reply's typed DaemonError."""
         with self._lock:
+            if self._sock is None:
+                check_running(self.endpoint)
             sock = self._socket()
             try:
                 message = {"op": op, **fields}
@@ -47,7 +70,8 @@ class Connection:
             except zmq.Again as exc:
                 self._reset()
                 raise DaemonTimeout(
-                    f"expertd daemon at {self.endpoint} did not answer {op!r} within {self.timeout_ms / 1000:.1f}s"
+                    f"the daemon at {self.endpoint} did not answer {op_words(op)} within {self.timeout_ms / 1000:.1f}s "
+                    "(its socket exists: is it stuck, or is --timeout too short?)"
                 ) from exc
             except BaseException:
                 self._reset()  # a REQ socket interrupted between send and recv can never send again

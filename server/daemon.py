@@ -24,7 +24,7 @@ from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, check_version,
 
 from .config import DaemonConfig
 from .loader import Cancelled, prepare, resolve_device
-from .runstate import RunState
+from .runstate import EndpointBusy, RunState
 from .service import WeightService
 
 log = logging.getLogger("expertd.daemon")
@@ -58,6 +58,7 @@ class Daemon:
             self.runstate.release()
 
     def _run(self) -> int:
+        self._check_endpoint_free()
         ckpt, plan = prepare(self.cfg.checkpoint)  # raises before anything is created
         log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
                  self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout)
@@ -93,6 +94,7 @@ class Daemon:
                     os.unlink(ipc_path(self.cfg.endpoint))
                 except FileNotFoundError:
                     pass
+            self.runstate.remove()  # nothing of this run is left: segments, index, socket and now the manifest
             for s, h in old_handlers.items():
                 signal.signal(s, h)
         error = self.weights.load_error
@@ -119,7 +121,7 @@ class Daemon:
                 log.warning("socket folder %s is accessible to other users; expertd makes its own folders 0700", folder)
             if os.path.exists(path):
                 if _endpoint_answers(ctx, endpoint):
-                    raise ExpertdError(f"another daemon already serves {endpoint}")
+                    raise self._endpoint_busy()
                 os.unlink(path)  # a socket file left by a daemon that died
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -142,7 +144,25 @@ class Daemon:
         log.info("control socket %s", endpoint)
         return sock
 
-    # --- building and publishing generations ------------------------------------------------
+    def _check_endpoint_free(self) -> None:
+        """Refuse at once (before a long load) when another daemon answers on our ipc:// endpoint."""
+        path = ipc_path(self.cfg.endpoint)
+        if path is not None and os.path.exists(path):
+            ctx = zmq.Context()
+            try:
+                if _endpoint_answers(ctx, self.cfg.endpoint):
+                    raise self._endpoint_busy()
+            finally:
+                ctx.term()
+
+    def _endpoint_busy(self) -> EndpointBusy:
+        folder = os.path.dirname(ipc_path(self.cfg.endpoint) or "/tmp/expertd/x")
+        return EndpointBusy(
+            f"another expertd daemon already answers on {self.cfg.endpoint}; each daemon needs its own endpoint: "
+            f"set `endpoint:` in this config (e.g. endpoint: ipc://{folder}/{self.cfg.namespace}.sock), "
+            "or stop the other daemon first"
+        )
+
     # --- requests --------------------------------------------------------------------------
 
     def _serve_one(self, sock: zmq.Socket) -> bool:
