@@ -41,6 +41,7 @@ class Daemon:
         self.runstate = RunState(cfg.namespace, cfg.resolved_run_dir)
         self.weights = WeightService(cfg, self.runstate, resolve_device(cfg.device), self._stop.is_set)
         w = self.weights
+        self.metrics = None  # DaemonMetrics once serving, when metrics_port is set
         self.OPS = {
             "hello": self.op_hello, "status": self.op_status, "stop": self.op_stop, "index": self.op_index,
             "lease": self.op_lease, "heartbeat": self.op_heartbeat, "release": self.op_release,
@@ -69,6 +70,15 @@ class Daemon:
         except BaseException:
             ctx.term()
             raise
+        if self.cfg.metrics_port is not None:
+            from .metrics import DaemonMetrics
+
+            try:
+                self.metrics = DaemonMetrics(self.cfg.metrics_host, self.cfg.metrics_port)
+            except BaseException:
+                sock.close(linger=0)
+                ctx.term()
+                raise
         signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in signals}
         self.weights.start_load(ckpt, plan)
@@ -84,8 +94,12 @@ class Daemon:
                 if hup:
                     self._hup.clear()
                 self.weights.tick(reload_requested=hup)
+                if self.metrics is not None:
+                    self.metrics.refresh(self.weights)
         finally:
             self._stop.set()
+            if self.metrics is not None:
+                self.metrics.close()
             sock.close(linger=0)
             ctx.term()
             self.weights.close()
@@ -174,10 +188,12 @@ class Daemon:
         if len(frames) < 2:
             return True  # no routing identity: nobody to answer
         identity, payload = frames[0], frames[-1]
+        msg = None
         try:
             if len(frames) > 3 or (len(frames) == 3 and frames[1] != b""):
                 raise ProtocolError("expected one message frame")
-            reply = self.handle(unpack(payload))
+            msg = unpack(payload)
+            reply = self.handle(msg)
             if isinstance(reply, dict):
                 reply["latest"] = self._latest_number()
         except ExpertdError as exc:
@@ -185,6 +201,9 @@ class Daemon:
         except Exception as exc:  # a bug must not kill the daemon; the caller gets the message
             log.exception("error handling request")
             reply = error_reply(exc)
+        if self.metrics is not None:
+            self.metrics.request(msg.get("op") if isinstance(msg, dict) else None,
+                                 reply.get("error") if isinstance(reply, dict) and not reply.get("ok", True) else None)
         envelope = [identity, b""] if len(frames) == 3 else [identity]
         try:
             sock.send_multipart(envelope + [reply if isinstance(reply, bytes) else pack(reply)], zmq.NOBLOCK)

@@ -183,6 +183,7 @@ def build(
     should_stop=None,
     on_segment=None,
     group: str | None = None,
+    on_progress=None,
 ) -> Built:
     """Place every planned tensor in shared memory; with `previous`, write only what changed."""
     dev = resolve_device(device)
@@ -245,6 +246,8 @@ def build(
                 del out, chunks
             parts[planned.name] = digests
             bar.update(planned.nbytes)
+            if on_progress is not None:
+                on_progress(planned.nbytes)
         reads.close()
         bar.close()
         arena.unmap()  # every tensor over the writable mappings is gone by now
