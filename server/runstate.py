@@ -93,18 +93,18 @@ class RunState:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+        if getattr(self, "_made_run_dir", False):
+            try:
+                os.rmdir(self.run_dir)  # only when empty: a failed start leaves no folder behind either
+            except OSError:
+                pass
 
     def remove(self) -> None:
-        """A clean stop: drop the manifest, and the run folder when this daemon made it and it is now empty."""
+        """A clean stop: drop the manifest (the run folder goes at `release` when this daemon made it)."""
         try:
             os.unlink(self.manifest_path)
         except FileNotFoundError:
             pass
-        if getattr(self, "_made_run_dir", False):
-            try:
-                os.rmdir(self.run_dir)
-            except OSError:
-                pass  # not empty: something else lives there
 
     def read_manifest(self) -> dict | None:
         try:
