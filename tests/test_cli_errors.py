@@ -139,3 +139,38 @@ def test_status_wait_stop_and_a_clean_run_folder(start_daemon, tiny_checkpoint, 
     assert daemon.proc.wait(60) == 0
     assert not os.path.exists(run_dir)  # segments, index, socket, manifest: all gone, and the folder it made
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(namespace + ".")]
+
+
+def test_status_wait_while_loading_exits_3(tmp_path, capsys):
+    """A daemon that answers but still loads at the deadline: exit 3, said on stderr (a stand-in REP socket)."""
+    import threading
+
+    import zmq
+
+    from expertd.protocol import pack, unpack
+    from expertd.server.cli import EXIT_LOADING, main
+
+    endpoint = f"ipc://{tmp_path}/loading.sock"
+    ctx = zmq.Context()
+    rep = ctx.socket(zmq.REP)
+    rep.setsockopt(zmq.LINGER, 0)
+    rep.bind(endpoint)
+    done = threading.Event()
+
+    def answer():
+        while not done.is_set():
+            if rep.poll(50):
+                assert unpack(rep.recv())["op"] == "status"
+                rep.send(pack({"ok": True, "state": "loading", "pid": 4242, "endpoint": endpoint, "generation": 1}))
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        assert main(["status", "--endpoint", endpoint, "--wait", "0.5"]) == EXIT_LOADING == 3
+    finally:
+        done.set()
+        thread.join()
+        rep.close(linger=0)
+        ctx.term()
+    err = capsys.readouterr().err
+    assert "still loading generation 1" in err and "pid 4242" in err
