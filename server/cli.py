@@ -24,7 +24,7 @@ def _target(args):
 
 
 def _connection(args):
-    from expertd.client.connection import Connection
+    from expertd.connection import Connection
 
     target = _target(args)
     return Connection(target.daemon_endpoint, timeout=args.timeout, token=target.token)
@@ -44,7 +44,7 @@ def _wait_status(args) -> dict:
     """Poll until the daemon serves or `--wait` runs out; what the last attempt raised is raised."""
     import time
 
-    from expertd.client.connection import Connection
+    from expertd.connection import Connection
 
     target = _target(args)
     deadline = time.monotonic() + args.wait
