@@ -41,7 +41,7 @@ class Daemon:
         self.runstate = RunState(cfg.namespace, cfg.resolved_run_dir)
         self.weights = WeightService(cfg, self.runstate, resolve_device(cfg.device), self._stop.is_set)
         w = self.weights
-        self.metrics = None  # DaemonMetrics once serving, when metrics_port is set
+        self.metrics = None  # DaemonMetrics from the socket bind on (load progress included), when metrics_port is set
         self.OPS = {
             "hello": self.op_hello, "status": self.op_status, "stop": self.op_stop, "index": self.op_index,
             "lease": self.op_lease, "heartbeat": self.op_heartbeat, "release": self.op_release,
