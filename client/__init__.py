@@ -3,11 +3,11 @@
 Never imports server code or Triton.
 """
 
-from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, RestoreError
+from expertd.errors import DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError, RestoreError
 
 from .capture import capture
 from .client import ExpertClient
 from .restore import RestoreResult, restore
 from .simulate import simulate
 
-__all__ = ["ExpertClient", "capture", "simulate", "restore", "RestoreResult", "ExpertdError", "DaemonError", "DaemonTimeout", "RestoreError"]
+__all__ = ["ExpertClient", "capture", "simulate", "restore", "RestoreResult", "ExpertdError", "DaemonError", "DaemonNotRunning", "DaemonTimeout", "RestoreError"]

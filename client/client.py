@@ -17,7 +17,7 @@ from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, LeaseExpire
 from expertd.index import TensorIndex
 from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
 
-from .connection import Connection
+from expertd.connection import Connection
 from .restore import restore
 from expertd.shm import map_segments, view
 

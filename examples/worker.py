@@ -14,12 +14,25 @@ import time
 
 import torch
 
-from expertd.client import ExpertClient
+from expertd.client import DaemonNotRunning, ExpertClient
+from expertd.errors import ExpertdError
 
 
-def run_worker(endpoint: str, new_tokens: int) -> None:
+def attach(endpoint: str, wait: float, daemon: subprocess.Popen | None = None) -> ExpertClient:
+    """Attach, waiting up to `wait` seconds for a daemon that is still starting (its socket not there yet)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return ExpertClient(endpoint)
+        except DaemonNotRunning:
+            if time.monotonic() > deadline or (daemon is not None and daemon.poll() is not None):
+                raise
+            time.sleep(0.1)
+
+
+def run_worker(endpoint: str, new_tokens: int, wait: float = 0.0, daemon: subprocess.Popen | None = None) -> None:
     started = time.perf_counter()
-    with ExpertClient(endpoint) as client:
+    with attach(endpoint, wait, daemon) as client:
         model = client.load_model()
         attached = time.perf_counter() - started
         prompt = torch.tensor([[0, 5, 17, 42]])
@@ -35,17 +48,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--endpoint", default=os.environ.get("EXPERTD_ENDPOINT", "ipc:///tmp/expertd/expertd.sock"))
     parser.add_argument("--with-daemon", metavar="CONFIG", help="start `expertd start --config CONFIG` first, stop it after")
-    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=8, help="tokens to generate")
+    parser.add_argument("--wait", type=float, default=0.0,
+                        help="seconds to wait for a daemon that is not running yet (--with-daemon: 600)")
     args = parser.parse_args()
+    try:
+        return run(args)
+    except ExpertdError as exc:  # no daemon, a timeout, a refusal: one line, not a traceback
+        print(f"worker: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
     if not args.with_daemon:
-        run_worker(args.endpoint, args.new_tokens)
+        run_worker(args.endpoint, args.new_tokens, args.wait)
         return 0
     from expertd.server.config import load_config
 
     endpoint = load_config(args.with_daemon).endpoint
     daemon = subprocess.Popen([sys.executable, "-m", "expertd.server.cli", "start", "--config", args.with_daemon])
     try:
-        run_worker(endpoint, args.new_tokens)
+        run_worker(endpoint, args.new_tokens, args.wait or 600.0, daemon)
     finally:
         daemon.terminate()
         code = daemon.wait(60)

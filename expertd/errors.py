@@ -102,5 +102,9 @@ class DaemonTimeout(ExpertdError, TimeoutError):
     """The daemon did not answer within the client's timeout."""
 
 
+class DaemonNotRunning(DaemonError, ConnectionError):
+    """No daemon listens on the endpoint: its ipc:// socket file does not exist."""
+
+
 class RestoreError(ExpertdError, ValueError):
     """A view does not fit the model parameter it should be bound to."""

@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
-from expertd.errors import ConfigError, ExpertdError
+from expertd.errors import ConfigError, DaemonNotRunning, DaemonTimeout, ExpertdError
+from expertd.units import parse_duration, parse_size
 
-EXIT_ERROR = 2
+import expertd
+
+EXIT_ERROR = 2  # a user mistake or no daemon: one line on stderr says what is wrong and the fix
+EXIT_LOADING = 3  # `status --wait`: the daemon answers but is still loading its first generation
 
 
 def _target(args):
@@ -19,7 +24,7 @@ def _target(args):
 
 
 def _connection(args):
-    from expertd.client.connection import Connection
+    from expertd.connection import Connection
 
     target = _target(args)
     return Connection(target.daemon_endpoint, timeout=args.timeout, token=target.token)
@@ -35,13 +40,37 @@ def cmd_start(args) -> int:
     return Daemon(cfg).run()
 
 
+def _wait_status(args) -> dict:
+    """Poll until the daemon serves or `--wait` runs out; what the last attempt raised is raised."""
+    import time
+
+    from expertd.connection import Connection
+
+    target = _target(args)
+    deadline = time.monotonic() + args.wait
+    while True:
+        left = deadline - time.monotonic()
+        conn = Connection(target.daemon_endpoint, timeout=max(0.1, min(args.timeout, left)) if args.wait else args.timeout,
+                          token=target.token)
+        try:
+            status = conn.request("status")
+            if status["state"] == "serving" or time.monotonic() >= deadline:
+                return status
+        except (DaemonNotRunning, DaemonTimeout):
+            if time.monotonic() >= deadline:
+                raise
+        finally:
+            conn.close()
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
 def cmd_status(args) -> int:
-    conn = _connection(args)
-    try:
-        status = conn.request("status")
-    finally:
-        conn.close()
+    status = _wait_status(args)
     status.pop("ok", None)
+    if args.wait and status["state"] != "serving":
+        print(f"expertd status: the daemon at {status['endpoint']} (pid {status['pid']}) is still loading "
+              f"generation {status['generation']} after {args.wait:g}s", file=sys.stderr)
+        return EXIT_LOADING
     if args.json:
         print(json.dumps(status, sort_keys=True))
         return 0
@@ -97,11 +126,24 @@ def cmd_reload(args) -> int:
 
 
 def cmd_stop(args) -> int:
+    """Ask the daemon to stop, wait until its socket is gone, and say what stopped."""
+    import time
+
+    from expertd.protocol import ipc_path
+
     conn = _connection(args)
     try:
+        status = conn.request("status")
         conn.request("stop")
     finally:
         conn.close()
+    path = ipc_path(status["endpoint"])
+    deadline = time.monotonic() + args.timeout
+    while path is not None and os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the daemon unlinks its segments, index, manifest and socket on the way out
+    gone = path is None or not os.path.exists(path)
+    print(f"stopped expertd pid {status['pid']} (namespace {status['namespace']}, endpoint {status['endpoint']}, "
+          f"generation {status['generation']})" + ("" if gone else f"; it is still cleaning up after {args.timeout:.0f}s"))
     return 0
 
 
@@ -120,61 +162,122 @@ def cmd_verify(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .tools.generate import generate, generate_model_type
+    from .tools.generate import PRESETS, generate, generate_model_type
 
-    if args.model_type:
-        generate_model_type(args.out, args.model_type, fp8=args.fp8, seed=args.seed)
-    elif args.fp8 is False:
-        raise ConfigError("--no-fp8 needs --model-type (the --preset checkpoints are always FP8)")
-    else:
-        generate(args.out, preset=args.preset, seed=args.seed, shards=args.shards)
+    try:
+        if args.model_type:
+            generate_model_type(args.out, args.model_type, fp8=args.fp8, seed=args.seed)
+        elif args.fp8 is False:
+            raise ConfigError("--no-fp8 needs --model-type (the --preset checkpoints are always FP8)")
+        elif args.preset not in PRESETS:
+            raise ConfigError(f"unknown preset {args.preset!r}; presets: {', '.join(PRESETS)}")
+        else:
+            generate(args.out, preset=args.preset, seed=args.seed, shards=args.shards)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {args.out}: {exc.strerror or exc}; choose a writable folder "
+                          "(and enough free disk for the preset)") from exc
     print(args.out)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="expertd", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake as one line (with where to look), exit code 2."""
 
-    p = sub.add_parser("start", help="load a checkpoint into shared memory and serve it (foreground)")
-    p.add_argument("--config", required=True, help="YAML config file")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    def error(self, message: str):
+        self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option with a value shows its default; descriptions keep their line breaks."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="expertd", description=__doc__, formatter_class=_Help,
+                     epilog="Exit codes: 0 ok; 1 the command ran and found a problem (verify, doctor); "
+                            "2 a mistake or no daemon (one line on stderr says what and how to fix it); "
+                            "3 status --wait: the daemon is still loading.")
+    parser.add_argument("--version", action="version", version=f"expertd {expertd.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_Parser)
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".", formatter_class=_Help)
+
+    p = add("start", "load a checkpoint into shared memory and serve it (foreground)")
+    p.add_argument("--config", required=True, help="the daemon's YAML config file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (same as `progress: false`)")
     p.set_defaults(func=cmd_start)
 
     for name, func, help_ in (
-        ("status", cmd_status, "show what a daemon serves"),
-        ("stop", cmd_stop, "stop a daemon"),
+        ("status", cmd_status, "show what a daemon serves (exit 0 when it answers)"),
+        ("stop", cmd_stop, "stop a daemon and say which one stopped"),
         ("verify", cmd_verify, "re-read shared memory and report tensors whose bytes changed"),
         ("reload", cmd_reload, "build the next generation from a checkpoint (only what changed) and publish it"),
     ):
-        p = sub.add_parser(name, help=help_)
+        p = add(name, help_)
         where = p.add_mutually_exclusive_group()
-        where.add_argument("--endpoint", help="ZeroMQ endpoint (ipc://PATH or tcp://HOST:PORT)")
-        where.add_argument("--config", help="the daemon's YAML config")
-        p.add_argument("--timeout", type=float, default=5.0 if name != "verify" else 60.0,
-                       help="seconds to wait for an answer")
-        p.add_argument("--token", help="auth token (default: $EXPERTD_TOKEN or the config's auth_token)")
+        where.add_argument("--endpoint", help="the daemon's ZeroMQ endpoint, ipc://PATH or tcp://HOST:PORT "
+                                              "(default: --config's endpoint, then $EXPERTD_ENDPOINT, then "
+                                              "ipc:///tmp/expertd/expertd.sock)")
+        where.add_argument("--config", help="the daemon's YAML config (its endpoint and auth_token are used)")
+        p.add_argument("--timeout", type=_duration, default=5.0 if name != "verify" else 60.0,
+                       help="seconds to wait for each answer")
+        p.add_argument("--token", help="auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print one JSON object")
+            p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                           help="wait up to SECONDS for the daemon to serve: exit 0 when it does, 3 when it is "
+                                "still loading then, 2 when none answers (for healthchecks and scripts)")
         if name == "reload":
             p.add_argument("--checkpoint", help="checkpoint folder to serve next (default: the configured one, re-read)")
-            p.add_argument("--wait", type=float, default=3600.0,
-                           help="seconds to wait for the new generation to be published (default 3600)")
+            p.add_argument("--wait", type=_duration, default=3600.0,
+                           help="seconds to wait for the new generation to be published")
         p.set_defaults(func=func)
 
-    p = sub.add_parser("generate", help="write a deterministic FP8 DeepSeek-V3 checkpoint, or a tiny one of any MoE model type")
+    p = add("generate", "write a deterministic FP8 DeepSeek-V3 checkpoint, or a tiny one of any MoE model type")
     p.add_argument("out", help="folder to write")
-    p.add_argument("--preset", default="tiny", help="DeepSeek-V3 preset (when no --model-type)")
+    p.add_argument("--preset", default="tiny",
+                   help="DeepSeek-V3 size when no --model-type: tiny (the bundled test model), bench-1g (~1 GB bf16), "
+                        "dsv3-counts (DeepSeek-V3's 61 layers, 256 experts, MTP layer and ~92k tensors at tiny dims)")
     p.add_argument("--model-type", help="a tiny checkpoint of this transformers model type, written by its save_pretrained")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                    help="with --model-type: quantize to FP8 block scales (default: as the family's releases)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shards", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
+    p.add_argument("--shards", type=_positive_int, default=2, help="number of safetensors shards")
     p.set_defaults(func=cmd_generate)
 
     from .tools.cli import add_tool_commands  # convert, inspect, doctor: tools around the weights
 
-    add_tool_commands(sub)
+    add_tool_commands(sub, formatter_class=_Help)
     return parser
 
 
@@ -186,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     except ExpertdError as exc:
         print(f"expertd {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"expertd {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import yaml
 
 from expertd.errors import ConfigError
 from expertd.protocol import DEFAULT_ENDPOINT, ipc_path, tcp_host
+from expertd.units import parse_duration
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -28,6 +29,8 @@ class DaemonConfig:
     progress: bool = True
     auth_token: str | None = None  # required in every request when set; mandatory for a non-local tcp bind
     group: str | None = None  # serve segments 0640 to this group (shared-group deployments); default 0600
+    metrics_port: int | None = None  # serve Prometheus metrics on http://metrics_host:metrics_port/metrics; None: off
+    metrics_host: str = "127.0.0.1"
 
     @property
     def index_path(self) -> str:
@@ -75,8 +78,15 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: namespace {cfg.namespace!r} must be 1-64 of [A-Za-z0-9_.-]")
     if not isinstance(cfg.max_generations, int) or isinstance(cfg.max_generations, bool) or cfg.max_generations < 1:
         raise ConfigError(f"config {source}: max_generations must be an integer >= 1")
-    if not isinstance(cfg.lease_timeout_s, (int, float)) or cfg.lease_timeout_s <= 0:
-        raise ConfigError(f"config {source}: lease_timeout_s must be a positive number")
+    try:
+        cfg.lease_timeout_s = parse_duration(cfg.lease_timeout_s)
+    except ValueError as exc:
+        raise ConfigError(f"config {source}: lease_timeout_s: {exc}") from None
+    if cfg.metrics_port is not None and (not isinstance(cfg.metrics_port, int) or isinstance(cfg.metrics_port, bool)
+                                         or not 0 < cfg.metrics_port < 65536):
+        raise ConfigError(f"config {source}: metrics_port must be a TCP port number 1-65535 (or leave it out: no metrics)")
+    if not isinstance(cfg.metrics_host, str) or not cfg.metrics_host:
+        raise ConfigError(f"config {source}: metrics_host must be a host name or address, e.g. 127.0.0.1 or 0.0.0.0")
     if cfg.auth_token is not None and (not isinstance(cfg.auth_token, str) or len(cfg.auth_token) < 16):
         raise ConfigError(f"config {source}: auth_token must be a string of at least 16 characters")
     host = tcp_host(cfg.endpoint)
@@ -103,7 +113,11 @@ def resolve_endpoint(endpoint: str, base_dir: str = ".", where: str = "--endpoin
         return "ipc://" + _resolve(path, base_dir)
     if re.match(r"^tcp://[^:/]+:\d+$", endpoint):
         return endpoint
-    raise ConfigError(f"{where}: endpoint {endpoint!r} must be ipc://PATH or tcp://HOST:PORT")
+    if "://" not in endpoint and (endpoint.startswith(("/", ".", "~")) or endpoint.endswith(".sock")):
+        raise ConfigError(f"{where}: endpoint {endpoint!r} looks like a socket path; write it as ipc://{endpoint}")
+    if "://" not in endpoint and re.match(r"^[^:/]+:\d+$", endpoint):
+        raise ConfigError(f"{where}: endpoint {endpoint!r} needs its transport; write it as tcp://{endpoint}")
+    raise ConfigError(f"{where}: endpoint {endpoint!r} must be ipc://PATH (a unix socket) or tcp://HOST:PORT")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, check_version,
 
 from .config import DaemonConfig
 from .loader import Cancelled, prepare, resolve_device
-from .runstate import RunState
+from .runstate import EndpointBusy, RunState
 from .service import WeightService
 
 log = logging.getLogger("expertd.daemon")
@@ -41,6 +41,7 @@ class Daemon:
         self.runstate = RunState(cfg.namespace, cfg.resolved_run_dir)
         self.weights = WeightService(cfg, self.runstate, resolve_device(cfg.device), self._stop.is_set)
         w = self.weights
+        self.metrics = None  # DaemonMetrics from the socket bind on (load progress included), when metrics_port is set
         self.OPS = {
             "hello": self.op_hello, "status": self.op_status, "stop": self.op_stop, "index": self.op_index,
             "lease": self.op_lease, "heartbeat": self.op_heartbeat, "release": self.op_release,
@@ -58,6 +59,7 @@ class Daemon:
             self.runstate.release()
 
     def _run(self) -> int:
+        self._check_endpoint_free()
         ckpt, plan = prepare(self.cfg.checkpoint)  # raises before anything is created
         log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
                  self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout)
@@ -68,6 +70,15 @@ class Daemon:
         except BaseException:
             ctx.term()
             raise
+        if self.cfg.metrics_port is not None:
+            from .metrics import DaemonMetrics
+
+            try:
+                self.metrics = DaemonMetrics(self.cfg.metrics_host, self.cfg.metrics_port)
+            except BaseException:
+                sock.close(linger=0)
+                ctx.term()
+                raise
         signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in signals}
         self.weights.start_load(ckpt, plan)
@@ -83,8 +94,12 @@ class Daemon:
                 if hup:
                     self._hup.clear()
                 self.weights.tick(reload_requested=hup)
+                if self.metrics is not None:
+                    self.metrics.refresh(self.weights)
         finally:
             self._stop.set()
+            if self.metrics is not None:
+                self.metrics.close()
             sock.close(linger=0)
             ctx.term()
             self.weights.close()
@@ -93,6 +108,7 @@ class Daemon:
                     os.unlink(ipc_path(self.cfg.endpoint))
                 except FileNotFoundError:
                     pass
+            self.runstate.remove()  # nothing of this run is left: segments, index, socket and now the manifest
             for s, h in old_handlers.items():
                 signal.signal(s, h)
         error = self.weights.load_error
@@ -119,7 +135,7 @@ class Daemon:
                 log.warning("socket folder %s is accessible to other users; expertd makes its own folders 0700", folder)
             if os.path.exists(path):
                 if _endpoint_answers(ctx, endpoint):
-                    raise ExpertdError(f"another daemon already serves {endpoint}")
+                    raise self._endpoint_busy()
                 os.unlink(path)  # a socket file left by a daemon that died
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -142,7 +158,25 @@ class Daemon:
         log.info("control socket %s", endpoint)
         return sock
 
-    # --- building and publishing generations ------------------------------------------------
+    def _check_endpoint_free(self) -> None:
+        """Refuse at once (before a long load) when another daemon answers on our ipc:// endpoint."""
+        path = ipc_path(self.cfg.endpoint)
+        if path is not None and os.path.exists(path):
+            ctx = zmq.Context()
+            try:
+                if _endpoint_answers(ctx, self.cfg.endpoint):
+                    raise self._endpoint_busy()
+            finally:
+                ctx.term()
+
+    def _endpoint_busy(self) -> EndpointBusy:
+        folder = os.path.dirname(ipc_path(self.cfg.endpoint) or "/tmp/expertd/x")
+        return EndpointBusy(
+            f"another expertd daemon already answers on {self.cfg.endpoint}; each daemon needs its own endpoint: "
+            f"set `endpoint:` in this config (e.g. endpoint: ipc://{folder}/{self.cfg.namespace}.sock), "
+            "or stop the other daemon first"
+        )
+
     # --- requests --------------------------------------------------------------------------
 
     def _serve_one(self, sock: zmq.Socket) -> bool:
@@ -154,10 +188,12 @@ class Daemon:
         if len(frames) < 2:
             return True  # no routing identity: nobody to answer
         identity, payload = frames[0], frames[-1]
+        msg = None
         try:
             if len(frames) > 3 or (len(frames) == 3 and frames[1] != b""):
                 raise ProtocolError("expected one message frame")
-            reply = self.handle(unpack(payload))
+            msg = unpack(payload)
+            reply = self.handle(msg)
             if isinstance(reply, dict):
                 reply["latest"] = self._latest_number()
         except ExpertdError as exc:
@@ -165,6 +201,9 @@ class Daemon:
         except Exception as exc:  # a bug must not kill the daemon; the caller gets the message
             log.exception("error handling request")
             reply = error_reply(exc)
+        if self.metrics is not None:
+            self.metrics.request(msg.get("op") if isinstance(msg, dict) else None,
+                                 reply.get("error") if isinstance(reply, dict) and not reply.get("ok", True) else None)
         envelope = [identity, b""] if len(frames) == 3 else [identity]
         try:
             sock.send_multipart(envelope + [reply if isinstance(reply, bytes) else pack(reply)], zmq.NOBLOCK)

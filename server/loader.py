@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from expertd.errors import ConfigError
 from expertd.index import SegmentEntry, TensorEntry, TensorIndex, tensor_checksum, write_json_atomic
 from expertd.shm import map_segment, segment_bytes, view
 
@@ -36,9 +37,22 @@ class Cancelled(Exception):
 
 
 def resolve_device(device: str) -> torch.device:
+    """The torch device dequant runs on; a CUDA device this host cannot use is a ConfigError, not a torch assert."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"device {device!r} is not a torch device: use auto, cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ConfigError(f"device {device!r}: {why}; use device cpu or auto (`device:` in the config, "
+                              "--device for convert), or install a CUDA build of torch on a GPU host")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r}: this host has {torch.cuda.device_count()} CUDA device(s); "
+                              f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return dev
 
 
 @dataclass
@@ -169,6 +183,7 @@ def build(
     should_stop=None,
     on_segment=None,
     group: str | None = None,
+    on_progress=None,
 ) -> Built:
     """Place every planned tensor in shared memory; with `previous`, write only what changed."""
     dev = resolve_device(device)
@@ -231,6 +246,8 @@ def build(
                 del out, chunks
             parts[planned.name] = digests
             bar.update(planned.nbytes)
+            if on_progress is not None:
+                on_progress(planned.nbytes)
         reads.close()
         bar.close()
         arena.unmap()  # every tensor over the writable mappings is gone by now

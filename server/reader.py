@@ -148,7 +148,8 @@ class Checkpoint:
     def open(cls, folder: str) -> "Checkpoint":
         folder = os.path.abspath(folder)
         if not os.path.isdir(folder):
-            raise MissingShardError("checkpoint folder does not exist or is not a folder", file=folder)
+            raise MissingShardError("checkpoint folder does not exist or is not a folder; point `checkpoint:` (or --checkpoint) "
+                                    "at a HuggingFace checkpoint folder (config.json and *.safetensors)", file=folder)
         if not os.access(folder, os.R_OK | os.X_OK):
             raise CheckpointError("checkpoint folder is unreadable (permission denied)", file=folder)
         config = read_json(os.path.join(folder, "config.json"), "config.json")

@@ -3,7 +3,8 @@
 - A lock: an abstract unix socket named after the namespace, held for the daemon's life and
   released by the kernel whatever way the process ends. A second daemon on the namespace refuses.
 - A manifest `{run_dir}/{namespace}.manifest.json`: pid, process start time, generation, segment
-  names, state. Kept after exit so generations keep counting up across restarts.
+  names, state. A clean stop removes it with everything else the daemon wrote (so generation
+  numbers start again at 1); a crash leaves it, and the successor counts up from it.
 - Reaping: on start, segments of the namespace whose owner process is dead are unlinked: every
   generation's and any staging segment of an update in flight. Segments of a live daemon, or of
   another namespace, are never touched.
@@ -27,6 +28,10 @@ log = logging.getLogger("expertd.runstate")
 
 class NamespaceBusy(ExpertdError, RuntimeError):
     """Another live daemon already serves this namespace."""
+
+
+class EndpointBusy(ExpertdError, RuntimeError):
+    """Another live daemon already answers on this endpoint."""
 
 
 def process_start_time(pid: int) -> int | None:
@@ -81,12 +86,25 @@ class RunState:
                 "stop it first or choose another namespace"
             ) from exc
         self._lock = sock
+        self._made_run_dir = not os.path.isdir(self.run_dir)
         os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
 
     def release(self) -> None:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
+        if getattr(self, "_made_run_dir", False):
+            try:
+                os.rmdir(self.run_dir)  # only when empty: a failed start leaves no folder behind either
+            except OSError:
+                pass
+
+    def remove(self) -> None:
+        """A clean stop: drop the manifest (the run folder goes at `release` when this daemon made it)."""
+        try:
+            os.unlink(self.manifest_path)
+        except FileNotFoundError:
+            pass
 
     def read_manifest(self) -> dict | None:
         try:

@@ -39,6 +39,7 @@ class WeightService:
         self._updates = 0
         self.first_generation = 1
         self.load_error: BaseException | None = None
+        self.build_progress = (0, 0)  # (bytes placed, bytes to place) of the latest build from a checkpoint
 
     def lease_of(self, msg: dict) -> Lease:
         client = msg.get("client")
@@ -74,9 +75,14 @@ class WeightService:
                 self._drop_staging(number)
 
     def _build(self, ckpt, plan, number: int, previous):
+        self.build_progress = (0, plan.nbytes)
+
+        def placed(nbytes: int) -> None:  # on the job's thread; a tuple swap is atomic
+            self.build_progress = (self.build_progress[0] + nbytes, plan.nbytes)
+
         return build(ckpt, plan, namespace=self.cfg.namespace, generation=number, previous=previous,
                      device=self.cfg.device, progress=self.cfg.progress and previous is None,
-                     should_stop=self.should_stop, group=self.cfg.group)
+                     should_stop=self.should_stop, group=self.cfg.group, on_progress=placed)
 
     def _start_build(self, kind: str, number: int, work, on_end=None) -> Job:
         job = self.jobs.start(kind, number, work, on_end)

@@ -1,13 +1,14 @@
 """The control plane of a real daemon process: replies to good and bad messages, leases, timeouts."""
 
 import os
+import socket
 import time
 
 import msgpack
 import pytest
 import zmq
 
-from expertd.client import DaemonTimeout, ExpertClient
+from expertd.client import DaemonNotRunning, DaemonTimeout, ExpertClient
 from expertd.client.connection import Connection
 from expertd.errors import DaemonError
 from expertd.protocol import PROTOCOL_VERSION
@@ -79,15 +80,31 @@ def test_heartbeats_keep_a_client_lease_alive(raw):
     assert daemon.status()["leases"] == []
 
 
-def test_no_daemon_is_a_typed_timeout(tmp_path):
+def test_no_daemon_fails_at_once_naming_the_socket(tmp_path):
     started = time.monotonic()
-    with pytest.raises(DaemonTimeout, match="did not answer"):
-        ExpertClient(f"ipc://{tmp_path}/nobody.sock", timeout=0.5)
-    assert time.monotonic() - started < 10
-    conn = Connection(f"ipc://{tmp_path}/nobody.sock", timeout=0.2)
-    with pytest.raises(TimeoutError):  # the standard class works too
+    with pytest.raises(DaemonNotRunning, match=r"nobody\.sock does not exist.*expertd start --config"):
+        ExpertClient(f"ipc://{tmp_path}/nobody.sock", timeout=30)
+    assert time.monotonic() - started < 5  # no wait for the timeout: there is no socket file at all
+    conn = Connection(f"ipc://{tmp_path}/nobody.sock", timeout=30)
+    with pytest.raises(ConnectionError):  # the standard class works too
         conn.request("status")
     conn.close()
+
+
+def test_a_socket_that_does_not_answer_is_a_typed_timeout(tmp_path):
+    path = str(tmp_path / "stuck.sock")
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stuck.bind(path)  # the file exists, nobody answers
+    try:
+        with pytest.raises(DaemonTimeout, match="did not answer attach") as info:
+            ExpertClient(f"ipc://{path}", timeout=0.5)
+        assert "'lease'" not in str(info.value)
+        conn = Connection(f"ipc://{path}", timeout=0.2)
+        with pytest.raises(TimeoutError, match="did not answer status"):
+            conn.request("status")
+        conn.close()
+    finally:
+        stuck.close()
 
 
 def test_tcp_endpoint(start_daemon, tiny_checkpoint):

@@ -90,11 +90,12 @@ def test_status_cli_reports_what_is_served(tiny_checkpoint, start_daemon):
     assert text.returncode == 0 and "generation  1" in text.stdout and "torch.bfloat16" in text.stdout
     stop = subprocess.run([sys.executable, "-m", "expertd.server.cli", "stop", "--config", daemon.config],
                           capture_output=True, text=True, timeout=60)
-    assert stop.returncode == 0
+    assert stop.returncode == 0 and f"stopped expertd pid {daemon.proc.pid}" in stop.stdout
     assert daemon.proc.wait(30) == 0
+    assert not os.path.exists(sock_path)
     gone = subprocess.run([sys.executable, "-m", "expertd.server.cli", "status", "--endpoint", daemon.endpoint,
-                           "--timeout", "0.5"], capture_output=True, text=True, timeout=60)
-    assert gone.returncode != 0 and "did not answer" in gone.stderr
+                           "--timeout", "30"], capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 2 and "DaemonNotRunning" in gone.stderr and "expertd start --config" in gone.stderr
 
 
 def test_sigint_stops_cleanly(tiny_checkpoint, start_daemon, namespace):

@@ -139,19 +139,23 @@ def cmd_doctor(args) -> int:
     return report.exit_code(strict=args.strict)
 
 
-def add_tool_commands(sub) -> None:
+def add_tool_commands(sub, formatter_class=argparse.HelpFormatter) -> None:
     """Register the tool subcommands on the `expertd` parser's subparsers."""
-    p = sub.add_parser("convert", help="convert an FP8 checkpoint into a bf16 HuggingFace checkpoint")
+    def add_parser(name: str, help: str):
+        return sub.add_parser(name, help=help, description=help[:1].upper() + help[1:] + ".",
+                              formatter_class=formatter_class)
+
+    p = add_parser("convert", help="convert an FP8 checkpoint into a bf16 HuggingFace checkpoint")
     p.add_argument("src", help="FP8 checkpoint folder (DeepSeek-V3 format)")
     p.add_argument("dst", help="output folder (created; an interrupted conversion in it is resumed)")
     p.add_argument("--device", default="auto", help="where dequant runs: auto (GPU if present), cpu, cuda, cuda:N")
-    p.add_argument("--max-shard-size", type=_size, default="5GB", help="largest output shard, e.g. 5GB, 2GiB (default 5GB)")
+    p.add_argument("--max-shard-size", type=_size, default="5GB", help="largest output shard, e.g. 5GB, 2GiB")
     p.add_argument("--keep-fp8-where-unscaled", action="store_true",
                    help="copy FP8 weights that have no *_scale_inv through unchanged instead of failing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("inspect", help="statistics, format comparison and pictures of a checkpoint, daemon or capture")
+    p = add_parser("inspect", help="statistics, format comparison and pictures of a checkpoint, daemon or capture")
     p.add_argument("src", nargs="?", help="checkpoint folder, daemon endpoint (ipc://... or tcp://...) or activation capture folder")
     p.add_argument("--config", help="inspect the daemon this YAML config describes (instead of SRC)")
     p.add_argument("--out", required=True, help="folder for stats.json, stats.md, the PNGs and index.html")
@@ -162,7 +166,7 @@ def add_tool_commands(sub) -> None:
     p.add_argument("--token", help="the daemon's auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("evaluate", help="end-to-end cost of number formats: KL of the next token, top-1 agreement")
+    p = add_parser("evaluate", help="end-to-end cost of number formats: KL of the next token, top-1 agreement")
     p.add_argument("checkpoint", nargs="?", help="checkpoint folder (FP8 or bf16) to load instead of a daemon")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--endpoint", help="a running daemon's endpoint (the model is its shared memory, no copy)")
@@ -183,7 +187,7 @@ def add_tool_commands(sub) -> None:
     p.add_argument("--token", help="the daemon's auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
     p.set_defaults(func=cmd_evaluate)
 
-    p = sub.add_parser("doctor", help="check every tensor's dtype across checkpoint, daemon index, shared memory and model")
+    p = add_parser("doctor", help="check every tensor's dtype across checkpoint, daemon index, shared memory and model")
     p.add_argument("checkpoint", nargs="?", help="checkpoint folder (default: the one the daemon serves)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--endpoint", help="a running daemon's endpoint")

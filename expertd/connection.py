@@ -1,0 +1,95 @@
+"""A REQ connection to the daemon's control socket with a receive timeout turned into a typed error.
+
+Shared by the client and the CLI: it imports neither torch nor server code, so `expertd status` (what
+healthchecks run every few seconds) starts fast.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import zmq
+
+from expertd.errors import DaemonNotRunning, DaemonTimeout
+from expertd.protocol import ipc_path, pack, unpack_reply
+
+# What each request is, in the user's words (errors name these, never the op on the wire).
+OP_WORDS = {
+    "hello": "the handshake", "lease": "attach", "index": "the tensor index", "heartbeat": "a heartbeat",
+    "release": "detach", "refresh": "refresh", "status": "status", "stop": "stop", "reload": "reload",
+    "update": "an update", "commit": "an update", "job": "build progress",
+}
+
+
+def op_words(op: str) -> str:
+    return OP_WORDS.get(op, op)
+
+
+def check_running(endpoint: str) -> None:
+    """Fail at once when an ipc:// endpoint has no socket file: no daemon can answer there."""
+    path = ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):
+        raise DaemonNotRunning(
+            f"no expertd daemon is running at {endpoint}: the socket file {path} does not exist; "
+            "start one with `expertd start --config CONFIG` (or point to the right one with --endpoint / $EXPERTD_ENDPOINT)"
+        )
+
+
+class Connection:
+    """One REQ socket; after a timeout the socket is rebuilt (a REQ socket that missed a reply is stuck)."""
+
+    def __init__(self, endpoint: str, timeout: float = 10.0, context: zmq.Context | None = None,
+                 token: str | None = None):
+        self.endpoint = endpoint
+        self.token = token if token is not None else os.environ.get("EXPERTD_TOKEN")
+        self.timeout_ms = max(1, int(timeout * 1000))
+        self._ctx = context or zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._sock = None
+        self.on_reply = None  # called with every successful reply (the client reads `latest` from it)
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+            sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    def request(self, op: str, **fields) -> dict:
+        """Send one request and return the reply map; raises DaemonTimeout or the reply's typed DaemonError."""
+        with self._lock:
+            if self._sock is None:
+                check_running(self.endpoint)
+            sock = self._socket()
+            try:
+                message = {"op": op, **fields}
+                if self.token is not None:
+                    message["token"] = self.token
+                sock.send(pack(message))
+                frame = sock.recv()
+            except zmq.Again as exc:
+                self._reset()
+                raise DaemonTimeout(
+                    f"the daemon at {self.endpoint} did not answer {op_words(op)} within {self.timeout_ms / 1000:.1f}s "
+                    "(its socket exists: is it stuck, or is --timeout too short?)"
+                ) from exc
+            except BaseException:
+                self._reset()  # a REQ socket interrupted between send and recv can never send again
+                raise
+        reply = unpack_reply(frame, repr(op))
+        if self.on_reply is not None:
+            self.on_reply(reply)
+        return reply
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._reset()
