@@ -66,7 +66,7 @@ class PlannedTensor:
 @dataclass
 class Plan:
     model_type: str
-    layout: str  # "transformers-fused" when any fusion applies, else "checkpoint"
+    layout: str  # "transformers-fused" when any fusion or computed conversion applies, else "checkpoint"
     block_size: tuple[int, int]
     tensors: list[PlannedTensor]
 
@@ -214,7 +214,7 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
             for s in t.sources:
                 if s.scale is not None:
                     check_scale_values(ckpt, s.scale)
-    layout = "transformers-fused" if any(len(t.sources) > 1 for t in planned) else "checkpoint"
+    layout = "transformers-fused" if any(len(t.sources) > 1 or t.computed for t in planned) else "checkpoint"
     return Plan(model_type, layout, block, planned)
 
 

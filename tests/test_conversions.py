@@ -169,3 +169,39 @@ def test_a_computed_shape_that_does_not_fit_is_named(llama_fp8, conversion, name
     ckpt, plan = prepare(folder)
     with pytest.raises(ShapeError, match=r"\[320, 192\].*'model.layers.0.mlp.down_proj.weight' has shape \[192, 320\]"):
         build(ckpt, plan, namespace=namespace, generation=1, device="cpu")
+
+
+def test_a_changed_source_recomputes_its_tensor_whole(llama_fp8, conversion, namespace, tmp_path):
+    """Reload: a computed tensor with one changed source is rebuilt from all its sources; the rest are kept."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.core_model_loading import Transpose, WeightConverter
+
+    from expertd.server.loader import build, prepare
+    from expertd.shm import map_segments, view
+
+    _, moved = llama_fp8
+    changed = tmp_path / "changed"
+    shutil.copytree(moved, changed)
+    tensors = load_file(str(changed / "model.safetensors"))
+    for suffix in ("weight", "weight_scale_inv"):  # layer 1's down_proj becomes layer 0's
+        tensors[f"model.layers.1.mlp.down_proj_t.{suffix}"] = tensors[f"model.layers.0.mlp.down_proj_t.{suffix}"].clone()
+    save_file(tensors, str(changed / "model.safetensors"))
+    conversion([WeightConverter("mlp.down_proj_t.weight", "mlp.down_proj.weight", [Transpose(0, 1)])])
+    first = build(*prepare(moved), namespace=namespace, generation=1, device="cpu")
+    try:
+        second = build(*prepare(str(changed)), namespace=namespace, generation=2, device="cpu", previous=first)
+        try:
+            assert second.tensors_written == 1
+            new = {t.name: t for t in second.index.tensors}
+            old = {t.name: t for t in first.index.tensors}
+            layer0, layer1 = (f"model.layers.{i}.mlp.down_proj.weight" for i in range(2))
+            assert new[layer0] == old[layer0] and new[layer1].segment != old[layer1].segment
+            maps = map_segments(second.index.segments)
+            assert torch.equal(view(maps, new[layer1]), view(maps, new[layer0]))
+            del maps
+        finally:
+            second.close()
+    finally:
+        first.close()
