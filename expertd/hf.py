@@ -163,16 +163,26 @@ class Assembly:
     """How one model parameter is built from checkpoint tensors, as transformers' own loading builds it.
 
     `sources` are checkpoint names in storage order; `patterns` (expert stacks only) the converter's
-    source patterns, so part k is expert k // len(patterns), pattern k % len(patterns).
+    source patterns, so part k is expert k // len(patterns), pattern k % len(patterns). A `converter`
+    with any other op (transpose, chunk, interleave, ...) makes the parameter computed: `groups` holds
+    its source names per source pattern in the order transformers collects them, and `layer` the name
+    transformers converts under (its first target); the result is no view of the sources.
     """
 
     param: str
     sources: list[str]
     patterns: tuple[str, ...] = ()
+    converter: object | None = None  # a transformers WeightConverter, for computed parameters only
+    groups: dict[str, list[str]] | None = None
+    layer: str | None = None
+
+    @property
+    def computed(self) -> bool:
+        return self.converter is not None
 
 
 class UnsupportedConversion(CheckpointError):
-    """transformers' conversion for a tensor is neither a rename nor an expert stack expertd can serve as views."""
+    """transformers' conversion for a tensor cannot be followed (e.g. expert indices not readable from the names)."""
 
 
 def _expert_position(keys: list[str]) -> int | None:
@@ -215,6 +225,7 @@ def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     plan: dict[str, Assembly] = {}
     stacks: dict[str, dict[str, list[str]]] = {}
+    computed: dict[str, tuple] = {}  # layer name -> (converter, {pattern: keys})
     unused = []
     for key in sorted(names, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
@@ -232,16 +243,49 @@ def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[
         conv = by_pattern[pattern]
         ops = [(type(op), getattr(op, "dim", None)) for op in conv.operations]
         stack = [(MergeModulelist, 0)] + ([(Concatenate, 1)] if len(conv.source_patterns) > 1 else [])
-        if ops != stack:
-            raise UnsupportedConversion(
-                f"transformers converts it into {renamed!r} with {[type(op).__name__ for op in conv.operations]}; "
-                "expertd serves renames and expert stacks (MergeModulelist + Concatenate) only", tensor=key,
-            )
+        if ops != stack or len(conv.target_patterns) != 1:
+            groups = computed.setdefault(renamed, (conv, {p: [] for p in conv.source_patterns}))[1]
+            groups[pattern].append(key)  # names come in dot_natural_key order, as transformers collects them
+            continue
         stacks.setdefault(renamed, {p: [] for p in conv.source_patterns})[pattern].append(key)
         plan[renamed] = Assembly(renamed, [], tuple(conv.source_patterns))
     for param, lists in stacks.items():
         plan[param].sources = _interleave(param, lists)
+    for layer, (conv, groups) in computed.items():
+        sources = [k for keys in groups.values() for k in keys]
+        for param in _targets(layer, conv.target_patterns):
+            if param in plan:
+                raise CheckpointError(f"{param!r} is both loaded from {plan[param].sources} and converted from {sources}",
+                                      tensor=sources[0])
+            plan[param] = Assembly(param, sources, tuple(conv.source_patterns), conv, groups, layer)
     return plan, unused, state
+
+
+def _targets(layer: str, targets) -> list[str]:
+    """Every parameter a converter fills: transformers renames to the first target pattern and puts each
+    result under that name with the target swapped (the prefix and suffix around it kept)."""
+    prefix, found, suffix = layer.partition(targets[0])
+    if not found:
+        return [layer]
+    return [prefix + t + suffix for t in targets]
+
+
+def convert(assembly: Assembly, collected: dict[str, list[torch.Tensor]], config) -> torch.Tensor:
+    """A computed parameter from its source tensors ({source pattern: tensors in order}), by applying the
+    converter's operations in order exactly as transformers' `WeightConverter.convert` does."""
+    conv = assembly.converter
+    for op in conv.operations:
+        collected = op.convert(collected, source_patterns=conv.source_patterns, target_patterns=conv.target_patterns,
+                               full_layer_name=assembly.layer, model=None, config=config, missing_keys=None)
+    prefix, _, suffix = next((assembly.layer.partition(k) for k in collected if k in assembly.layer), ("", "", ""))
+    results = {prefix + k + suffix: v for k, v in collected.items()}
+    result = results.get(assembly.param)
+    if isinstance(result, list) and len(result) == 1:
+        result = result[0]
+    if not isinstance(result, torch.Tensor):
+        raise CheckpointError(f"transformers' conversion {[type(op).__name__ for op in conv.operations]} gives no single "
+                              f"tensor for {assembly.param!r} (it gives {sorted(results)})", tensor=assembly.sources[0])
+    return result
 
 
 def expert_name(keys: list[str], e: int) -> str:

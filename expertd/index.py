@@ -25,8 +25,9 @@ class SegmentEntry:
 class TensorEntry:
     """One tensor in a segment: a served tensor, or a checkpoint-named view inside one.
 
-    `sources` lists the checkpoint tensors a served tensor was built from; `base` names the
-    served tensor a view lies inside (None for served tensors).
+    `sources` lists the checkpoint tensors a served tensor was built from, each a contiguous part of
+    it; it is empty for a tensor computed from its sources by another op (no part is a view). `base`
+    names the served tensor a view lies inside (None for served tensors).
     """
 
     name: str
@@ -114,8 +115,8 @@ def derive_views(tensors: list[TensorEntry]) -> list[TensorEntry]:
     views = []
     for t in tensors:
         n = len(t.sources)
-        if t.sources == [t.name]:
-            continue  # served under its own checkpoint name
+        if not n or t.sources == [t.name]:
+            continue  # computed by a conversion (no views), or served under its own checkpoint name
         if n == 1:  # served under the model's name for a renamed checkpoint tensor: the whole of it
             views.append(TensorEntry(t.sources[0], t.segment, t.offset, t.nbytes, list(t.shape), t.dtype, list(t.sources), t.name))
             continue

@@ -6,7 +6,9 @@ these fusions from transformers' own conversion mapping for the model type, buil
 skeleton on the meta device to learn every expected name and shape, and checks the checkpoint
 against it: every tensor present, every FP8 weight with a well-formed scale, expert shapes
 consistent. Each served tensor is the concatenation of its checkpoint sources in order, so each
-per-expert checkpoint tensor stays addressable as a contiguous view of its fused block.
+per-expert checkpoint tensor stays addressable as a contiguous view of its fused block; a parameter
+that transformers converts with any other op (transpose, chunk, interleave, ...) is computed at load
+from all its sources (`PlannedTensor.computed`) and is no view of them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from expertd.dtypes import DEQUANTIZED, FP8
 from expertd.errors import CheckpointError, MissingTensorError, ScaleError, ShapeError, UnsupportedDtypeError
-from expertd.hf import checkpoint_assembly, expert_name
+from expertd.hf import Assembly, checkpoint_assembly, expert_name
 
 from .reader import Checkpoint, TensorInfo
 
@@ -50,6 +52,7 @@ class PlannedTensor:
     shape: tuple[int, ...]
     dtype: torch.dtype
     sources: list[Source] = field(default_factory=list)
+    computed: Assembly | None = None  # set when transformers' conversion is more than a rename or a stack
 
     @property
     def nbytes(self) -> int:
@@ -63,7 +66,7 @@ class PlannedTensor:
 @dataclass
 class Plan:
     model_type: str
-    layout: str  # "transformers-fused" when any fusion applies, else "checkpoint"
+    layout: str  # "transformers-fused" when any fusion or computed conversion applies, else "checkpoint"
     block_size: tuple[int, int]
     tensors: list[PlannedTensor]
 
@@ -145,8 +148,8 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
     """Check the checkpoint against the model its config describes and plan every served tensor.
 
     Which checkpoint tensors make which parameter is read from transformers' own loading rules for the
-    model (renames, expert stacks): each served tensor is exactly what transformers would put in the
-    parameter, and each of its checkpoint sources a contiguous part of it.
+    model (renames, expert stacks, other ops): each served tensor is exactly what transformers would put
+    in the parameter; for renames and stacks each of its checkpoint sources is a contiguous part of it.
     """
     config = ckpt.config
     model_type = config.get("model_type", "")
@@ -168,6 +171,14 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
             raise MissingTensorError(
                 f"checkpoint lacks a tensor the model needs (for parameter {param!r})", file=ckpt.folder, tensor=param
             )
+        if how.computed:  # source shapes are the converter's business: the result is checked at load
+            srcs = [Source(n, ckpt.tensors[n], attach_scale(ckpt, ckpt.tensors[n], block)) for n in how.sources]
+            dtypes = {served_dtype(s) for s in srcs}
+            if len(dtypes) != 1:
+                raise ShapeError(f"sources of {param} mix dtypes {sorted(map(str, dtypes))}", file=srcs[0].info.file,
+                                 tensor=srcs[0].name)
+            planned.append(PlannedTensor(param, shape, dtypes.pop(), srcs, how))
+            continue
         if not how.patterns:
             src = source(how.sources[0], param, shape, f"the model's {param!r}")
             planned.append(PlannedTensor(param, shape, served_dtype(src), [src]))
@@ -203,7 +214,7 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
             for s in t.sources:
                 if s.scale is not None:
                     check_scale_values(ckpt, s.scale)
-    layout = "transformers-fused" if any(len(t.sources) > 1 for t in planned) else "checkpoint"
+    layout = "transformers-fused" if any(len(t.sources) > 1 or t.computed for t in planned) else "checkpoint"
     return Plan(model_type, layout, block, planned)
 
 

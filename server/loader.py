@@ -4,7 +4,9 @@ Building and publishing are apart. `build` places a generation's tensors in fres
 per served tensor; given the generation it replaces, it keeps every served tensor whose source
 bytes (FP8 weight + scale, or the stored bytes) did not change, so the new index points at the
 same bytes, and for a block that did change it copies the unchanged parts instead of
-dequantizing them again. `publish` writes the index only once everything is in place.
+dequantizing them again. A computed tensor (transformers converts it with more than a rename or a
+stack) is rebuilt whole when any source changed, and its index entry lists no sources: its
+checkpoint tensors are not parts of it. `publish` writes the index only once everything is in place.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from expertd.index import SegmentEntry, TensorEntry, TensorIndex, tensor_checksu
 from expertd.shm import map_segment, segment_bytes, view
 
 from .arena import ALIGN, Arena, align_up
+from .compute import compute, source_tensor
 from .layout import Plan, plan_checkpoint
 from .reader import Checkpoint
 
@@ -196,7 +199,7 @@ def build(
     parts: dict[str, list[str]] = {}
     known: dict[tuple, str] = {}
     written = count = 0
-    reads = None
+    reads = config = None
     try:
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="expertd load", disable=not progress)
         reads = _read_ahead(ckpt, [src for planned in plan.tensors for src in planned.sources],
@@ -212,7 +215,27 @@ def build(
                 prev = None
             out = chunks = None
             digests = []
-            for k in range(n):
+            if planned.computed is not None:
+                items = [next(reads) for _ in range(n)]
+                for _, digest, _, _, ids in items:
+                    known.update(ids)
+                    digests.append(digest)
+                if prev is None or digests != prev_parts:
+                    if config is None:
+                        from expertd.hf import model_config
+
+                        config = model_config(ckpt.config)
+                    tensors = [source_tensor(ckpt.view(src.info) if data is None else data, scale, src.info, planned.dtype,
+                                             write_part, block_size=plan.block_size[0], device=dev)
+                               for src, _, data, scale, _ in items]
+                    result = compute(planned, tensors, config)
+                    where = arena.add(planned.nbytes)
+                    if on_segment is not None:
+                        on_segment(where.segment)
+                    out = arena.tensor(where, planned.shape, planned.dtype)
+                    out.copy_(result)
+                    del items, tensors, result
+            for k in range(n if planned.computed is None else 0):
                 src, digest, data, scale, ids = next(reads)
                 known.update(ids)
                 digests.append(digest)
@@ -239,7 +262,7 @@ def build(
             else:
                 entries.append(TensorEntry(
                     planned.name, where.segment, where.offset, planned.nbytes, list(planned.shape), str(planned.dtype),
-                    [s.name for s in planned.sources], checksum=tensor_checksum(out),
+                    [] if planned.computed is not None else [s.name for s in planned.sources], checksum=tensor_checksum(out),
                 ))
                 written += planned.nbytes
                 count += 1

@@ -251,7 +251,7 @@ MOE_MODEL_TYPES = (
     "deepseek_v2", "deepseek_v3", "deepseek_v32", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe",
     "olmoe", "phimoe", "minimax", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "flex_olmo",
     "cohere2_moe", "afmoe", "deepseek_v4", "axk1", "axk2", "flint", "hy_v3", "kolibri1",
-    "laguna", "mellum", "nemotron_h",
+    "laguna", "mellum", "nemotron_h", "inkling2_text",
 )
 
 # The others with an expert conversion, and why they are not in MOE_MODEL_TYPES.
