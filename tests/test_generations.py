@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from expertd.client import ExpertClient
+from expertd.connection import Connection
 from expertd.errors import GenerationLimit, UpdateRejected
 from expertd.kernels import quantize_fp8_blockwise
 from helpers.checkpoints import EXPERT, edit_checkpoint
@@ -100,10 +101,17 @@ def test_forwards_during_reloads_are_old_or_new_exactly(tiny_checkpoint, changed
     daemon = start_daemon(tiny_checkpoint, **FAST)
     w = workers(daemon.endpoint, model=True, namespace=namespace)
     w.send("loop 8")
-    for folder in (changed, tiny_checkpoint, changed, tiny_checkpoint, changed):
-        time.sleep(0.6)
-        done = reload(daemon, folder)
-        assert done.returncode == 0, done.stderr
+    conn = Connection(daemon.endpoint, timeout=30)  # in-process: the pace does not hang on CLI start-up
+    try:
+        for folder in (changed, tiny_checkpoint, changed, tiny_checkpoint, changed):
+            time.sleep(0.8)
+            job = conn.request("reload", checkpoint=folder)
+            while job["state"] in ("building", "built"):
+                time.sleep(0.02)
+                job = conn.request("job", job=job["job"])
+            assert job["state"] == "published", job
+    finally:
+        conn.close()
     result = w.receive()
     assert result["forwards"] > 10
     assert set(result["digests"]) <= {digests["a"], digests["b"]}, "a forward saw a mix of generations"
@@ -204,8 +212,6 @@ def test_sigkill_during_reload_then_restart_reaps_everything(tiny_checkpoint, tm
     daemon = DaemonProcess.launch(tmp_path, tiny_checkpoint, namespace)
     try:
         daemon.wait_serving()
-        from expertd.client.connection import Connection
-
         conn = Connection(daemon.endpoint, timeout=10)
         building = f"/dev/shm/{namespace}.{daemon.proc.pid}.2."
         conn.request("reload", checkpoint=other)
