@@ -14,6 +14,7 @@ from expertd.index import derive_views
 from expertd.server.tools.generate import generate_model_type
 from helpers.inputs import INPUT_IDS
 from helpers.reference import write_reference_bf16
+from helpers.workers import worker_logits
 
 COMPUTED_MODEL_TYPES = {"hrm_text": "Chunk", "inkling2_text": "Interleave"}
 
@@ -80,12 +81,7 @@ def test_incremental_build_reuses_unchanged_computed_tensors(model_checkpoint, n
 def test_worker_logits_equal_transformers(model_checkpoint, start_daemon, workers, namespace, tmp_path):
     model_type, folder, expected, _ = model_checkpoint
     daemon = start_daemon(folder)
-    worker = workers(daemon.endpoint, timeout=60, namespace=namespace, model=True, save=str(tmp_path / "worker"))
-    assert worker.hello["ready"], worker.proc.stderr.read()
-    assert worker.hello["outside"] == [], "parameters outside shared memory"
-    worker.ask("exit")
-    assert worker.proc.wait(60) == 0, worker.proc.stderr.read()
-    logits = torch.load(tmp_path / "worker" / "logits.pt")
+    logits = worker_logits(workers, daemon.endpoint, namespace, str(tmp_path / "worker"))
     assert torch.equal(logits, expected), f"{model_type}: max |diff| {(logits.float() - expected.float()).abs().max()}"
 
 

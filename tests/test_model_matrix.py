@@ -13,6 +13,7 @@ import torch
 from expertd.server.tools.generate import FP8_SCALE_DTYPES, MOE_MODEL_TYPES, generate_model_type
 from helpers.inputs import INPUT_IDS
 from helpers.reference import write_reference_bf16
+from helpers.workers import worker_logits
 
 
 @pytest.fixture(scope="module", params=MOE_MODEL_TYPES)
@@ -35,12 +36,7 @@ def model_checkpoint(request, tmp_path_factory) -> tuple[str, str, torch.Tensor]
 def test_worker_logits_equal_transformers(model_checkpoint, start_daemon, workers, namespace, tmp_path):
     model_type, folder, expected = model_checkpoint
     daemon = start_daemon(folder)
-    worker = workers(daemon.endpoint, timeout=60, namespace=namespace, model=True, save=str(tmp_path / "worker"))
-    assert worker.hello["ready"], worker.proc.stderr.read()
-    assert worker.hello["outside"] == [], "parameters outside shared memory"
-    worker.ask("exit")
-    assert worker.proc.wait(60) == 0, worker.proc.stderr.read()
-    logits = torch.load(tmp_path / "worker" / "logits.pt")
+    logits = worker_logits(workers, daemon.endpoint, namespace, str(tmp_path / "worker"))
     assert logits.shape == expected.shape
     assert torch.equal(logits, expected), f"{model_type}: max |diff| {(logits.float() - expected.float()).abs().max()}"
 

@@ -55,3 +55,16 @@ class Worker:
         self.proc.wait()
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             f.close()
+
+
+def worker_logits(workers, endpoint: str, namespace: str, out_dir: str):
+    """The logits of a real worker process that loaded the served model, after checking that every
+    parameter lies in shared memory and that it exits cleanly."""
+    import torch
+
+    worker = workers(endpoint, timeout=60, namespace=namespace, model=True, save=out_dir)
+    assert worker.hello["ready"], worker.proc.stderr.read()
+    assert worker.hello["outside"] == [], "parameters outside shared memory"
+    worker.ask("exit")
+    assert worker.proc.wait(60) == 0, worker.proc.stderr.read()
+    return torch.load(os.path.join(out_dir, "logits.pt"))
