@@ -65,7 +65,8 @@ def tied_aliases(model) -> dict[str, str]:
     """Parameters that are another parameter under a second name when the config ties them (tied
     embeddings): alias -> the name transformers loads. 5.x declares them as a dict, 4.x as a list of
     aliases of the input embeddings."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = getattr(model, "config", None)  # a plain module (no transformers config) ties nothing
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     keys = getattr(model, "_tied_weights_keys", None)
     if not keys or not getattr(config, "tie_word_embeddings", False):
         return {}
