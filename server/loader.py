@@ -184,7 +184,6 @@ def build(
     device: str = "auto",
     progress: bool = False,
     should_stop=None,
-    on_segment=None,
     group: str | None = None,
     on_progress=None,
 ) -> Built:
@@ -230,8 +229,6 @@ def build(
                                for src, _, data, scale, _ in items]
                     result = compute(planned, tensors, config)
                     where = arena.add(planned.nbytes)
-                    if on_segment is not None:
-                        on_segment(where.segment)
                     out = arena.tensor(where, planned.shape, planned.dtype)
                     out.copy_(result)
                     del items, tensors, result
@@ -244,8 +241,6 @@ def build(
                     continue  # unchanged so far: maybe the whole tensor stays where it is
                 if out is None:
                     where = arena.add(planned.nbytes)
-                    if on_segment is not None:
-                        on_segment(where.segment)
                     out = arena.tensor(where, planned.shape, planned.dtype)
                     chunks = out.view(n, *planned.source_shape) if n > 1 else out.view(1, *planned.shape)
                     for j in range(k):  # the unchanged parts before the first change

@@ -153,7 +153,7 @@ class Staging:
 
 
 def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tensor], *, generation: int,
-                 device: torch.device, group: str | None = None, on_segment=None) -> Built:
+                 device: torch.device, group: str | None = None) -> Built:
     """The previous generation with the staged values written into fresh copies of their served tensors."""
     started = time.perf_counter()
     index = previous.index
@@ -171,8 +171,6 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
                 entries.append(entry)
                 continue
             where = arena.add(entry.nbytes)
-            if on_segment is not None:
-                on_segment(where.segment)
             out = arena.tensor(where, tuple(entry.shape), DTYPES[entry.dtype])
             out.view(-1).view(torch.uint8).copy_(old.part(entry, 0, 1))
             n = len(entry.sources)

@@ -139,6 +139,15 @@ def cmd_doctor(args) -> int:
     return report.exit_code(strict=args.strict)
 
 
+def _add_daemon_target(p, endpoint_help: str) -> None:
+    """The options that name a daemon: --endpoint or --config, then --timeout and --token (see `resolve_target`)."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--endpoint", help=endpoint_help)
+    where.add_argument("--config", help="a running daemon's YAML config")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon")
+    p.add_argument("--token", help="the daemon's auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
+
+
 def add_tool_commands(sub, formatter_class=argparse.HelpFormatter) -> None:
     """Register the tool subcommands on the `expertd` parser's subparsers."""
     def add_parser(name: str, help: str):
@@ -168,9 +177,7 @@ def add_tool_commands(sub, formatter_class=argparse.HelpFormatter) -> None:
 
     p = add_parser("evaluate", help="end-to-end cost of number formats: KL of the next token, top-1 agreement")
     p.add_argument("checkpoint", nargs="?", help="checkpoint folder (FP8 or bf16) to load instead of a daemon")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--endpoint", help="a running daemon's endpoint (the model is its shared memory, no copy)")
-    where.add_argument("--config", help="a running daemon's YAML config")
+    _add_daemon_target(p, "a running daemon's endpoint (the model is its shared memory, no copy)")
     p.add_argument("--formats", type=_formats, required=True, help="comma-separated formats (or 'all'), e.g. hif8,mxfp4_e2m1")
     p.add_argument("--modules", type=_globs, default=["*"], help="comma-separated globs of the modules simulated (default all)")
     only = p.add_mutually_exclusive_group()
@@ -183,19 +190,13 @@ def add_tool_commands(sub, formatter_class=argparse.HelpFormatter) -> None:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the dtype the model runs in")
     p.add_argument("--out", required=True, help="folder for evaluate.json, evaluate.md and the PNGs")
     p.add_argument("--no-plots", action="store_true", help="numbers only")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a daemon")
-    p.add_argument("--token", help="the daemon's auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
     p.set_defaults(func=cmd_evaluate)
 
     p = add_parser("doctor", help="check every tensor's dtype across checkpoint, daemon index, shared memory and model")
     p.add_argument("checkpoint", nargs="?", help="checkpoint folder (default: the one the daemon serves)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--endpoint", help="a running daemon's endpoint")
-    where.add_argument("--config", help="a running daemon's YAML config")
+    _add_daemon_target(p, "a running daemon's endpoint")
     p.add_argument("--load-model", action="store_true", help="also restore the model from the daemon and check it")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the dtype the model is loaded with")
     p.add_argument("--strict", action="store_true", help="warnings (casts that work but cost memory or precision) fail too")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon")
-    p.add_argument("--token", help="the daemon's auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
     p.set_defaults(func=cmd_doctor)
