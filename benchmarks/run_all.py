@@ -199,10 +199,11 @@ def p6_control(big: DaemonProcess, seconds: float = 2.0, clients: int = 4, attac
     # attach latency on the control plane: lease (with the handshake) + index fetch, 64 clients
     # (8 processes x 8 threads, each its own socket) released at the same instant
     attach_code = (
-        "import sys,time,threading,zmq,msgpack\nctx=zmq.Context();ep=sys.argv[1];start=float(sys.argv[2]);out=[]\n"
+        "import sys,time,threading,zmq,msgpack\nfrom expertd.protocol import PROTOCOL_VERSION as V\n"
+        "ctx=zmq.Context();ep=sys.argv[1];start=float(sys.argv[2]);out=[]\n"
         "def one():\n s=ctx.socket(zmq.REQ);s.setsockopt(zmq.LINGER,0);s.connect(ep)\n"
         " time.sleep(max(0,start-time.time()));t=time.perf_counter()\n"
-        " s.send(msgpack.packb({'op':'lease','pid':1,'protocol':1}));c=msgpack.unpackb(s.recv())['client']\n"
+        " s.send(msgpack.packb({'op':'lease','pid':1,'protocol':V}));c=msgpack.unpackb(s.recv())['client']\n"
         " s.send(msgpack.packb({'op':'index','client':c}));s.recv();out.append(time.perf_counter()-t)\n"
         " s.send(msgpack.packb({'op':'release','client':c}));s.recv();s.close()\n"
         "th=[threading.Thread(target=one) for _ in range(int(sys.argv[3]))]\n[t.start() for t in th];[t.join() for t in th]\n"
