@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 import zmq
 
+from expertd import index_segment
 from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, LeaseExpired, NotReady
 from expertd.index import TensorIndex
 from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
@@ -123,13 +124,19 @@ class ExpertClient:
     # --- what users call -------------------------------------------------------------------
 
     def index(self) -> TensorIndex:
-        """The daemon's tensor index, waiting (up to the timeout) while it is still loading."""
+        """The daemon's tensor index, waiting (up to the timeout) while it is still loading.
+
+        Read from the generation's index segment that the lease (or refresh) reply names: mapped
+        read-only and decoded here, so attaching workers do not queue behind each other's index bytes
+        in the daemon's loop; a truncated or altered segment raises `CorruptIndex`."""
         if self._index is None:
             deadline = time.monotonic() + self.timeout
             while True:
                 try:
+                    if self._index_place is None:  # leased while the daemon was loading
+                        self._index_place = self._conn.request("index", client=self.lease, segment=True)["index_segment"]
                     with _gc_paused():
-                        self._index = TensorIndex.from_dict(self._conn.request("index", client=self.lease)["index"])
+                        self._index = index_segment.read(self._index_place)
                     self.generation = self._index.generation
                     break
                 except NotReady as exc:
@@ -189,7 +196,8 @@ class ExpertClient:
         generation's views; views taken before stay valid and unchanged until they are dropped.
         """
         old = self.index()
-        self.generation = self._conn.request("refresh", client=self.lease)["generation"]
+        reply = self._conn.request("refresh", client=self.lease)
+        self.generation, self._index_place = reply["generation"], reply.get("index_segment")
         self._index = None
         new = self.index()
         before = {t.name: (t.segment, t.offset, t.nbytes, t.shape, t.dtype) for t in old.tensors}
@@ -264,6 +272,7 @@ class ExpertClient:
     def _connect(self) -> None:
         reply = self._conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)  # handshake + lease
         self.lease = reply["client"]
+        self._index_place = reply.get("index_segment")  # None while the daemon is still loading
         self.lease_timeout_s = float(reply["lease_timeout_s"])
         self.lease_lost = False
         self.latest_generation = self._announced = int(reply.get("latest") or 0)

@@ -108,3 +108,7 @@ class DaemonNotRunning(DaemonError, ConnectionError):
 
 class RestoreError(ExpertdError, ValueError):
     """A view does not fit the model parameter it should be bound to."""
+
+
+class CorruptIndex(ProtocolError):
+    """The tensor index in shared memory is truncated, fails its checksum or is another generation's."""

@@ -1,7 +1,13 @@
 """The control-plane wire protocol: small msgpack messages over one ZeroMQ REQ/ROUTER socket.
 
 Every request is a map with `op` (str) and, after the handshake, `client` (the lease id). A
-`lease` request may carry `protocol` and then is the handshake too (one round trip to attach).
+`lease` request may carry `protocol` and then is the handshake too (one round trip to attach):
+its reply names the generation's index segment (`index_segment`: segment, nbytes, checksum,
+generation; see `expertd.index_segment`), which the worker maps and decodes itself. `refresh`
+replies name it too; `index` with `segment: true` returns only that descriptor (a lease taken
+while loading), without it the index inline (for tools).
+
+Version 3: the index is schema 2 (source patterns, no views) and lease replies carry `index_segment`.
 Every reply is a map with `ok` (bool) and `latest` (the newest generation served); on error
 also `error` (the condition's name, see `ERRORS`) and `message`. Tensor bytes never travel
 here: they stay in shared memory (pushed weights too: they go through a staging segment).
@@ -16,7 +22,7 @@ import msgpack
 from . import errors
 from .errors import DaemonError, ProtocolError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
 MAX_MESSAGE_BYTES = 1 << 20  # requests larger than this are refused unread
 

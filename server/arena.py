@@ -1,7 +1,8 @@
 """The shared-memory arena: POSIX segments the daemon creates, fills and finally unlinks.
 
 Segment names are `/{namespace}.{pid}.{tag}.{i}`: `tag` is the generation that created the
-segment (or `u{n}` for the staging segment of update n). This module builds and parses them.
+segment (`u{n}` for the staging segment of update n, `i{n}` for generation n's packed index).
+This module builds and parses them.
 The loader gives every served tensor a segment of its own, so a retired generation's bytes are
 freed by unlinking whole segments, while workers still holding old views keep valid pages.
 
@@ -46,7 +47,7 @@ def segment_name(namespace: str, pid: int, tag: int | str, i: int) -> str:
 
 def segment_pattern(namespace: str) -> re.Pattern:
     """Matches a segment's file name in SHM_DIR; group 1 is the owner pid."""
-    return re.compile(rf"^{re.escape(namespace)}\.(\d+)\.(\d+|u\d+)\.(\d+)$")
+    return re.compile(rf"^{re.escape(namespace)}\.(\d+)\.(\d+|[ui]\d+)\.(\d+)$")
 
 
 def unlink_segment(name: str) -> bool:
@@ -89,6 +90,10 @@ class Arena:
             self.segments.pop()
             raise
         return Placement(seg.name, 0)
+
+    def write(self, placement: Placement, data: bytes) -> None:
+        """Copy raw bytes to a placement (daemon side only)."""
+        self._maps[placement.segment][placement.offset : placement.offset + len(data)] = data
 
     def check_space(self, need: int, shm_dir: str = SHM_DIR) -> None:
         """Refuse before the first byte when `need` bytes cannot fit: a clear error instead of ENOSPC half-way."""

@@ -236,12 +236,16 @@ class Daemon:
         self._stop.set()
         return {"ok": True}
 
-    def op_index(self, msg: dict) -> bytes:
-        """The index of the generation the client's lease is on (the latest for a request without a lease)."""
+    def op_index(self, msg: dict) -> dict | bytes:
+        """The index of the generation the client's lease is on (the latest for a request without a lease):
+        with `segment: true` only its index segment's descriptor (what a lease taken while loading asks
+        for), else the index inline (for tools that ask over the socket)."""
         gens = self.weights.gens
         gen = gens.generation_of(self.weights.lease_of(msg) if "client" in msg else None)
         if gen is None:
             raise NotReady("the daemon is still loading")
+        if msg.get("segment"):
+            return {"ok": True, "generation": gen.number, "index_segment": gen.index_place}
         return gen.index_reply(gens.latest.number)
 
     def op_lease(self, msg: dict) -> dict:
@@ -250,9 +254,13 @@ class Daemon:
         pid = msg.get("pid", 0)
         if not isinstance(pid, int) or not 0 <= pid < 2**31:
             raise ProtocolError("'pid' must be a non-negative integer")
-        lease = self.weights.gens.lease(pid)
-        return {"ok": True, "client": lease.client, "lease_timeout_s": self.cfg.lease_timeout_s,
-                "generation": lease.generation}
+        gens = self.weights.gens
+        lease = gens.lease(pid)
+        reply = {"ok": True, "client": lease.client, "lease_timeout_s": self.cfg.lease_timeout_s,
+                 "generation": lease.generation}
+        if gens.latest is not None:  # attach in one round trip: the worker maps and decodes the index itself
+            reply["index_segment"] = gens.latest.index_place
+        return reply
 
     def op_heartbeat(self, msg: dict) -> dict:
         lease = self.weights.lease_of(msg)

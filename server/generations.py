@@ -1,7 +1,8 @@
 """Generations: what the daemon serves, who holds what, and when bytes can go.
 
 A `Generation` is one published set of served tensors: its index, the segments its build
-created, its packed index reply and the leases on it. Generation N+1 shares every unchanged
+created, its index packed into a read-only segment of its own (named in lease replies, see
+`expertd.index_segment`; unlinked when the generation retires) and the leases on it. Generation N+1 shares every unchanged
 tensor's bytes with N (its index points into N's segments). A generation older than the latest
 is retired when no lease holds it; its segments that no live generation references are then
 unlinked. Workers that still map them keep valid, unchanged pages until they drop their views:
@@ -15,10 +16,12 @@ import logging
 import time
 from dataclasses import dataclass
 
+from expertd import index_segment
 from expertd.errors import GenerationLimit, LeaseExpired
+from expertd.index import TensorIndex
 from expertd.protocol import pack
 
-from .arena import unlink_segment
+from .arena import Arena, unlink_segment
 from .loader import Built
 
 log = logging.getLogger("expertd.generations")
@@ -33,21 +36,42 @@ class Lease:
     generation: int | None  # None while the first generation is still loading
 
 
+def place_index(index: TensorIndex, group: str | None = None) -> dict:
+    """Pack an index into a segment of its own (`/{namespace}.{pid}.i{generation}.000`, same owner and mode
+    rules as the tensors' segments); returns the descriptor lease replies carry."""
+    blob, desc = index_segment.pack(index)
+    arena = Arena(index.namespace, f"i{index.generation}", group=group)
+    placement = arena.add(len(blob))
+    try:
+        arena.write(placement, blob)
+    except BaseException:
+        arena.unlink()
+        raise
+    arena.unmap()  # the daemon keeps no writable mapping: the bytes stay as handed out
+    return {"segment": placement.segment, **desc}
+
+
 class Generation:
-    def __init__(self, built: Built):
+    def __init__(self, built: Built, index_place: dict):
         self.built = built
         self.index = built.index
         self.number = built.index.generation
+        self.index_place = index_place  # the index segment's descriptor, as lease replies carry it
         self._reply: tuple[int, bytes] | None = None
 
     def index_reply(self, latest: int) -> bytes:
-        """The packed index reply, built once per (generation, latest): attach cost stays O(1) here."""
+        """The packed reply of the `index` op (the index inline, for tools that ask over the socket), built once
+        per (generation, latest)."""
         if self._reply is None or self._reply[0] != latest:
-            self._reply = (latest, pack({"ok": True, "index": self.index.to_wire(), "latest": latest}))
+            self._reply = (latest, pack({"ok": True, "index": self.index.to_dict(), "latest": latest}))
         return self._reply[1]
 
     def segments(self) -> set[str]:
         return {s.name for s in self.index.segments}
+
+    def drop_index(self) -> None:
+        """Unlink the index segment (the generation retires); workers that mapped it have decoded it already."""
+        unlink_segment(self.index_place["segment"])
 
     def places(self) -> set[tuple[str, int]]:
         return {(t.segment, t.offset) for t in self.index.tensors}
@@ -144,6 +168,7 @@ class Generations:
         gone = [g for n, g in self.live.items() if g is not self.latest and n not in pinned]
         for gen in gone:
             del self.live[gen.number]
+            gen.drop_index()
         if not gone:
             return []
         in_use = set().union(*(g.segments() for g in self.live.values()))
@@ -152,13 +177,14 @@ class Generations:
         return [g.number for g in gone]
 
     def segments_by_generation(self) -> dict[int, list[str]]:
-        return {n: sorted(g.segments()) for n, g in self.live.items()}
+        return {n: sorted(g.segments() | {g.index_place["segment"]}) for n, g in self.live.items()}
 
     def close(self) -> None:
         """Unlink every segment of every live generation (the daemon is stopping)."""
         for gen in self.live.values():
             for name in gen.segments():
                 unlink_segment(name)
+            gen.drop_index()
             gen.built.arena.unlink()
         self.live.clear()
         self.latest = None

@@ -15,9 +15,9 @@ import torch
 
 from expertd.errors import Busy, ExpertdError, NotReady, ProtocolError, UpdateRejected
 
-from .arena import segment_name
+from .arena import segment_name, unlink_segment
 from .config import DaemonConfig
-from .generations import Generation, Generations, Lease
+from .generations import Generation, Generations, Lease, place_index
 from .jobs import Job, Jobs
 from .loader import Cancelled, build, prepare, publish
 from .runstate import RunState
@@ -105,15 +105,19 @@ class WeightService:
         return self._start_build("reload", number, work, on_end)
 
     def _finish(self, job: Job) -> None:
-        """Publish a built generation (index JSON, then the switch, then the manifest), or record a failure."""
+        """Publish a built generation (index segment, index JSON, then the switch, then the manifest), or record a failure."""
         if job.state == "built":
+            place = None
             try:
+                place = place_index(job.built.index, self.cfg.group)
                 publish(job.built.index, self.cfg.index_path)
             except BaseException as exc:
+                if place is not None:
+                    unlink_segment(place["segment"])
                 job.built.close()
                 job.exc, job.error, job.message, job.state = exc, type(exc).__name__, str(exc), "failed"
             else:
-                self.gens.publish(Generation(job.built))
+                self.gens.publish(Generation(job.built, place))
                 job.state = "published"
                 b = job.built
                 log.info("serving generation %d on %s (%s: %d tensor(s), %.1f MiB written in %.2fs)", job.generation,
@@ -151,10 +155,10 @@ class WeightService:
             staging.close()
 
     def op_refresh(self, msg: dict) -> dict:
-        """Move the lease to the latest generation (the worker then fetches its index)."""
-        self.latest()
+        """Move the lease to the latest generation; the reply names its index segment."""
+        latest = self.latest()
         lease = self.gens.refresh(self.lease_of(msg).client)
-        return {"ok": True, "generation": lease.generation}
+        return {"ok": True, "generation": lease.generation, "index_segment": latest.index_place}
 
     def op_reload(self, msg: dict) -> dict:
         checkpoint = msg.get("checkpoint") or self.cfg.checkpoint

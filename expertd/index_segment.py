@@ -1,0 +1,93 @@
+"""A generation's tensor index, pre-packed in a read-only shared-memory segment.
+
+The daemon packs the index once when it publishes a generation and names the segment in the
+lease (and refresh) reply: {"segment", "nbytes", "checksum", "generation"}. A worker maps it and
+decodes locally, so 64 workers attaching at once cost the daemon 64 small replies, not 64 copies
+of the index through its request loop.
+
+Layout: a 32-byte header (magic, generation, payload length, xxh3_64 of the payload) and the
+msgpack of `TensorIndex.to_dict()`. The reader checks all four against the reply before decoding:
+a truncated, torn or stale segment is a `CorruptIndex`, never garbage. The daemon writes the
+segment whole before its name is handed out and never writes it again.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+
+import msgpack
+import posix_ipc
+import xxhash
+
+from .errors import CorruptIndex, ProtocolError, ShmError
+from .index import TensorIndex
+
+MAGIC = b"EXPDIDX\x01"
+HEADER = struct.Struct("<8sQQQ")  # magic, generation, payload bytes, xxh3_64 of the payload
+
+
+def pack(index: TensorIndex) -> tuple[bytes, dict]:
+    """The segment's bytes and the descriptor a lease reply carries (its `segment` filled in by the caller)."""
+    payload = msgpack.packb(index.to_dict(), use_bin_type=True)
+    digest = xxhash.xxh3_64_intdigest(payload)
+    blob = HEADER.pack(MAGIC, index.generation, len(payload), digest) + payload
+    return blob, {"nbytes": len(blob), "checksum": f"xxh3_64:{digest:016x}", "generation": index.generation}
+
+
+def _descriptor(desc) -> tuple[str, int, str, int]:
+    if not isinstance(desc, dict):
+        raise ProtocolError(f"index segment descriptor must be a map, got {type(desc).__name__}")
+    name, nbytes, digest, generation = (desc.get(k) for k in ("segment", "nbytes", "checksum", "generation"))
+    if (not isinstance(name, str) or not name.startswith("/") or type(nbytes) is not int or nbytes < HEADER.size
+            or not isinstance(digest, str) or type(generation) is not int):
+        raise ProtocolError(f"malformed index segment descriptor {desc!r}")
+    return name, nbytes, digest, generation
+
+
+def unpack(blob, desc: dict) -> dict:
+    """The index dict in a segment's bytes, after checking them against the reply's descriptor."""
+    name, nbytes, digest, generation = _descriptor(desc)
+    if len(blob) < nbytes:
+        raise CorruptIndex(f"index segment {name} is truncated: {len(blob)} bytes, the daemon announced {nbytes}")
+    magic, stamped, length, checksum = HEADER.unpack_from(blob)
+    if magic != MAGIC:
+        raise CorruptIndex(f"index segment {name} does not start with an expertd index header")
+    if stamped != generation:
+        raise CorruptIndex(f"index segment {name} holds generation {stamped}, the daemon announced {generation}")
+    if HEADER.size + length != nbytes:
+        raise CorruptIndex(f"index segment {name} announces {length} payload bytes, the daemon {nbytes - HEADER.size}")
+    if f"xxh3_64:{checksum:016x}" != digest:
+        raise CorruptIndex(f"index segment {name}: header checksum xxh3_64:{checksum:016x}, the daemon announced {digest}")
+    with memoryview(blob) as whole, whole[HEADER.size:nbytes] as payload:  # released before the mapping closes
+        if xxhash.xxh3_64_intdigest(payload) != checksum:
+            raise CorruptIndex(f"index segment {name} fails its checksum {digest}: its bytes were changed")
+        try:
+            return msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types on bad input
+            raise CorruptIndex(f"index segment {name} is not a valid packed index: {exc}") from exc
+
+
+def read(desc: dict) -> TensorIndex:
+    """Map the index segment a lease reply names, read-only, and decode it (one copy: msgpack's objects)."""
+    name, nbytes, _, generation = _descriptor(desc)
+    try:
+        shm = posix_ipc.SharedMemory(name, 0, read_only=True)
+    except posix_ipc.ExistentialError as exc:
+        raise ShmError(f"index segment {name} does not exist (generation {generation} retired, or the daemon gone?)") from exc
+    except posix_ipc.PermissionsError as exc:
+        raise ShmError(f"no permission to open index segment {name}") from exc
+    try:
+        if shm.size < nbytes:  # mapping past the end would SIGBUS on the first read
+            raise CorruptIndex(f"index segment {name} is truncated: {shm.size} bytes, the daemon announced {nbytes}")
+        mapping = mmap.mmap(shm.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        shm.close_fd()
+    try:
+        data = unpack(mapping, desc)
+    finally:
+        mapping.close()
+    index = TensorIndex.from_dict(data)
+    if index.generation != generation:
+        raise CorruptIndex(f"index segment {name} holds generation {index.generation}, the daemon announced {generation}")
+    return index
