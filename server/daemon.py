@@ -290,6 +290,7 @@ class Daemon:
             "tensors": len(index.tensors) if index else 0,
             "views": len(index.all_views()) if index else 0,
             "segments": [s.name for s in index.segments] if index else [],
+            "index_segment": w.gens.latest.index_place["segment"] if index else None,
             "bytes": {"total": sum(by_dtype.values()), **by_dtype},
             "leases": [
                 {"client": l.client, "pid": l.pid, "generation": l.generation, "age_s": round(now - l.created, 3),

@@ -66,8 +66,9 @@ def shm_files(namespace: str) -> dict[str, int]:
 
 
 def latest_bytes(status: dict) -> int:
-    """Bytes of the segments the latest generation uses (each served tensor has a segment of its own)."""
-    return sum(os.path.getsize("/dev/shm" + s) for s in status["segments"])
+    """Bytes of the segments the latest generation uses (each served tensor has a segment of its own, and its
+    index one more)."""
+    return sum(os.path.getsize("/dev/shm" + s) for s in [*status["segments"], status["index_segment"]])
 
 
 def test_reload_writes_only_what_changed_and_refresh_rebinds_only_that(
