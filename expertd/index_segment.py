@@ -69,7 +69,16 @@ def unpack(blob, desc: dict) -> dict:
 
 
 def read(desc: dict) -> TensorIndex:
-    """Map the index segment a lease reply names, read-only, and decode it (one copy: msgpack's objects)."""
+    """Map the index segment a lease reply names, read-only, and decode it into the index."""
+    index = TensorIndex.from_dict(read_dict(desc))
+    if index.generation != desc["generation"]:
+        raise CorruptIndex(f"index segment {desc['segment']} holds generation {index.generation}, "
+                           f"the daemon announced {desc['generation']}")
+    return index
+
+
+def read_dict(desc: dict) -> dict:
+    """The index dict in the segment a lease reply names (mapped read-only, checked, unpacked, unmapped)."""
     name, nbytes, _, generation = _descriptor(desc)
     try:
         shm = posix_ipc.SharedMemory(name, 0, read_only=True)
@@ -84,10 +93,6 @@ def read(desc: dict) -> TensorIndex:
     finally:
         shm.close_fd()
     try:
-        data = unpack(mapping, desc)
+        return unpack(mapping, desc)
     finally:
         mapping.close()
-    index = TensorIndex.from_dict(data)
-    if index.generation != generation:
-        raise CorruptIndex(f"index segment {name} holds generation {index.generation}, the daemon announced {generation}")
-    return index
