@@ -15,7 +15,8 @@ import json
 import os
 import re
 import uuid
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 
 from .errors import ProtocolError
 
@@ -43,9 +44,12 @@ class TensorEntry:
     nbytes: int
     shape: list[int]
     dtype: str
-    sources: list[str] = field(default_factory=list)
+    sources: list[str] | ExpertSources = field(default_factory=list)
     base: str | None = None
     checksum: str | None = None  # "xxh3_64:<hex>" of the bytes, computed while loading
+
+
+_ENTRY_FIELDS = [f.name for f in fields(TensorEntry)]
 
 
 @dataclass
@@ -71,8 +75,8 @@ class TensorIndex:
         views (`from_dict` derives them) and fused tensors' sources as patterns."""
         tensors = []
         for t in self.tensors:
-            entry = asdict(t)
-            entry["sources"] = encode_sources(t.sources)
+            entry = {f: getattr(t, f) for f in _ENTRY_FIELDS}
+            entry["shape"], entry["sources"] = list(t.shape), encode_sources(t.sources)
             tensors.append(entry)
         return {"schema": SCHEMA_VERSION, "generation": self.generation, "namespace": self.namespace,
                 "model_type": self.model_type, "layout": self.layout, "config": self.config,
@@ -131,6 +135,8 @@ def encode_sources(sources: list[str]) -> list[str] | dict:
     `{"prefix": "model.layers.3.mlp.experts.", "experts": [0, 256], "parts": [".gate_proj.weight", ".up_proj.weight"]}`.
     A candidate is kept only if it decodes back to exactly `sources`.
     """
+    if isinstance(sources, ExpertSources):
+        return sources.to_dict()
     if len(sources) < 2:
         return list(sources)
     first, best = sources[0], None
@@ -152,17 +158,61 @@ def encode_sources(sources: list[str]) -> list[str] | dict:
     return best or list(sources)
 
 
-def decode_sources(value) -> list[str]:
-    """The source list an `encode_sources` value stands for (a list is itself)."""
+class ExpertSources(Sequence):
+    """A fused tensor's sources given as a pattern, expanded to names on first use.
+
+    Attaching a 5.x model binds served tensors by name and never reads them: decoding 44 k names
+    at DeepSeek-V3's counts would be most of an attach's index cost. Equal to the list it stands for.
+    """
+
+    __slots__ = ("prefix", "experts", "parts", "_names")
+
+    def __init__(self, prefix: str, experts: tuple[int, int], parts: tuple[str, ...]):
+        self.prefix, self.experts, self.parts, self._names = prefix, experts, parts, None
+
+    def names(self) -> list[str]:
+        if self._names is None:
+            first, count = self.experts
+            self._names = [f"{self.prefix}{e}{part}" for e in range(first, first + count) for part in self.parts]
+        return self._names
+
+    def to_dict(self) -> dict:
+        return {"prefix": self.prefix, "experts": list(self.experts), "parts": list(self.parts)}
+
+    def __len__(self) -> int:
+        return self.experts[1] * len(self.parts)
+
+    def __getitem__(self, k):
+        return self.names()[k]
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, ExpertSources):
+            return (self.prefix, self.experts, self.parts) == (other.prefix, other.experts, other.parts) or self.names() == other.names()
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return len(other) == len(self) and self.names() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # like the list it stands for
+
+    def __repr__(self) -> str:
+        return f"ExpertSources({self.to_dict()!r})"
+
+
+def decode_sources(value) -> list[str] | ExpertSources:
+    """The source list an `encode_sources` value stands for (a list is itself; a pattern expands when first read)."""
     if isinstance(value, list):
         return value
     if not isinstance(value, dict):
         raise ProtocolError(f"sources must be a list or a pattern, got {type(value).__name__}")
     prefix, experts, parts = value.get("prefix"), value.get("experts"), value.get("parts")
     if (not isinstance(prefix, str) or not isinstance(parts, list) or not parts or not all(isinstance(p, str) for p in parts)
-            or not isinstance(experts, list) or len(experts) != 2 or not all(type(n) is int and n >= 0 for n in experts)):
+            or not isinstance(experts, list) or len(experts) != 2 or not all(type(n) is int and n >= 0 for n in experts)
+            or experts[1] < 1):
         raise ProtocolError(f"malformed sources pattern {value!r}")
-    return [f"{prefix}{e}{part}" for e in range(experts[0], experts[0] + experts[1]) for part in parts]
+    return ExpertSources(prefix, (experts[0], experts[1]), tuple(parts))
 
 
 def derive_views(tensors: list[TensorEntry]) -> list[TensorEntry]:
