@@ -233,11 +233,11 @@ class ExpertClient:
 
     def verify(self) -> list[str]:
         """Names of served tensors whose bytes in shared memory no longer match the index checksums."""
-        from expertd.index import tensor_checksum
+        from expertd.index import checksum_parts, tensor_checksum
 
         segments = self._attach()
         return [e.name for e in self.index().tensors
-                if e.checksum is not None and tensor_checksum(view(segments, e)) != e.checksum]
+                if e.checksum is not None and tensor_checksum(view(segments, e), checksum_parts(e.checksum)) != e.checksum]
 
     def close(self) -> None:
         """Release the lease. Views already handed out stay valid."""

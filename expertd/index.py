@@ -38,7 +38,7 @@ class TensorEntry:
     dtype: str
     sources: list[str] = field(default_factory=list)
     base: str | None = None
-    checksum: str | None = None  # "xxh3_64:<hex>" of the bytes, computed while loading
+    checksum: str | None = None  # "xxh3_64:<hex>" of the bytes, or "xxh3_64x<n>:" of n parts (combined_checksum)
 
 
 @dataclass
@@ -138,6 +138,26 @@ def checksum(data) -> str:
     return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
 
 
+def combined_checksum(part_checksums: list[str]) -> str:
+    """The checksum of a tensor made of n equal, back-to-back parts, from each part's `checksum`:
+    `xxh3_64x{n}:` + xxh3-64 of the n part digests (8 bytes each, in order). Each part is then
+    hashed by the thread that wrote it; one part is simply its own checksum."""
+    import xxhash
+
+    if len(part_checksums) == 1:
+        return part_checksums[0]
+    h = xxhash.xxh3_64()
+    for c in part_checksums:
+        h.update(bytes.fromhex(c.rpartition(":")[2]))
+    return f"xxh3_64x{len(part_checksums)}:{h.hexdigest()}"
+
+
+def checksum_parts(recorded: str) -> int:
+    """How many equal parts a recorded checksum was combined from (1 for a plain `xxh3_64:`)."""
+    kind = recorded.partition(":")[0]
+    return int(kind[len("xxh3_64x"):]) if kind.startswith("xxh3_64x") else 1
+
+
 def tensor_bytes(t):
     """A CPU tensor's bytes as a buffer, without a copy (an empty tensor has none)."""
     import torch
@@ -145,8 +165,15 @@ def tensor_bytes(t):
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
 
 
-def tensor_checksum(t) -> str:
-    return checksum(tensor_bytes(t))
+def tensor_checksum(t, parts: int = 1) -> str:
+    """A tensor's checksum as the index records it: of its bytes, or combined from `parts` equal parts."""
+    import torch
+
+    if parts <= 1:
+        return checksum(tensor_bytes(t))
+    flat = t.reshape(-1).view(torch.uint8)
+    step = flat.numel() // parts
+    return combined_checksum([checksum(tensor_bytes(flat[k * step: (k + 1) * step])) for k in range(parts)])
 
 
 def write_json_atomic(path: str, data: dict, indent: int = 1, sort_keys: bool = True) -> None:

@@ -73,22 +73,33 @@ class Arena:
         self.segment_bytes = segment_bytes  # 0: every tensor in a segment of its own
         self.segments: list[SegmentEntry] = []
         self._maps: dict[str, mmap.mmap] = {}
+        self._fds: dict[str, int] = {}  # segments created unreserved: reserved range by range, by `reserve`
 
-    def _new_segment(self) -> SegmentEntry:
-        seg = SegmentEntry(segment_name(self.namespace, os.getpid(), self.tag, len(self.segments)), 0)
+    def _new_segment(self, i: int | None = None) -> SegmentEntry:
+        number = len(self.segments) if i is None else i
+        seg = SegmentEntry(segment_name(self.namespace, os.getpid(), self.tag, number), 0)
         self.segments.append(seg)
         return seg
 
-    def add(self, nbytes: int) -> Placement:
-        """Create, reserve and map a segment of its own for one tensor of `nbytes`."""
-        seg = self._new_segment()
+    def add(self, nbytes: int, i: int | None = None, reserve: bool = True) -> Placement:
+        """Create and map a segment of its own for one tensor of `nbytes`, numbered `i` (default: the next).
+
+        With `reserve`, the whole segment is reserved now; without, the caller reserves each range
+        with `reserve` before writing it, so that several threads fill one large tensor's pages.
+        """
+        seg = self._new_segment(i)
         seg.nbytes = max(align_up(nbytes), ALIGN)
         try:
-            self._create_one(seg)
+            self._create_one(seg, reserve=reserve)
         except BaseException:
-            self.segments.pop()
+            self.segments.remove(seg)
             raise
         return Placement(seg.name, 0)
+
+    def reserve(self, placement: Placement, offset: int, nbytes: int) -> None:
+        """Reserve bytes [offset, offset + nbytes) of a placement made with `add(..., reserve=False)`."""
+        if nbytes > 0:
+            self._fallocate(self._fds[placement.segment], placement.segment, placement.offset + offset, nbytes)
 
     def check_space(self, need: int, shm_dir: str = SHM_DIR) -> None:
         """Refuse before the first byte when `need` bytes cannot fit: a clear error instead of ENOSPC half-way."""
@@ -127,7 +138,7 @@ class Arena:
             self.unlink()
             raise
 
-    def _create_one(self, seg: SegmentEntry, writable_by_group: bool = False) -> None:
+    def _create_one(self, seg: SegmentEntry, writable_by_group: bool = False, reserve: bool = True) -> None:
         try:
             shm = posix_ipc.SharedMemory(seg.name, posix_ipc.O_CREX, mode=0o600)
         except posix_ipc.ExistentialError as exc:
@@ -137,18 +148,28 @@ class Arena:
             if self.gid is not None:
                 os.fchown(shm.fd, -1, self.gid)
                 os.fchmod(shm.fd, 0o660 if writable_by_group else 0o640)
-            try:
-                os.posix_fallocate(shm.fd, 0, seg.nbytes)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EFBIG):
-                    raise ShmSpaceError(
-                        f"no space to reserve {seg.nbytes / 2**20:.1f} MiB for segment {seg.name} in {SHM_DIR}; "
-                        "give the container more shared memory (--shm-size / shm_size)"
-                    ) from exc
-                raise ShmError(f"reserving segment {seg.name}: {exc}") from exc
+            if reserve:
+                self._fallocate(shm.fd, seg.name, 0, seg.nbytes)
+            else:
+                os.ftruncate(shm.fd, seg.nbytes)
             self._maps[seg.name] = mmap.mmap(shm.fd, seg.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if not reserve:
+                self._fds[seg.name] = os.dup(shm.fd)
         finally:
             shm.close_fd()
+
+    @staticmethod
+    def _fallocate(fd: int, name: str, offset: int, nbytes: int) -> None:
+        """posix_fallocate: tmpfs then fails with ENOSPC instead of a SIGBUS at the first write past its space."""
+        try:
+            os.posix_fallocate(fd, offset, nbytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG):
+                raise ShmSpaceError(
+                    f"no space to reserve {nbytes / 2**20:.1f} MiB for segment {name} in {SHM_DIR}; "
+                    "give the container more shared memory (--shm-size / shm_size)"
+                ) from exc
+            raise ShmError(f"reserving segment {name}: {exc}") from exc
 
     def tensor(self, placement: Placement, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A writable tensor over a placement's bytes (daemon side only)."""
@@ -169,10 +190,17 @@ class Arena:
             if mapping is not None:
                 mapping.close()
             self._maps[name] = None
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def unlink(self) -> None:
         """Remove every segment this arena created. Mappings stay valid until their last user unmaps."""
         for name in list(self._maps):
             unlink_segment(name)
+        self._close_fds()
         # The daemon's own mappings are dropped with the arena object, never closed under live tensors.
         self._maps.clear()

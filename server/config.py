@@ -24,6 +24,7 @@ class DaemonConfig:
     namespace: str = "expertd"
     run_dir: str | None = None  # where the index JSON goes; default: the ipc socket's folder
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N": where dequant runs
+    load_threads: int | None = None  # threads reading, dequantizing and writing at once; None: every usable core
     lease_timeout_s: float = 30.0
     max_generations: int = 3  # live generations at most: a reload or update beyond it is refused
     progress: bool = True
@@ -78,6 +79,9 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: namespace {cfg.namespace!r} must be 1-64 of [A-Za-z0-9_.-]")
     if not isinstance(cfg.max_generations, int) or isinstance(cfg.max_generations, bool) or cfg.max_generations < 1:
         raise ConfigError(f"config {source}: max_generations must be an integer >= 1")
+    if cfg.load_threads is not None and (not isinstance(cfg.load_threads, int) or isinstance(cfg.load_threads, bool)
+                                         or cfg.load_threads < 1):
+        raise ConfigError(f"config {source}: load_threads must be an integer >= 1 (or leave it out: every usable core)")
     try:
         cfg.lease_timeout_s = parse_duration(cfg.lease_timeout_s)
     except ValueError as exc:

@@ -81,7 +81,7 @@ class WeightService:
             self.build_progress = (self.build_progress[0] + nbytes, plan.nbytes)
 
         return build(ckpt, plan, namespace=self.cfg.namespace, generation=number, previous=previous,
-                     device=self.cfg.device, progress=self.cfg.progress and previous is None,
+                     device=self.cfg.device, threads=self.cfg.load_threads, progress=self.cfg.progress and previous is None,
                      should_stop=self.should_stop, group=self.cfg.group, on_progress=placed)
 
     def _start_build(self, kind: str, number: int, work, on_end=None) -> Job:

@@ -22,7 +22,8 @@ from expertd.shm import DTYPES, map_segment, segment_bytes
 
 from .arena import Arena
 from .layout import SCALE_DTYPES, SCALE_SUFFIX, block_size_of
-from .loader import Built, PreviousBytes, segments_of, write_part
+from .filling import write_part
+from .loader import Built, PreviousBytes, segments_of
 
 FP8 = "torch.float8_e4m3fn"
 SCALE_DTYPE_NAMES = tuple(str(d) for d in SCALE_DTYPES)
@@ -185,7 +186,7 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
                     digests[k] = f"{mark}#{k}"
             parts[entry.name] = digests
             entries.append(TensorEntry(entry.name, where.segment, where.offset, entry.nbytes, list(entry.shape),
-                                       entry.dtype, list(entry.sources), checksum=tensor_checksum(out)))
+                                       entry.dtype, list(entry.sources), checksum=tensor_checksum(out, n)))
             written += entry.nbytes
             del out, chunks, dest
         arena.unmap()
