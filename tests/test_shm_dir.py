@@ -72,27 +72,47 @@ def test_start_with_a_bad_shm_dir_exits_2_and_creates_nothing(tmp_path, tiny_che
     assert not glob.glob(f"/dev/shm/{namespace}*") and not os.path.exists(tmp_path / "run")
 
 
-# --- a huge-page tmpfs, end to end -----------------------------------------------------------
+# --- huge pages (tmpfs, hugetlbfs), end to end--------------------------------------------------------
 
-def test_daemon_serves_from_a_huge_page_tmpfs(tmp_path, tiny_checkpoint, namespace):
+def free_huge_pages() -> int:
+    """Free 2 MiB pages in the hugetlb pool (what a hugetlbfs mount can take)."""
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    if info.get("Hugepagesize", "").split()[:1] != ["2048"]:
+        return 0
+    return int(info["HugePages_Free"].split()[0]) - int(info["HugePages_Rsvd"].split()[0])
+
+
+MOUNTS = {  # (options of the served folder, of the one too small for the model)
+    "tmpfs": ("-t tmpfs -o size=256m,huge=always", "-t tmpfs -o size=16m,huge=always"),
+    "hugetlbfs": ("-t hugetlbfs -o pagesize=2M,size=256m", "-t hugetlbfs -o pagesize=2M,size=16m"),
+}
+
+
+@pytest.mark.parametrize("kind", ["tmpfs", "hugetlbfs"])
+def test_daemon_serves_from_huge_pages(tmp_path, tiny_checkpoint, namespace, kind):
     needs_root_and_unshare()
+    if kind == "hugetlbfs" and free_huge_pages() < 120:
+        pytest.skip(f"hugetlbfs needs ~120 free 2 MiB huge pages, the pool has {free_huge_pages()} "
+                    "(reserve them with: echo 128 > /proc/sys/vm/nr_hugepages)")
     before = worktree_files()
     huge, small = tmp_path / "hugeshm", tmp_path / "smallshm"
     huge.mkdir()
     small.mkdir()
+    served, too_small = MOUNTS[kind]
     script = (
-        f"mount -t tmpfs -o size=256m,huge=always expertd-huge {huge} || exit 97; "
-        f"mount -t tmpfs -o size=16m,huge=always expertd-small {small} || exit 98; "
+        f"mount {served} expertd-huge {huge} || exit 97; "
+        f"mount {too_small} expertd-small {small} || exit 98; "
         f"exec {sys.executable} {SCENARIO} {tiny_checkpoint} {tmp_path} {namespace} {huge} {small}"
     )
     out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=600)
     if out.returncode in (97, 98):
-        pytest.skip(f"this kernel cannot mount a tmpfs with huge=always: {out.stderr.strip()}")
+        pytest.skip(f"this kernel cannot mount {served}: {out.stderr.strip()}")
     assert out.returncode == 0, out.stderr[-4000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     huge, small = str(huge), str(small)
 
-    # the daemon serves from the huge tmpfs: segments 0600, whole 2 MiB huge pages, none in /dev/shm
+    # the daemon serves from the huge-page folder: segments 0600, whole 2 MiB huge pages, none in /dev/shm
     assert seen["status"]["shm_dir"] == huge and seen["status"]["state"] == "serving"
     files = seen["files"]
     assert len(files) == len(seen["status"]["segments"]) > 0
@@ -107,7 +127,7 @@ def test_daemon_serves_from_a_huge_page_tmpfs(tmp_path, tiny_checkpoint, namespa
     pages = worker["pages"]
     assert pages["files"] == sorted(os.path.join(huge, name) for name in files)
     assert pages["perms"] == ["r--s"] and pages["modes"] == ["0o600"]
-    huge_kb = pages["huge_kb"]["ShmemPmdMapped"] + pages["huge_kb"]["FilePmdMapped"]
+    huge_kb = sum(pages["huge_kb"].values())  # PMD-mapped tmpfs, or hugetlbfs pages
     assert huge_kb > 0, pages
     assert huge_kb == pages["size_kb"], "every touched page of a 2 MiB-sized segment is a huge page"
 
@@ -136,7 +156,7 @@ def test_daemon_serves_from_a_huge_page_tmpfs(tmp_path, tiny_checkpoint, namespa
     assert torch.equal(torch.load(os.path.join(tmp_path, "huge", "out2", "logits.pt")), plain)
     assert seen["successor_stop"] == 0 and seen["files_after_stop"] == {}
 
-    # a huge tmpfs too small for the model (47 tensors, each a 2 MiB page): exit 2 before any segment
+    # a huge-page folder too small for the model (47 tensors, each a 2 MiB page): exit 2 before any segment
     small_run = seen["small"]
     assert small_run["rc"] == 2, small_run["stderr"]
     assert "ShmSpaceError" in small_run["stderr"] and small in small_run["stderr"]
