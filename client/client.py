@@ -287,13 +287,14 @@ class ExpertClient:
         if self._segments is None:
             return
         keep = {s.name: self._segments[s.name] for s in index.segments if s.name in self._segments}
-        keep.update(map_segments([s for s in index.segments if s.name not in keep], writable=self.copy_on_write))
+        keep.update(map_segments([s for s in index.segments if s.name not in keep], writable=self.copy_on_write,
+                                 shm_dir=index.shm_dir))
         self._segments = keep
 
     def _attach(self) -> dict[str, torch.Tensor]:
         if self._segments is None:
             index = self.index()
-            self._segments = map_segments(index.segments, writable=self.copy_on_write)
+            self._segments = map_segments(index.segments, writable=self.copy_on_write, shm_dir=index.shm_dir)
         return self._segments
 
     def _announce(self) -> None:

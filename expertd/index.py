@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from .errors import ProtocolError
 
 SCHEMA_VERSION = 1
+DEFAULT_SHM_DIR = "/dev/shm"  # where segments live when an index names no `shm_dir` (where shm_open puts them)
 
 @dataclass
 class SegmentEntry:
@@ -52,6 +53,7 @@ class TensorIndex:
     tensors: list[TensorEntry]
     views: list[TensorEntry] | None  # None: derived from the fused tensors on first use (the wire form)
     schema: int = SCHEMA_VERSION
+    shm_dir: str = DEFAULT_SHM_DIR  # the folder the segments' files are in (a tmpfs or hugetlbfs mount)
 
     def all_views(self) -> list[TensorEntry]:
         """The per-expert views; derived (once) when the index came without them."""
@@ -82,7 +84,7 @@ class TensorIndex:
                 f"tensor index schema {data.get('schema')!r} is not supported (expected {SCHEMA_VERSION})"
             )
         try:
-            return cls(
+            index = cls(
                 schema=data["schema"],
                 generation=int(data["generation"]),
                 namespace=str(data["namespace"]),
@@ -92,9 +94,13 @@ class TensorIndex:
                 segments=[SegmentEntry(**s) for s in data["segments"]],
                 tensors=[TensorEntry(**t) for t in data["tensors"]],
                 views=[TensorEntry(**t) for t in data["views"]] if "views" in data else None,
+                shm_dir=str(data.get("shm_dir", DEFAULT_SHM_DIR)),  # indexes written before shm_dir: /dev/shm
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"malformed tensor index: {exc}") from exc
+        if not os.path.isabs(index.shm_dir):
+            raise ProtocolError(f"tensor index: shm_dir {index.shm_dir!r} must be an absolute path")
+        return index
 
     def checkpoint_entries(self) -> dict[str, TensorEntry]:
         """Every checkpoint tensor name -> where its bytes are (a served tensor or a view)."""

@@ -78,6 +78,7 @@ def cmd_status(args) -> int:
     print(f"  checkpoint  {status['checkpoint']}")
     print(f"  generation  {status['generation']}")
     print(f"  tensors     {status['tensors']} served, {status['views']} per-expert views, {len(status['segments'])} segment(s)")
+    print(f"  shm_dir     {status.get('shm_dir', '/dev/shm')}")
     for dtype, n in sorted(status["bytes"].items()):
         print(f"  bytes       {dtype:<16} {n:>16,}")
     print(f"  clients     {len(status['leases'])}")

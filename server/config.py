@@ -10,8 +10,11 @@ from dataclasses import dataclass, fields
 import yaml
 
 from expertd.errors import ConfigError
+from expertd.index import DEFAULT_SHM_DIR
 from expertd.protocol import DEFAULT_ENDPOINT, ipc_path, tcp_host
 from expertd.units import parse_duration
+
+from .shmdir import inspect as inspect_shm_dir
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -32,6 +35,7 @@ class DaemonConfig:
     group: str | None = None  # serve segments 0640 to this group (shared-group deployments); default 0600
     metrics_port: int | None = None  # serve Prometheus metrics on http://metrics_host:metrics_port/metrics; None: off
     metrics_host: str = "127.0.0.1"
+    shm_dir: str = DEFAULT_SHM_DIR  # the tmpfs (or hugetlbfs) folder segments go in, e.g. one mounted huge=always
 
     @property
     def index_path(self) -> str:
@@ -70,6 +74,10 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: 'checkpoint' (a folder path) is required")
     values = dict(raw)
     values["checkpoint"] = _resolve(raw["checkpoint"], base_dir)
+    if "shm_dir" in values:
+        if not isinstance(values["shm_dir"], str) or not values["shm_dir"]:
+            raise ConfigError(f"config {source}: shm_dir must be a folder path (a tmpfs or hugetlbfs mount)")
+        values["shm_dir"] = _resolve(values["shm_dir"], base_dir)
     if values.get("run_dir"):
         values["run_dir"] = _resolve(str(values["run_dir"]), base_dir)
     if "endpoint" in values:
@@ -103,6 +111,8 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
             grp.getgrnam(str(cfg.group))
         except KeyError:
             raise ConfigError(f"config {source}: group {cfg.group!r} does not exist") from None
+    if "shm_dir" in raw:  # the /dev/shm default is taken as it always was, whatever it is mounted as
+        inspect_shm_dir(cfg.shm_dir, where=f"config {source}: shm_dir")
     if not (cfg.device in ("auto", "cpu", "cuda") or re.match(r"^cuda:\d+$", str(cfg.device))):
         raise ConfigError(f"config {source}: device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
     return cfg

@@ -147,7 +147,7 @@ class Generations:
         if not gone:
             return []
         in_use = set().union(*(g.segments() for g in self.live.values()))
-        freed = [name for gen in gone for name in gen.segments() - in_use if unlink_segment(name)]
+        freed = [name for gen in gone for name in gen.segments() - in_use if unlink_segment(name, gen.index.shm_dir)]
         log.info("retired generation(s) %s: %d segment(s) freed", ", ".join(str(g.number) for g in gone), len(freed))
         return [g.number for g in gone]
 
@@ -158,7 +158,7 @@ class Generations:
         """Unlink every segment of every live generation (the daemon is stopping)."""
         for gen in self.live.values():
             for name in gen.segments():
-                unlink_segment(name)
+                unlink_segment(name, gen.index.shm_dir)
             gen.built.arena.unlink()
         self.live.clear()
         self.latest = None

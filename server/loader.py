@@ -20,10 +20,12 @@ import torch
 from tqdm import tqdm
 
 from expertd.errors import ConfigError
-from expertd.index import SegmentEntry, TensorEntry, TensorIndex, combined_checksum, tensor_checksum, write_json_atomic
+from expertd.index import (
+    DEFAULT_SHM_DIR, SegmentEntry, TensorEntry, TensorIndex, combined_checksum, tensor_checksum, write_json_atomic,
+)
 from expertd.shm import map_segment, segment_bytes, view
 
-from .arena import ALIGN, Arena, align_up
+from .arena import Arena
 from .compute import compute, source_tensor
 from .filling import OrderedPool, Part, batches, default_threads, fill, source_digest, write_part
 from .layout import Plan, plan_checkpoint
@@ -78,12 +80,14 @@ class PreviousBytes:
     def __init__(self, index: TensorIndex):
         self.entries = {t.name: t for t in index.tensors}
         self.sizes = {s.name: s.nbytes for s in index.segments}
+        self.shm_dir = index.shm_dir
         self._maps: dict[str, torch.Tensor] = {}
 
     def part(self, entry: TensorEntry, k: int, parts: int) -> torch.Tensor:
         """Part k of `parts` equal parts of a served tensor's bytes (as uint8)."""
         if entry.segment not in self._maps:
-            self._maps[entry.segment] = segment_bytes(map_segment(entry.segment, self.sizes[entry.segment]))
+            mapping = map_segment(entry.segment, self.sizes[entry.segment], shm_dir=self.shm_dir)
+            self._maps[entry.segment] = segment_bytes(mapping)
         flat = view(self._maps, entry).reshape(-1).view(torch.uint8)
         step = flat.numel() // parts
         return flat[k * step: (k + 1) * step]
@@ -116,14 +120,15 @@ def build(
     should_stop=None,
     group: str | None = None,
     on_progress=None,
+    shm_dir: str = DEFAULT_SHM_DIR,
 ) -> Built:
     """Place every planned tensor in shared memory on `threads` threads (default: every core this
     process may use); with `previous`, write only what changed."""
     dev = resolve_device(device)
     threads = threads or default_threads()
-    arena = Arena(namespace, generation, group=group)
+    arena = Arena(namespace, generation, group=group, shm_dir=shm_dir)
     if previous is None:
-        arena.check_space(sum(max(align_up(t.nbytes), ALIGN) for t in plan.tensors))
+        arena.check_space(sum(arena.segment_size(t.nbytes) for t in plan.tensors))
     block = plan.block_size[0]
     started = time.perf_counter()
     pool = OrderedPool(threads)
@@ -215,6 +220,7 @@ def build(
             segments=segments_of(entries, *([previous.index] if previous is not None else []), arena=arena),
             tensors=entries,
             views=None,  # derived from the fused tensors' sources: one rule for server and client
+            shm_dir=shm_dir,
         )
     except BaseException:
         pool.close()  # no thread writes any more: then the segments can go

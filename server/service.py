@@ -82,7 +82,7 @@ class WeightService:
 
         return build(ckpt, plan, namespace=self.cfg.namespace, generation=number, previous=previous,
                      device=self.cfg.device, threads=self.cfg.load_threads, progress=self.cfg.progress and previous is None,
-                     should_stop=self.should_stop, group=self.cfg.group, on_progress=placed)
+                     should_stop=self.should_stop, group=self.cfg.group, on_progress=placed, shm_dir=self.cfg.shm_dir)
 
     def _start_build(self, kind: str, number: int, work, on_end=None) -> Job:
         job = self.jobs.start(kind, number, work, on_end)
@@ -137,7 +137,7 @@ class WeightService:
             segments[building] = [segment_name(self.cfg.namespace, os.getpid(), building, 0).rsplit(".", 1)[0] + ".*"]
         latest = self.gens.latest.number if self.gens.latest else self.first_generation
         self.runstate.write_manifest(latest, segments, state, self.cfg.endpoint,
-                                     staging=[s.segment.name for s in self.staging.values()])
+                                     staging=[s.segment.name for s in self.staging.values()], shm_dir=self.cfg.shm_dir)
 
     def _check_idle(self) -> None:
         self.jobs.check_idle()
@@ -171,7 +171,8 @@ class WeightService:
         self.gens.check_room()
         pushes = plan_update(latest.index, msg.get("tensors"))
         self._updates += 1
-        staging = Staging(self.cfg.namespace, self._updates, pushes, lease.client, group=self.cfg.group)
+        staging = Staging(self.cfg.namespace, self._updates, pushes, lease.client, group=self.cfg.group,
+                          shm_dir=self.cfg.shm_dir)
         self.staging[staging.number] = staging
         self._write_manifest("serving")
         return {"ok": True, **staging.reply()}
@@ -219,4 +220,4 @@ class WeightService:
                 os.unlink(self.cfg.index_path)
             except FileNotFoundError:
                 pass
-        self.runstate.write_manifest(self.status_generation(), {}, "stopped", self.cfg.endpoint)
+        self.runstate.write_manifest(self.status_generation(), {}, "stopped", self.cfg.endpoint, shm_dir=self.cfg.shm_dir)
