@@ -216,8 +216,9 @@ def _fill_small(parts: list[Part], ckpt: Checkpoint, block_size: int) -> list[tu
     return results
 
 
-def batches(items, size_of, limit: int = BATCH_BYTES, count: int = BATCH_ITEMS):
-    """Consecutive runs of `items` of about `limit` bytes (or `count` items): one pool task each."""
+def batches(items, size_of):
+    """Consecutive runs of `items` of about BATCH_BYTES (or BATCH_ITEMS items): one pool task each."""
+    limit, count = BATCH_BYTES, BATCH_ITEMS
     batch, size = [], 0
     for item in items:
         batch.append(item)
