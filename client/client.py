@@ -241,11 +241,11 @@ class ExpertClient:
 
     def verify(self) -> list[str]:
         """Names of served tensors whose bytes in shared memory no longer match the index checksums."""
-        from expertd.index import tensor_checksum
+        from expertd.index import checksum_parts, tensor_checksum
 
         segments = self._attach()
         return [e.name for e in self.index().tensors
-                if e.checksum is not None and tensor_checksum(view(segments, e)) != e.checksum]
+                if e.checksum is not None and tensor_checksum(view(segments, e), checksum_parts(e.checksum)) != e.checksum]
 
     def close(self) -> None:
         """Release the lease. Views already handed out stay valid."""
@@ -296,13 +296,14 @@ class ExpertClient:
         if self._segments is None:
             return
         keep = {s.name: self._segments[s.name] for s in index.segments if s.name in self._segments}
-        keep.update(map_segments([s for s in index.segments if s.name not in keep], writable=self.copy_on_write))
+        keep.update(map_segments([s for s in index.segments if s.name not in keep], writable=self.copy_on_write,
+                                 shm_dir=index.shm_dir))
         self._segments = keep
 
     def _attach(self) -> dict[str, torch.Tensor]:
         if self._segments is None:
             index = self.index()
-            self._segments = map_segments(index.segments, writable=self.copy_on_write)
+            self._segments = map_segments(index.segments, writable=self.copy_on_write, shm_dir=index.shm_dir)
         return self._segments
 
     def _announce(self) -> None:

@@ -7,7 +7,7 @@ import time
 import torch
 
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
-from expertd.index import tensor_checksum
+from expertd.index import DEFAULT_SHM_DIR, tensor_checksum
 from expertd.shm import map_segment, segment_bytes
 
 POLL_S = 0.01
@@ -26,7 +26,8 @@ def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> 
             raise UpdateRejected(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
     spec = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in tensors.items()]
     staging = conn.request("update", client=lease, tensors=spec)
-    mapping = map_segment(staging["segment"], staging["nbytes"], shared_write=True)
+    mapping = map_segment(staging["segment"], staging["nbytes"], shared_write=True,
+                          shm_dir=staging.get("shm_dir", DEFAULT_SHM_DIR))
     try:
         data = segment_bytes(mapping)
         sums = []

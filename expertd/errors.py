@@ -59,7 +59,7 @@ class ShmError(ExpertdError, OSError):
 
 
 class ShmSpaceError(ShmError):
-    """/dev/shm has less free space than the model needs."""
+    """The shared-memory folder (/dev/shm, or the daemon's shm_dir) has less free space than the model needs."""
 
 
 class ProtocolError(ExpertdError, ValueError):

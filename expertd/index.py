@@ -22,6 +22,7 @@ from .errors import ProtocolError
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
+DEFAULT_SHM_DIR = "/dev/shm"  # where segments live when an index names no `shm_dir` (where shm_open puts them)
 
 @dataclass
 class SegmentEntry:
@@ -46,7 +47,7 @@ class TensorEntry:
     dtype: str
     sources: list[str] | ExpertSources = field(default_factory=list)
     base: str | None = None
-    checksum: str | None = None  # "xxh3_64:<hex>" of the bytes, computed while loading
+    checksum: str | None = None  # "xxh3_64:<hex>" of the bytes, or "xxh3_64x<n>:" of n parts (combined_checksum)
 
 
 _ENTRY_FIELDS = [f.name for f in fields(TensorEntry)]
@@ -63,6 +64,7 @@ class TensorIndex:
     tensors: list[TensorEntry]
     views: list[TensorEntry] | None  # None: derived from the fused tensors on first use (the wire form)
     schema: int = SCHEMA_VERSION
+    shm_dir: str = DEFAULT_SHM_DIR  # the folder the segments' files are in (a tmpfs or hugetlbfs mount)
 
     def all_views(self) -> list[TensorEntry]:
         """The per-expert views; derived (once) when the index came without them."""
@@ -80,7 +82,7 @@ class TensorIndex:
             tensors.append(entry)
         return {"schema": SCHEMA_VERSION, "generation": self.generation, "namespace": self.namespace,
                 "model_type": self.model_type, "layout": self.layout, "config": self.config,
-                "segments": [asdict(s) for s in self.segments], "tensors": tensors}
+                "segments": [asdict(s) for s in self.segments], "tensors": tensors, "shm_dir": self.shm_dir}
 
     @classmethod
     def from_dict(cls, data: dict) -> "TensorIndex":
@@ -96,7 +98,7 @@ class TensorIndex:
                 t = dict(t)
                 t["sources"] = decode_sources(t.get("sources", []))
                 tensors.append(TensorEntry(**t))
-            return cls(
+            index = cls(
                 schema=SCHEMA_VERSION,
                 generation=int(data["generation"]),
                 namespace=str(data["namespace"]),
@@ -106,9 +108,13 @@ class TensorIndex:
                 segments=[SegmentEntry(**s) for s in data["segments"]],
                 tensors=tensors,
                 views=[TensorEntry(**t) for t in data["views"]] if data.get("views") is not None else None,
+                shm_dir=str(data.get("shm_dir", DEFAULT_SHM_DIR)),  # indexes written before shm_dir: /dev/shm
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"malformed tensor index: {exc}") from exc
+        if not os.path.isabs(index.shm_dir):
+            raise ProtocolError(f"tensor index: shm_dir {index.shm_dir!r} must be an absolute path")
+        return index
 
     def checkpoint_entries(self) -> dict[str, TensorEntry]:
         """Every checkpoint tensor name -> where its bytes are (a served tensor or a view)."""
@@ -244,6 +250,26 @@ def checksum(data) -> str:
     return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
 
 
+def combined_checksum(part_checksums: list[str]) -> str:
+    """The checksum of a tensor made of n equal, back-to-back parts, from each part's `checksum`:
+    `xxh3_64x{n}:` + xxh3-64 of the n part digests (8 bytes each, in order). Each part is then
+    hashed by the thread that wrote it; one part is simply its own checksum."""
+    import xxhash
+
+    if len(part_checksums) == 1:
+        return part_checksums[0]
+    h = xxhash.xxh3_64()
+    for c in part_checksums:
+        h.update(bytes.fromhex(c.rpartition(":")[2]))
+    return f"xxh3_64x{len(part_checksums)}:{h.hexdigest()}"
+
+
+def checksum_parts(recorded: str) -> int:
+    """How many equal parts a recorded checksum was combined from (1 for a plain `xxh3_64:`)."""
+    kind = recorded.partition(":")[0]
+    return int(kind[len("xxh3_64x"):]) if kind.startswith("xxh3_64x") else 1
+
+
 def tensor_bytes(t):
     """A CPU tensor's bytes as a buffer, without a copy (an empty tensor has none)."""
     import torch
@@ -251,8 +277,15 @@ def tensor_bytes(t):
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
 
 
-def tensor_checksum(t) -> str:
-    return checksum(tensor_bytes(t))
+def tensor_checksum(t, parts: int = 1) -> str:
+    """A tensor's checksum as the index records it: of its bytes, or combined from `parts` equal parts."""
+    import torch
+
+    if parts <= 1:
+        return checksum(tensor_bytes(t))
+    flat = t.reshape(-1).view(torch.uint8)
+    step = flat.numel() // parts
+    return combined_checksum([checksum(tensor_bytes(flat[k * step: (k + 1) * step])) for k in range(parts)])
 
 
 def write_json_atomic(path: str, data: dict, indent: int | None = 1, sort_keys: bool = True) -> None:

@@ -14,14 +14,15 @@ segment whole before its name is handed out and never writes it again.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 
 import msgpack
-import posix_ipc
 import xxhash
 
 from .errors import CorruptIndex, ProtocolError, ShmError
-from .index import TensorIndex
+from .index import DEFAULT_SHM_DIR, TensorIndex
+from .shm import OPEN_FLAGS, segment_path
 
 MAGIC = b"EXPDIDX\x01"
 HEADER = struct.Struct("<8sQQQ")  # magic, generation, payload bytes, xxh3_64 of the payload
@@ -32,7 +33,8 @@ def pack(index: TensorIndex) -> tuple[bytes, dict]:
     payload = msgpack.packb(index.to_dict(), use_bin_type=True)
     digest = xxhash.xxh3_64_intdigest(payload)
     blob = HEADER.pack(MAGIC, index.generation, len(payload), digest) + payload
-    return blob, {"nbytes": len(blob), "checksum": f"xxh3_64:{digest:016x}", "generation": index.generation}
+    return blob, {"nbytes": len(blob), "checksum": f"xxh3_64:{digest:016x}", "generation": index.generation,
+                  "shm_dir": index.shm_dir}
 
 
 def _descriptor(desc) -> tuple[str, int, str, int]:
@@ -80,18 +82,25 @@ def read(desc: dict) -> TensorIndex:
 def read_dict(desc: dict) -> dict:
     """The index dict in the segment a lease reply names (mapped read-only, checked, unpacked, unmapped)."""
     name, nbytes, _, generation = _descriptor(desc)
+    shm_dir = desc.get("shm_dir", DEFAULT_SHM_DIR)
+    if not isinstance(shm_dir, str) or not os.path.isabs(shm_dir):
+        raise ProtocolError(f"malformed index segment descriptor {desc!r}: shm_dir must be an absolute path")
+    path = segment_path(name, shm_dir)
     try:
-        shm = posix_ipc.SharedMemory(name, 0, read_only=True)
-    except posix_ipc.ExistentialError as exc:
-        raise ShmError(f"index segment {name} does not exist (generation {generation} retired, or the daemon gone?)") from exc
-    except posix_ipc.PermissionsError as exc:
-        raise ShmError(f"no permission to open index segment {name}") from exc
+        fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
+    except FileNotFoundError as exc:
+        raise ShmError(f"index segment {name} ({path}) does not exist (generation {generation} retired, or the daemon gone?)") from exc
+    except PermissionError as exc:
+        raise ShmError(f"no permission to open index segment {name} ({path})") from exc
+    except OSError as exc:
+        raise ShmError(f"cannot open index segment {name} ({path}): {exc.strerror}") from exc
     try:
-        if shm.size < nbytes:  # mapping past the end would SIGBUS on the first read
-            raise CorruptIndex(f"index segment {name} is truncated: {shm.size} bytes, the daemon announced {nbytes}")
-        mapping = mmap.mmap(shm.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        size = os.fstat(fd).st_size
+        if size < nbytes:  # mapping past the end would SIGBUS on the first read
+            raise CorruptIndex(f"index segment {name} is truncated: {size} bytes, the daemon announced {nbytes}")
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
-        shm.close_fd()
+        os.close(fd)
     try:
         return unpack(mapping, desc)
     finally:

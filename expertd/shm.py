@@ -7,20 +7,26 @@ A mapping stays valid after the daemon unlinks its segment, until the last proce
 every view keeps its mapping alive, so no mapping is ever closed under a live tensor. Views are
 read-only at the page level: a worker that writes into one dies with SIGSEGV instead of
 changing what other workers see.
+
+A segment is a file in the daemon's `shm_dir` (the index names it): `/dev/shm` by default, where
+POSIX shm_open puts it too, or a huge-page tmpfs or hugetlbfs mount. `segment_path` is the one
+rule from a segment's name to its file.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import os
 import warnings
 
-import posix_ipc
 import torch
 
 from expertd.errors import ShmError
 from expertd.dtypes import BY_NAME as DTYPES
-from expertd.index import TensorEntry
+from expertd.index import DEFAULT_SHM_DIR, TensorEntry
+
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # what shm_open uses: a segment is never a symlink
 
 
 def to_dtype(name: str) -> torch.dtype:
@@ -30,25 +36,36 @@ def to_dtype(name: str) -> torch.dtype:
         raise ShmError(f"index names unknown dtype {name!r}") from None
 
 
-def map_segment(name: str, nbytes: int, writable: bool = False, shared_write: bool = False) -> mmap.mmap:
+def segment_path(name: str, shm_dir: str = DEFAULT_SHM_DIR) -> str:
+    """The file of segment `name` ("/{namespace}.{pid}.{tag}.{i}") in `shm_dir`."""
+    return os.path.join(shm_dir, name.lstrip("/"))
+
+
+def map_segment(name: str, nbytes: int, writable: bool = False, shared_write: bool = False,
+                shm_dir: str = DEFAULT_SHM_DIR) -> mmap.mmap:
     """Map a segment read-only, copy-on-write private (`writable`), or shared read-write
     (`shared_write`: only for the staging segment an updater fills)."""
+    path = segment_path(name, shm_dir)
     try:
-        shm = posix_ipc.SharedMemory(name, 0, read_only=not shared_write)
-    except posix_ipc.ExistentialError as exc:
-        raise ShmError(f"shared-memory segment {name} does not exist (daemon gone or restarted?)") from exc
-    except posix_ipc.PermissionsError as exc:
-        raise ShmError(f"no permission to open shared-memory segment {name}") from exc
+        fd = os.open(path, (os.O_RDWR if shared_write else os.O_RDONLY) | OPEN_FLAGS)
+    except FileNotFoundError as exc:
+        raise ShmError(f"shared-memory segment {name} ({path}) does not exist (daemon gone or restarted?)") from exc
+    except PermissionError as exc:
+        raise ShmError(f"no permission to open shared-memory segment {name} ({path}); run the worker as the "
+                       "daemon's user, or set group: in the daemon's config and add the worker's user to it") from exc
+    except OSError as exc:
+        raise ShmError(f"cannot open shared-memory segment {name} ({path}): {exc.strerror}") from exc
     try:
-        if shm.size < nbytes:
-            raise ShmError(f"segment {name} has {shm.size} bytes, index says {nbytes}")
+        size = os.fstat(fd).st_size
+        if size < nbytes:
+            raise ShmError(f"segment {name} ({path}) has {size} bytes, index says {nbytes}")
         if shared_write:
-            return mmap.mmap(shm.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         if writable:
-            return mmap.mmap(shm.fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-        return mmap.mmap(shm.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+            return mmap.mmap(fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
-        shm.close_fd()
+        os.close(fd)
 
 
 def segment_bytes(mapping: mmap.mmap) -> torch.Tensor:
@@ -58,13 +75,14 @@ def segment_bytes(mapping: mmap.mmap) -> torch.Tensor:
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def map_segments(entries, writable: bool = False) -> dict[str, torch.Tensor]:
+def map_segments(entries, writable: bool = False, shm_dir: str = DEFAULT_SHM_DIR) -> dict[str, torch.Tensor]:
     """Map every segment of an index (name -> its bytes as one uint8 tensor); one warnings guard for all."""
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": intended
         for s in entries:
-            out[s.name] = torch.frombuffer(map_segment(s.name, s.nbytes, writable=writable), dtype=torch.uint8)
+            mapping = map_segment(s.name, s.nbytes, writable=writable, shm_dir=shm_dir)
+            out[s.name] = torch.frombuffer(mapping, dtype=torch.uint8)
     return out
 
 

@@ -45,10 +45,13 @@ def weight_dequant(
     out_dtype: torch.dtype = torch.bfloat16,
     name: str | None = None,
     device: torch.device | str | None = None,
+    threads: int | None = None,
 ) -> torch.Tensor:
     """Dequantize on `device` (default: CUDA if available, else CPU) into `out` if given; return the result.
 
-    On CUDA the inputs are moved to the GPU; a CPU `out` receives a copy of the GPU result.
+    On CUDA the inputs are moved to the GPU; a CPU `out` receives a copy of the GPU result. `threads`
+    caps the CPU threads one call uses (default: torch's thread count); a loader that runs one call
+    per thread passes 1.
     """
     m, n = check_dequant_call(weight, scale_inv, block_size, out, out_dtype, name)
     if device is None:
@@ -57,7 +60,7 @@ def weight_dequant(
     if device.type != "cuda":
         if device.type != "cpu":
             raise ValueError(f"weight_dequant runs on cpu or cuda, not {device}")
-        return _dequant_cpu(weight, scale_inv, block_size, out, out_dtype, m, n)
+        return _dequant_cpu(weight, scale_inv, block_size, out, out_dtype, m, n, threads)
 
     w = weight.to(device, non_blocking=True)
     s = scale_inv.to(device, non_blocking=True)

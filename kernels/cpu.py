@@ -66,9 +66,10 @@ def _patch_nans(oc: torch.Tensor, xc_u8: torch.Tensor, out_dtype: torch.dtype) -
 
 def _dequant_cpu(
     weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int, out: torch.Tensor | None, out_dtype: torch.dtype,
-    m: int, n: int,
+    m: int, n: int, threads: int | None = None,
 ) -> torch.Tensor:
-    """`weight_dequant_cpu` on arguments `check_dequant_call` has passed; only the devices are checked here."""
+    """`weight_dequant_cpu` on arguments `check_dequant_call` has passed; only the devices are checked here.
+    `threads` caps the compiled path's threads (the torch path uses torch's own)."""
     if weight.device.type != "cpu" or scale_inv.device.type != "cpu":
         raise ValueError(f"weight_dequant_cpu needs CPU tensors, got {weight.device} / {scale_inv.device}")
     if out is None:
@@ -80,7 +81,7 @@ def _dequant_cpu(
 
     x_u8 = weight.contiguous().view(torch.uint8)
     if native.available():
-        return native.dequant_lut(x_u8, scale_inv.contiguous(), block_size, out)
+        return native.dequant_lut(x_u8, scale_inv.contiguous(), block_size, out, threads)
     x_i8 = x_u8.view(torch.int8)
     scale = scale_inv.contiguous()
     s256 = scale * 256.0

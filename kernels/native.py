@@ -60,6 +60,8 @@ def _build() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the compiled loop can be used (builds it once; EXPERTD_NATIVE=0 turns it off)."""
     global _lib, _tried
+    if _tried:
+        return _lib is not None
     if os.environ.get("EXPERTD_NATIVE", "1") == "0":
         return False
     with _lock:
@@ -75,13 +77,27 @@ def available() -> bool:
 _CODES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every fp8 value, exactly
 
 
-def dequant_lut(x_u8: torch.Tensor, scale: torch.Tensor, block_size: int, out: torch.Tensor) -> torch.Tensor:
-    """out[M, N] = lut of each block at x; arguments already checked by the caller."""
+def block_luts(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[blocks, 256]: each block's 256 results, the reference's own float32 product and cast."""
+    return (scales.reshape(-1, 1).float() * _CODES).to(dtype).contiguous()
+
+
+def gather(x_ptr: int, lut_ptr: int, out_ptr: int, m: int, n: int, block_size: int, itemsize: int = 2) -> None:
+    """out[m, n] from fp8 bytes x[m, n] and a [blocks, 256] table, by address (a loader's small parts:
+    no tensor is made per part). The caller keeps the three buffers alive and correctly sized."""
+    fn = _lib.dequant_lut32 if itemsize == 4 else _lib.dequant_lut16
+    fn(x_ptr, lut_ptr, out_ptr, n, block_size, 0, m)
+
+
+def dequant_lut(x_u8: torch.Tensor, scale: torch.Tensor, block_size: int, out: torch.Tensor,
+                threads: int | None = None) -> torch.Tensor:
+    """out[M, N] = lut of each block at x, rows split over up to `threads` threads (default: torch's
+    thread count); arguments already checked by the caller."""
     global _pool
     m, n = x_u8.shape
-    lut = (scale.reshape(-1, 1) * _CODES).to(out.dtype).contiguous()  # [blocks, 256]: the reference's math
+    lut = block_luts(scale, out.dtype)
     fn = _lib.dequant_lut32 if out.element_size() == 4 else _lib.dequant_lut16
-    threads = max(1, min(torch.get_num_threads(), m // 64))
+    threads = max(1, min(threads or torch.get_num_threads(), m // 64))
     args = (x_u8.data_ptr(), lut.data_ptr(), out.data_ptr(), n, block_size)
     if threads == 1:
         fn(*args, 0, m)

@@ -6,9 +6,11 @@ This module builds and parses them.
 The loader gives every served tensor a segment of its own, so a retired generation's bytes are
 freed by unlinking whole segments, while workers still holding old views keep valid pages.
 
-Segments are created 0600 with O_EXCL, reserved with posix_fallocate before the first write
-(tmpfs then fails with ENOSPC instead of killing the writer with SIGBUS, and pre-faulted pages
-fill several times faster), and mapped read-write only in the daemon.
+Segments are files in the daemon's `shm_dir` (/dev/shm, where shm_open would put them, or a
+huge-page tmpfs or hugetlbfs mount; see `shmdir`), sized in that folder's unit. They are created
+0600 with O_EXCL, reserved with posix_fallocate before the first write (tmpfs then fails with
+ENOSPC instead of killing the writer with SIGBUS, and pre-faulted pages fill several times
+faster), and mapped read-write only in the daemon.
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ import os
 import re
 from dataclasses import dataclass
 
-import posix_ipc
 import torch
 
 from expertd.errors import ShmError, ShmSpaceError
-from expertd.index import SegmentEntry
+from expertd.index import DEFAULT_SHM_DIR, SegmentEntry
+from expertd.shm import OPEN_FLAGS, segment_path
+
+from . import shmdir
 
 ALIGN = 4096  # every tensor starts on a page: views are aligned for any dtype and vector width
-SHM_DIR = "/dev/shm"
+SHM_DIR = DEFAULT_SHM_DIR
 
 
 @dataclass
@@ -46,48 +50,63 @@ def segment_name(namespace: str, pid: int, tag: int | str, i: int) -> str:
 
 
 def segment_pattern(namespace: str) -> re.Pattern:
-    """Matches a segment's file name in SHM_DIR; group 1 is the owner pid."""
+    """Matches a segment's file name in its shm_dir; group 1 is the owner pid."""
     return re.compile(rf"^{re.escape(namespace)}\.(\d+)\.(\d+|[ui]\d+)\.(\d+)$")
 
 
-def unlink_segment(name: str) -> bool:
+def unlink_segment(name: str, shm_dir: str = SHM_DIR) -> bool:
     """Remove a segment by name; False if it was already gone. Live mappings stay valid."""
     try:
-        posix_ipc.unlink_shared_memory(name)
+        os.unlink(segment_path(name, shm_dir))
         return True
-    except posix_ipc.ExistentialError:
+    except FileNotFoundError:
         return False
 
 
-def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
-    st = os.statvfs(shm_dir)
-    return st.f_bavail * st.f_frsize
+def more_space_hint(shm_dir: str, need: int) -> str:
+    if shm_dir == DEFAULT_SHM_DIR:
+        return (f"give the container more shared memory (docker run --shm-size={math.ceil(need * 1.1 / 2**30)}g, "
+                f"or shm_size: in docker-compose) or free space in {shm_dir}")
+    return f"mount {shm_dir} with a larger size= (at least {math.ceil(need * 1.1 / 2**30)}g) or free space in it"
 
 
 class Arena:
     """Segments `/{namespace}.{pid}.{tag}.{i}` of one generation; tensors page-aligned, never spanning segments."""
 
-    def __init__(self, namespace: str, tag: int | str, segment_bytes: int = 0, group: str | None = None):
+    def __init__(self, namespace: str, tag: int | str, segment_bytes: int = 0, group: str | None = None,
+                 shm_dir: str = SHM_DIR):
         self.namespace = namespace
         self.tag = tag
+        self.shm = shmdir.inspect(shm_dir, strict=False)  # the config checked it; here only its unit matters
+        self.shm_dir = shm_dir
         self.gid = grp.getgrnam(group).gr_gid if group else None
         self.segment_bytes = segment_bytes  # 0: every tensor in a segment of its own
         self.segments: list[SegmentEntry] = []
         self._maps: dict[str, mmap.mmap] = {}
+        self._fds: dict[str, int] = {}  # segments created unreserved: reserved range by range, by `reserve`
 
-    def _new_segment(self) -> SegmentEntry:
-        seg = SegmentEntry(segment_name(self.namespace, os.getpid(), self.tag, len(self.segments)), 0)
+    def _new_segment(self, i: int | None = None) -> SegmentEntry:
+        number = len(self.segments) if i is None else i
+        seg = SegmentEntry(segment_name(self.namespace, os.getpid(), self.tag, number), 0)
         self.segments.append(seg)
         return seg
 
-    def add(self, nbytes: int) -> Placement:
-        """Create, reserve and map a segment of its own for one tensor of `nbytes`."""
-        seg = self._new_segment()
-        seg.nbytes = max(align_up(nbytes), ALIGN)
+    def segment_size(self, nbytes: int) -> int:
+        """The size of a segment holding `nbytes`: whole pages of the folder (huge pages on a huge mount)."""
+        return align_up(max(nbytes, 1), self.shm.unit)
+
+    def add(self, nbytes: int, i: int | None = None, reserve: bool = True) -> Placement:
+        """Create and map a segment of its own for one tensor of `nbytes`, numbered `i` (default: the next).
+
+        With `reserve`, the whole segment is reserved now; without, the caller reserves each range
+        with `reserve` before writing it, so that several threads fill one large tensor's pages.
+        """
+        seg = self._new_segment(i)
+        seg.nbytes = self.segment_size(nbytes)
         try:
-            self._create_one(seg)
+            self._create_one(seg, reserve=reserve)
         except BaseException:
-            self.segments.pop()
+            self.segments.remove(seg)
             raise
         return Placement(seg.name, 0)
 
@@ -95,14 +114,20 @@ class Arena:
         """Copy raw bytes to a placement (daemon side only)."""
         self._maps[placement.segment][placement.offset : placement.offset + len(data)] = data
 
-    def check_space(self, need: int, shm_dir: str = SHM_DIR) -> None:
+    def reserve(self, placement: Placement, offset: int, nbytes: int) -> None:
+        """Reserve bytes [offset, offset + nbytes) of a placement made with `add(..., reserve=False)`
+        (a huge-page folder reserves the whole pages around them)."""
+        if nbytes > 0:
+            self._fallocate(self._fds[placement.segment], placement.segment, placement.offset + offset, nbytes)
+
+    def check_space(self, need: int) -> None:
         """Refuse before the first byte when `need` bytes cannot fit: a clear error instead of ENOSPC half-way."""
-        free = shm_free_bytes(shm_dir)
+        free = shmdir.free_bytes(self.shm)
         if need > free:
+            pages = " (in huge pages)" if self.shm.huge else ""
             raise ShmSpaceError(
-                f"{shm_dir} has {free / 2**20:.1f} MiB free but the model needs {need / 2**20:.1f} MiB; "
-                f"give the container more shared memory (docker run --shm-size={math.ceil(need * 1.1 / 2**30)}g, "
-                f"or shm_size: in docker-compose) or free space in {shm_dir}"
+                f"{self.shm_dir} has {free / 2**20:.1f} MiB free but the model needs {need / 2**20:.1f} MiB{pages}; "
+                + more_space_hint(self.shm_dir, need)
             )
 
     def place(self, sizes: list[int]) -> list[Placement]:
@@ -115,16 +140,16 @@ class Arena:
                 used = 0
             placements.append(Placement(self.segments[-1].name, used))
             used += size
-            self.segments[-1].nbytes = used
+            self.segments[-1].nbytes = self.segment_size(used)
         return placements
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
-    def create(self, shm_dir: str = SHM_DIR, writable_by_group: bool = False) -> None:
+    def create(self, writable_by_group: bool = False) -> None:
         """Create, reserve and map every planned segment; on any failure remove what was made."""
-        self.check_space(self.nbytes, shm_dir)
+        self.check_space(self.nbytes)
         try:
             for seg in self.segments:
                 self._create_one(seg, writable_by_group)
@@ -132,28 +157,42 @@ class Arena:
             self.unlink()
             raise
 
-    def _create_one(self, seg: SegmentEntry, writable_by_group: bool = False) -> None:
+    def _create_one(self, seg: SegmentEntry, writable_by_group: bool = False, reserve: bool = True) -> None:
+        path = segment_path(seg.name, self.shm_dir)
         try:
-            shm = posix_ipc.SharedMemory(seg.name, posix_ipc.O_CREX, mode=0o600)
-        except posix_ipc.ExistentialError as exc:
-            raise ShmError(f"shared-memory segment {seg.name} already exists") from exc
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600)
+        except FileExistsError as exc:
+            raise ShmError(f"shared-memory segment {seg.name} already exists ({path}); "
+                           "another daemon of this namespace may be running") from exc
+        except OSError as exc:
+            raise ShmError(f"cannot create shared-memory segment {seg.name} ({path}): {exc.strerror}") from exc
         try:
             self._maps[seg.name] = None  # created: unlink() must remove it from here on
             if self.gid is not None:
-                os.fchown(shm.fd, -1, self.gid)
-                os.fchmod(shm.fd, 0o660 if writable_by_group else 0o640)
-            try:
-                os.posix_fallocate(shm.fd, 0, seg.nbytes)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EFBIG):
-                    raise ShmSpaceError(
-                        f"no space to reserve {seg.nbytes / 2**20:.1f} MiB for segment {seg.name} in {SHM_DIR}; "
-                        "give the container more shared memory (--shm-size / shm_size)"
-                    ) from exc
-                raise ShmError(f"reserving segment {seg.name}: {exc}") from exc
-            self._maps[seg.name] = mmap.mmap(shm.fd, seg.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                os.fchown(fd, -1, self.gid)
+                os.fchmod(fd, 0o660 if writable_by_group else 0o640)
+            if reserve:
+                self._fallocate(fd, seg.name, 0, seg.nbytes)
+            else:
+                os.ftruncate(fd, seg.nbytes)
+            self._maps[seg.name] = mmap.mmap(fd, seg.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if not reserve:
+                self._fds[seg.name], fd = fd, -1  # kept open for `reserve`
         finally:
-            shm.close_fd()
+            if fd >= 0:
+                os.close(fd)
+
+    def _fallocate(self, fd: int, name: str, offset: int, nbytes: int) -> None:
+        """posix_fallocate: tmpfs then fails with ENOSPC instead of a SIGBUS at the first write past its space."""
+        try:
+            os.posix_fallocate(fd, offset, nbytes)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                raise ShmSpaceError(
+                    f"no space to reserve {nbytes / 2**20:.1f} MiB for segment {name} in {self.shm_dir}; "
+                    + more_space_hint(self.shm_dir, nbytes)
+                ) from exc
+            raise ShmError(f"reserving segment {name} ({segment_path(name, self.shm_dir)}): {exc}") from exc
 
     def tensor(self, placement: Placement, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A writable tensor over a placement's bytes (daemon side only)."""
@@ -174,10 +213,17 @@ class Arena:
             if mapping is not None:
                 mapping.close()
             self._maps[name] = None
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def unlink(self) -> None:
         """Remove every segment this arena created. Mappings stay valid until their last user unmaps."""
         for name in list(self._maps):
-            unlink_segment(name)
+            unlink_segment(name, self.shm_dir)
+        self._close_fds()
         # The daemon's own mappings are dropped with the arena object, never closed under live tensors.
         self._maps.clear()

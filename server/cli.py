@@ -78,6 +78,7 @@ def cmd_status(args) -> int:
     print(f"  checkpoint  {status['checkpoint']}")
     print(f"  generation  {status['generation']}")
     print(f"  tensors     {status['tensors']} served, {status['views']} per-expert views, {len(status['segments'])} segment(s)")
+    print(f"  shm_dir     {status.get('shm_dir', '/dev/shm')}")
     for dtype, n in sorted(status["bytes"].items()):
         print(f"  bytes       {dtype:<16} {n:>16,}")
     print(f"  clients     {len(status['leases'])}")
@@ -267,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="folder to write")
     p.add_argument("--preset", default="tiny",
                    help="DeepSeek-V3 size when no --model-type: tiny (the bundled test model), bench-1g (~1 GB bf16), "
-                        "dsv3-counts (DeepSeek-V3's 61 layers, 256 experts, MTP layer and ~92k tensors at tiny dims)")
+                        "dsv3-counts (DeepSeek-V3's 61 layers, 256 experts, MTP layer and ~92k tensors at tiny dims), "
+                        "dsv3-bytes (about dsv3-counts' bytes in ~70 tensors)")
     p.add_argument("--model-type", help="a tiny checkpoint of this transformers model type, written by its save_pretrained")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                    help="with --model-type: quantize to FP8 block scales (default: as the family's releases)")

@@ -10,8 +10,11 @@ from dataclasses import dataclass, fields
 import yaml
 
 from expertd.errors import ConfigError
+from expertd.index import DEFAULT_SHM_DIR
 from expertd.protocol import DEFAULT_ENDPOINT, ipc_path, tcp_host
 from expertd.units import parse_duration
+
+from .shmdir import inspect as inspect_shm_dir
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -24,6 +27,7 @@ class DaemonConfig:
     namespace: str = "expertd"
     run_dir: str | None = None  # where the index JSON goes; default: the ipc socket's folder
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N": where dequant runs
+    load_threads: int | None = None  # threads reading, dequantizing and writing at once; None: every usable core
     lease_timeout_s: float = 30.0
     max_generations: int = 3  # live generations at most: a reload or update beyond it is refused
     progress: bool = True
@@ -31,6 +35,7 @@ class DaemonConfig:
     group: str | None = None  # serve segments 0640 to this group (shared-group deployments); default 0600
     metrics_port: int | None = None  # serve Prometheus metrics on http://metrics_host:metrics_port/metrics; None: off
     metrics_host: str = "127.0.0.1"
+    shm_dir: str = DEFAULT_SHM_DIR  # the tmpfs (or hugetlbfs) folder segments go in, e.g. one mounted huge=always
 
     @property
     def index_path(self) -> str:
@@ -69,6 +74,10 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: 'checkpoint' (a folder path) is required")
     values = dict(raw)
     values["checkpoint"] = _resolve(raw["checkpoint"], base_dir)
+    if "shm_dir" in values:
+        if not isinstance(values["shm_dir"], str) or not values["shm_dir"]:
+            raise ConfigError(f"config {source}: shm_dir must be a folder path (a tmpfs or hugetlbfs mount)")
+        values["shm_dir"] = _resolve(values["shm_dir"], base_dir)
     if values.get("run_dir"):
         values["run_dir"] = _resolve(str(values["run_dir"]), base_dir)
     if "endpoint" in values:
@@ -78,6 +87,9 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: namespace {cfg.namespace!r} must be 1-64 of [A-Za-z0-9_.-]")
     if not isinstance(cfg.max_generations, int) or isinstance(cfg.max_generations, bool) or cfg.max_generations < 1:
         raise ConfigError(f"config {source}: max_generations must be an integer >= 1")
+    if cfg.load_threads is not None and (not isinstance(cfg.load_threads, int) or isinstance(cfg.load_threads, bool)
+                                         or cfg.load_threads < 1):
+        raise ConfigError(f"config {source}: load_threads must be an integer >= 1 (or leave it out: every usable core)")
     try:
         cfg.lease_timeout_s = parse_duration(cfg.lease_timeout_s)
     except ValueError as exc:
@@ -99,6 +111,8 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
             grp.getgrnam(str(cfg.group))
         except KeyError:
             raise ConfigError(f"config {source}: group {cfg.group!r} does not exist") from None
+    if "shm_dir" in raw:  # the /dev/shm default is taken as it always was, whatever it is mounted as
+        inspect_shm_dir(cfg.shm_dir, where=f"config {source}: shm_dir")
     if not (cfg.device in ("auto", "cpu", "cuda") or re.match(r"^cuda:\d+$", str(cfg.device))):
         raise ConfigError(f"config {source}: device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
     return cfg

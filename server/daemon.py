@@ -63,7 +63,7 @@ class Daemon:
         ckpt, plan = prepare(self.cfg.checkpoint)  # raises before anything is created
         log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
                  self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout)
-        self.runstate.reap()
+        self.runstate.reap(self.cfg.shm_dir)
         ctx = zmq.Context()
         try:
             sock = self._bind(ctx)
@@ -291,6 +291,7 @@ class Daemon:
             "views": len(index.all_views()) if index else 0,
             "segments": [s.name for s in index.segments] if index else [],
             "index_segment": w.gens.latest.index_place["segment"] if index else None,
+            "shm_dir": self.cfg.shm_dir,
             "bytes": {"total": sum(by_dtype.values()), **by_dtype},
             "leases": [
                 {"client": l.client, "pid": l.pid, "generation": l.generation, "age_s": round(now - l.created, 3),

@@ -40,7 +40,7 @@ def place_index(index: TensorIndex, group: str | None = None) -> dict:
     """Pack an index into a segment of its own (`/{namespace}.{pid}.i{generation}.000`, same owner and mode
     rules as the tensors' segments); returns the descriptor lease replies carry."""
     blob, desc = index_segment.pack(index)
-    arena = Arena(index.namespace, f"i{index.generation}", group=group)
+    arena = Arena(index.namespace, f"i{index.generation}", group=group, shm_dir=index.shm_dir)
     placement = arena.add(len(blob))
     try:
         arena.write(placement, blob)
@@ -71,7 +71,7 @@ class Generation:
 
     def drop_index(self) -> None:
         """Unlink the index segment (the generation retires); workers that mapped it have decoded it already."""
-        unlink_segment(self.index_place["segment"])
+        unlink_segment(self.index_place["segment"], self.index.shm_dir)
 
     def places(self) -> set[tuple[str, int]]:
         return {(t.segment, t.offset) for t in self.index.tensors}
@@ -172,7 +172,7 @@ class Generations:
         if not gone:
             return []
         in_use = set().union(*(g.segments() for g in self.live.values()))
-        freed = [name for gen in gone for name in gen.segments() - in_use if unlink_segment(name)]
+        freed = [name for gen in gone for name in gen.segments() - in_use if unlink_segment(name, gen.index.shm_dir)]
         log.info("retired generation(s) %s: %d segment(s) freed", ", ".join(str(g.number) for g in gone), len(freed))
         return [g.number for g in gone]
 
@@ -183,7 +183,7 @@ class Generations:
         """Unlink every segment of every live generation (the daemon is stopping)."""
         for gen in self.live.values():
             for name in gen.segments():
-                unlink_segment(name)
+                unlink_segment(name, gen.index.shm_dir)
             gen.drop_index()
             gen.built.arena.unlink()
         self.live.clear()

@@ -144,6 +144,25 @@ def check_scale_values(ckpt: Checkpoint, scale: TensorInfo) -> None:
         )
 
 
+def check_scales(ckpt: Checkpoint, scales: list[TensorInfo]) -> None:
+    """`check_scale_values` for many scales: read into one buffer per dtype and checked at once (tens
+    of thousands of small scales cost one numpy pass, not one each); a failure is named by the
+    per-scale check."""
+    by_dtype: dict[torch.dtype, list[TensorInfo]] = {}
+    for scale in scales:
+        by_dtype.setdefault(scale.dtype, []).append(scale)
+    for dtype, infos in by_dtype.items():
+        buf = bytearray(sum(i.nbytes for i in infos))
+        mem, at = memoryview(buf), 0
+        for info in infos:
+            ckpt.read_into(info, 0, mem[at: at + info.nbytes])
+            at += info.nbytes
+        values = torch.frombuffer(buf, dtype=dtype).float().numpy() if buf else np.zeros(0, np.float32)
+        if not bool(((values > 0) & (values < np.inf)).all()):  # NaN fails both, -inf and 0 the first
+            for info in infos:
+                check_scale_values(ckpt, info)
+
+
 def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
     """Check the checkpoint against the model its config describes and plan every served tensor.
 
@@ -210,10 +229,7 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
         planned.append(PlannedTensor(name, info.shape, served_dtype(src), [src]))
 
     if check_values:
-        for t in planned:
-            for s in t.sources:
-                if s.scale is not None:
-                    check_scale_values(ckpt, s.scale)
+        check_scales(ckpt, [s.scale for t in planned for s in t.sources if s.scale is not None])
     layout = "transformers-fused" if any(len(t.sources) > 1 or t.computed for t in planned) else "checkpoint"
     return Plan(model_type, layout, block, planned)
 

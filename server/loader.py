@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -22,18 +20,18 @@ import torch
 from tqdm import tqdm
 
 from expertd.errors import ConfigError
-from expertd.index import SegmentEntry, TensorEntry, TensorIndex, tensor_checksum, write_json_atomic
+from expertd.index import (
+    DEFAULT_SHM_DIR, SegmentEntry, TensorEntry, TensorIndex, combined_checksum, tensor_checksum, write_json_atomic,
+)
 from expertd.shm import map_segment, segment_bytes, view
 
-from .arena import ALIGN, Arena, align_up
+from .arena import Arena
 from .compute import compute, source_tensor
+from .filling import OrderedPool, Part, batches, default_threads, fill, source_digest, write_part
 from .layout import Plan, plan_checkpoint
 from .reader import Checkpoint
 
 log = logging.getLogger("expertd.loader")
-
-READ_AHEAD = 256  # sources hashed ahead of the one being written: views of the file mappings, not copies
-
 
 class Cancelled(Exception):
     """Building was interrupted by a stop request or a signal."""
@@ -76,73 +74,20 @@ class Built:
         self.arena.unlink()
 
 
-def _read_source(ckpt: Checkpoint, src, known: dict) -> tuple:
-    """(source, part digest, data or None, scale, identities): off the writing thread.
-
-    The weight is not read when its identity (same file, same place) is known from the last
-    build: its digest is known, and its bytes are only needed if the part must be rewritten.
-    """
-    ids = {}
-    weight_id = ckpt.identity(src.info)
-    digest = known.get(weight_id)
-    data = None
-    if digest is None:
-        data = ckpt.view(src.info)
-        digest = tensor_checksum(data)  # touches every page: the file is pulled in here, not in the writer
-    ids[weight_id] = digest
-    scale = None
-    if src.scale is not None:
-        scale = ckpt.view(src.scale)
-        scale_digest = tensor_checksum(scale)
-        ids[ckpt.identity(src.scale)] = scale_digest
-        digest = f"{digest}+{scale_digest}"
-    return src, digest, data, scale, ids
-
-
-def _read_ahead(ckpt: Checkpoint, sources: list, known: dict, depth: int = READ_AHEAD):
-    """Yield `_read_source` results in order while a thread reads and hashes up to `depth` sources ahead."""
-    results: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def reader() -> None:
-        try:
-            for src in sources:
-                if stop.is_set():
-                    return
-                results.put((True, _read_source(ckpt, src, known)))
-        except BaseException as exc:  # handed to the consumer, raised there
-            results.put((False, exc))
-
-    thread = threading.Thread(target=reader, name="expertd-read", daemon=True)
-    thread.start()
-    try:
-        for _ in sources:
-            ok, item = results.get()
-            if not ok:
-                raise item
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():  # unblock a reader waiting on a full queue, then let it end
-            try:
-                results.get(timeout=0.01)
-            except queue.Empty:
-                pass
-        thread.join()
-
-
 class PreviousBytes:
     """Read-only access to an older generation's served tensors, to copy unchanged parts from."""
 
     def __init__(self, index: TensorIndex):
         self.entries = {t.name: t for t in index.tensors}
         self.sizes = {s.name: s.nbytes for s in index.segments}
+        self.shm_dir = index.shm_dir
         self._maps: dict[str, torch.Tensor] = {}
 
     def part(self, entry: TensorEntry, k: int, parts: int) -> torch.Tensor:
         """Part k of `parts` equal parts of a served tensor's bytes (as uint8)."""
         if entry.segment not in self._maps:
-            self._maps[entry.segment] = segment_bytes(map_segment(entry.segment, self.sizes[entry.segment]))
+            mapping = map_segment(entry.segment, self.sizes[entry.segment], shm_dir=self.shm_dir)
+            self._maps[entry.segment] = segment_bytes(mapping)
         flat = view(self._maps, entry).reshape(-1).view(torch.uint8)
         step = flat.numel() // parts
         return flat[k * step: (k + 1) * step]
@@ -152,18 +97,6 @@ def prepare(checkpoint: str) -> tuple[Checkpoint, Plan]:
     """Open and fully validate a checkpoint; nothing is written."""
     ckpt = Checkpoint.open(checkpoint)
     return ckpt, plan_checkpoint(ckpt)
-
-
-def write_part(out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, *, name: str,
-               block_size: int, device: torch.device) -> None:
-    """One source part into its place: FP8 dequantized (bit-exact reference rounding), anything else copied."""
-    if scale is not None:
-        from expertd.kernels import weight_dequant  # the daemon needs kernels; the client never imports them
-
-        # bf16 / fp16 scales (Qwen's FP8 releases) widen to float32 exactly: y = bf16(float32(x) * float32(s))
-        weight_dequant(data, scale.float(), block_size, out=out, out_dtype=out.dtype, name=name, device=device)
-    else:
-        out.copy_(data.view(out.shape))
 
 
 def segments_of(entries: list[TensorEntry], *indexes: TensorIndex, arena: Arena) -> list[SegmentEntry]:
@@ -182,92 +115,101 @@ def build(
     generation: int,
     previous: Built | None = None,
     device: str = "auto",
+    threads: int | None = None,
     progress: bool = False,
     should_stop=None,
     group: str | None = None,
     on_progress=None,
+    shm_dir: str = DEFAULT_SHM_DIR,
 ) -> Built:
-    """Place every planned tensor in shared memory; with `previous`, write only what changed."""
+    """Place every planned tensor in shared memory on `threads` threads (default: every core this
+    process may use); with `previous`, write only what changed."""
     dev = resolve_device(device)
-    arena = Arena(namespace, generation, group=group)
+    threads = threads or default_threads()
+    arena = Arena(namespace, generation, group=group, shm_dir=shm_dir)
     if previous is None:
-        arena.check_space(sum(max(align_up(t.nbytes), ALIGN) for t in plan.tensors))
-    old = PreviousBytes(previous.index) if previous is not None else None
+        arena.check_space(sum(arena.segment_size(t.nbytes) for t in plan.tensors))
+    block = plan.block_size[0]
     started = time.perf_counter()
-    entries: list[TensorEntry] = []
-    parts: dict[str, list[str]] = {}
-    known: dict[tuple, str] = {}
-    written = count = 0
-    reads = config = None
-    try:
-        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="expertd load", disable=not progress)
-        reads = _read_ahead(ckpt, [src for planned in plan.tensors for src in planned.sources],
-                            previous.known if previous is not None else {})
-        for planned in plan.tensors:
-            if should_stop is not None and should_stop():
-                raise Cancelled("building stopped before it finished")
-            n = len(planned.sources)
-            prev = old.entries.get(planned.name) if old is not None else None
-            prev_parts = previous.parts.get(planned.name) if prev is not None else None
-            if prev is not None and (prev.shape != list(planned.shape) or prev.dtype != str(planned.dtype)
-                                     or prev_parts is None or len(prev_parts) != n):
-                prev = None
-            out = chunks = None
-            digests = []
-            if planned.computed is not None:
-                items = [next(reads) for _ in range(n)]
-                for _, digest, _, _, ids in items:
-                    known.update(ids)
-                    digests.append(digest)
-                if prev is None or digests != prev_parts:
-                    if config is None:
-                        from expertd.hf import model_config
+    pool = OrderedPool(threads)
+    bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="expertd load", disable=not progress)
 
-                        config = model_config(ckpt.config)
-                    tensors = [source_tensor(ckpt.view(src.info) if data is None else data, scale, src.info, planned.dtype,
-                                             write_part, block_size=plan.block_size[0], device=dev)
-                               for src, _, data, scale, _ in items]
-                    result = compute(planned, tensors, config)
-                    where = arena.add(planned.nbytes)
-                    out = arena.tensor(where, planned.shape, planned.dtype)
-                    out.copy_(result)
-                    del items, tensors, result
-            for k in range(n if planned.computed is None else 0):
-                src, digest, data, scale, ids = next(reads)
-                known.update(ids)
-                digests.append(digest)
-                same = prev is not None and digest == prev_parts[k]
-                if same and out is None:
-                    continue  # unchanged so far: maybe the whole tensor stays where it is
-                if out is None:
-                    where = arena.add(planned.nbytes)
-                    out = arena.tensor(where, planned.shape, planned.dtype)
-                    chunks = out.view(n, *planned.source_shape) if n > 1 else out.view(1, *planned.shape)
-                    for j in range(k):  # the unchanged parts before the first change
-                        chunks[j].view(-1).view(torch.uint8).copy_(old.part(prev, j, n))
-                if same:
-                    chunks[k].view(-1).view(torch.uint8).copy_(old.part(prev, k, n))
-                    continue
-                if data is None:
-                    data = ckpt.view(src.info)
-                write_part(chunks[k], data, scale, name=src.name, block_size=plan.block_size[0], device=dev)
-                del data, scale
-            if out is None:
-                entries.append(prev)  # the new index points at the same bytes
-            else:
-                entries.append(TensorEntry(
-                    planned.name, where.segment, where.offset, planned.nbytes, list(planned.shape), str(planned.dtype),
-                    [] if planned.computed is not None else [s.name for s in planned.sources], checksum=tensor_checksum(out),
-                ))
-                written += planned.nbytes
-                count += 1
-                del out, chunks
-            parts[planned.name] = digests
-            bar.update(planned.nbytes)
-            if on_progress is not None:
-                on_progress(planned.nbytes)
-        reads.close()
+    def advance(nbytes: int) -> None:
+        bar.update(nbytes)
+        if on_progress is not None:
+            on_progress(nbytes)
+
+    def check_stop() -> None:
+        if should_stop is not None and should_stop():
+            raise Cancelled("building stopped before it finished")
+
+    try:
+        known: dict[tuple, str] = {}
+        prev, digests = _unchanged(ckpt, plan, previous, pool, known, check_stop)
+        slots: dict[int, tuple] = {}  # plan position -> (placement, out, results per part)
+        computed_config = old = None
+
+        def collect(done) -> None:
+            for (slot, first, nbytes), results in done:
+                for k, (digest, ids, out_digest) in enumerate(results, first):
+                    known.update(ids)
+                    slots[slot][2][k] = (digest, out_digest)
+                advance(nbytes)
+
+        for slot, planned in enumerate(plan.tensors):
+            check_stop()
+            n = len(planned.sources)
+            if prev[slot] is not None and digests[slot] == previous.parts[planned.name]:
+                advance(planned.nbytes)
+                continue  # unchanged: the new index points at the same bytes
+            where = arena.add(planned.nbytes, slot, reserve=planned.computed is not None)
+            out = arena.tensor(where, planned.shape, planned.dtype)
+            slots[slot] = (where, out, [None] * (n if planned.computed is None else 1))
+            if planned.computed is not None:
+                if computed_config is None:
+                    from expertd.hf import model_config
+
+                    computed_config = model_config(ckpt.config)
+                collect(pool.submit((slot, 0, planned.nbytes), _computed, ckpt, planned, out, computed_config, block, dev))
+                continue
+            chunks = out.view(n, *planned.source_shape) if n > 1 else out.view(1, *planned.shape)
+            step = planned.nbytes // n
+            items = [Part(src, chunks[k], where, k * step) for k, src in enumerate(planned.sources)]
+            if prev[slot] is not None:  # copy the parts whose sources did not change
+                old = old or PreviousBytes(previous.index)
+                for k, item in enumerate(items):
+                    if digests[slot][k] == previous.parts[planned.name][k]:
+                        item.old, item.digest = old.part(prev[slot], k, n), digests[slot][k]
+            first = 0
+            for batch in batches(items, lambda item: item.nbytes):
+                collect(pool.submit((slot, first, sum(item.nbytes for item in batch)), fill, batch, ckpt, arena, block_size=block, device=dev))
+                first += len(batch)
+        collect(pool.drain())
+        pool.close()
         bar.close()
+
+        entries: list[TensorEntry] = []
+        parts: dict[str, list[str]] = {}
+        written = count = 0
+        for slot, planned in enumerate(plan.tensors):
+            if slot not in slots:
+                entries.append(prev[slot])
+                parts[planned.name] = digests[slot]
+                continue
+            where, out, results = slots[slot]
+            if planned.computed is not None:
+                part_digests, out_checksum = results[0]
+            else:
+                part_digests = [digest for digest, _ in results]
+                out_checksum = combined_checksum([out_digest for _, out_digest in results])
+            entries.append(TensorEntry(
+                planned.name, where.segment, where.offset, planned.nbytes, list(planned.shape), str(planned.dtype),
+                [] if planned.computed is not None else [s.name for s in planned.sources], checksum=out_checksum,
+            ))
+            parts[planned.name] = part_digests
+            written += planned.nbytes
+            count += 1
+        slots.clear()
         arena.unmap()  # every tensor over the writable mappings is gone by now
         index = TensorIndex(
             generation=generation,
@@ -278,20 +220,68 @@ def build(
             segments=segments_of(entries, *([previous.index] if previous is not None else []), arena=arena),
             tensors=entries,
             views=None,  # derived from the fused tensors' sources: one rule for server and client
+            shm_dir=shm_dir,
         )
     except BaseException:
-        if reads is not None:
-            reads.close()  # stops the read-ahead thread before the arena goes
+        pool.close()  # no thread writes any more: then the segments can go
         arena.unlink()
         raise
     finally:
         ckpt.close()
     elapsed = time.perf_counter() - started
     log.info(
-        "built generation %d: %d of %d tensors written (%.1f MiB) in %.2fs",
-        generation, count, len(entries), written / 2**20, elapsed,
+        "built generation %d on %d thread(s): %d of %d tensors written (%.1f MiB) in %.2fs",
+        generation, threads, count, len(entries), written / 2**20, elapsed,
     )
     return Built(arena, index, parts, known, written, count, elapsed)
+
+
+def _unchanged(ckpt: Checkpoint, plan: Plan, previous: Built | None, pool: OrderedPool, known: dict, check_stop):
+    """Per plan position, the previous generation's entry when it can be compared (same name, shape, dtype
+    and part count) and the digests of its sources now (read and hashed on the pool); None elsewhere."""
+    prev: list[TensorEntry | None] = [None] * len(plan.tensors)
+    digests: list[list[str] | None] = [None] * len(plan.tensors)
+    if previous is None:
+        return prev, digests
+    entries = {t.name: t for t in previous.index.tensors}
+    todo = []
+    for slot, planned in enumerate(plan.tensors):
+        entry = entries.get(planned.name)
+        old_parts = previous.parts.get(planned.name)
+        if (entry is not None and entry.shape == list(planned.shape) and entry.dtype == str(planned.dtype)
+                and old_parts is not None and len(old_parts) == len(planned.sources)):
+            prev[slot] = entry
+            digests[slot] = [None] * len(planned.sources)
+            todo.extend((slot, k, src) for k, src in enumerate(planned.sources))
+
+    def digest_all(items):
+        return [source_digest(ckpt, src, previous.known) for _, _, src in items]
+
+    def collect(done) -> None:
+        for batch, results in done:
+            for (slot, k, _), (digest, ids) in zip(batch, results):
+                digests[slot][k] = digest
+                known.update(ids)
+
+    for batch in batches(todo, lambda item: item[2].info.nbytes):
+        check_stop()
+        collect(pool.submit(batch, digest_all, batch))
+    collect(pool.drain())
+    return prev, digests
+
+
+def _computed(ckpt: Checkpoint, planned, out: torch.Tensor, config, block: int, dev: torch.device):
+    """A computed tensor (transformers converts it with more than a rename or a stack): its sources read
+    whole, FP8 dequantized, converted by transformers' own ops, written; [(source digests, checksum)]."""
+    digests, tensors = [], []
+    for src in planned.sources:
+        data = ckpt.view(src.info)
+        scale = ckpt.view(src.scale) if src.scale is not None else None
+        digest = tensor_checksum(data) + (f"+{tensor_checksum(scale)}" if scale is not None else "")
+        digests.append(digest)
+        tensors.append(source_tensor(data, scale, src.info, planned.dtype, write_part, block_size=block, device=dev))
+    out.copy_(compute(planned, tensors, config))
+    return [(digests, {}, tensor_checksum(out))]
 
 
 def publish(index: TensorIndex, index_path: str | None) -> None:

@@ -21,7 +21,7 @@ import time
 from expertd.errors import ExpertdError
 from expertd.index import write_json_atomic
 
-from .arena import SHM_DIR, segment_pattern
+from .arena import SHM_DIR, segment_pattern, unlink_segment
 
 log = logging.getLogger("expertd.runstate")
 
@@ -55,7 +55,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def namespace_segments(namespace: str, shm_dir: str = SHM_DIR) -> dict[str, int]:
-    """Every segment of this namespace in /dev/shm: name (with leading /) -> owner pid."""
+    """Every segment of this namespace in `shm_dir`: name (with leading /) -> owner pid."""
     pattern = segment_pattern(namespace)
     found = {}
     for entry in os.listdir(shm_dir):
@@ -120,17 +120,29 @@ class RunState:
         return gen + 1 if isinstance(gen, int) and gen >= 0 else 1
 
     def write_manifest(self, generation: int, segments: dict[int, list[str]], state: str, endpoint: str,
-                       staging: list[str] = ()) -> None:
+                       staging: list[str] = (), shm_dir: str = SHM_DIR) -> None:
         """Record the latest generation and the segments of every live generation (and of staging)."""
         write_json_atomic(self.manifest_path, {
             "pid": os.getpid(), "start_time": process_start_time(os.getpid()), "generation": generation,
             "namespace": self.namespace, "state": state, "endpoint": endpoint, "updated": time.time(),
+            "shm_dir": shm_dir,
             "segments": sorted({name for names in segments.values() for name in names} | set(staging)),
             "generations": {str(g): names for g, names in sorted(segments.items())},
         })
 
     def reap(self, shm_dir: str = SHM_DIR) -> list[str]:
-        """Unlink this namespace's segments whose owner is dead; refuse if a live daemon owns some."""
+        """Unlink this namespace's segments whose owner is dead, in `shm_dir` and in the folder the
+        manifest of a crashed predecessor names (its config may have had another shm_dir); refuse
+        if a live daemon owns some."""
+        before = (self.read_manifest() or {}).get("shm_dir")
+        folders = [shm_dir] + ([before] if isinstance(before, str) and before != shm_dir
+                               and os.path.isabs(before) and os.path.isdir(before) else [])
+        reaped = []
+        for folder in folders:
+            reaped += self._reap_in(folder)
+        return reaped
+
+    def _reap_in(self, shm_dir: str) -> list[str]:
         reaped = []
         for name, pid in namespace_segments(self.namespace, shm_dir).items():
             if pid == os.getpid():
@@ -140,14 +152,11 @@ class RunState:
                     f"segment {name} of namespace {self.namespace!r} belongs to live process {pid}; "
                     "stop that daemon first or choose another namespace"
                 )
-            try:
-                os.unlink(os.path.join(shm_dir, name.lstrip("/")))
+            if unlink_segment(name, shm_dir):
                 reaped.append(name)
-            except FileNotFoundError:
-                pass
         if reaped:
-            log.warning("reaped %d segment(s) left by a dead daemon of namespace %r: %s",
-                        len(reaped), self.namespace, ", ".join(reaped))
+            log.warning("reaped %d segment(s) left by a dead daemon of namespace %r in %s: %s",
+                        len(reaped), self.namespace, shm_dir, ", ".join(reaped))
         return reaped
 
     @staticmethod

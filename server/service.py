@@ -81,8 +81,8 @@ class WeightService:
             self.build_progress = (self.build_progress[0] + nbytes, plan.nbytes)
 
         return build(ckpt, plan, namespace=self.cfg.namespace, generation=number, previous=previous,
-                     device=self.cfg.device, progress=self.cfg.progress and previous is None,
-                     should_stop=self.should_stop, group=self.cfg.group, on_progress=placed)
+                     device=self.cfg.device, threads=self.cfg.load_threads, progress=self.cfg.progress and previous is None,
+                     should_stop=self.should_stop, group=self.cfg.group, on_progress=placed, shm_dir=self.cfg.shm_dir)
 
     def _start_build(self, kind: str, number: int, work, on_end=None) -> Job:
         job = self.jobs.start(kind, number, work, on_end)
@@ -113,7 +113,7 @@ class WeightService:
                 publish(job.built.index, self.cfg.index_path)
             except BaseException as exc:
                 if place is not None:
-                    unlink_segment(place["segment"])
+                    unlink_segment(place["segment"], job.built.index.shm_dir)
                 job.built.close()
                 job.exc, job.error, job.message, job.state = exc, type(exc).__name__, str(exc), "failed"
             else:
@@ -141,7 +141,7 @@ class WeightService:
             segments[building] = [segment_name(self.cfg.namespace, os.getpid(), building, 0).rsplit(".", 1)[0] + ".*"]
         latest = self.gens.latest.number if self.gens.latest else self.first_generation
         self.runstate.write_manifest(latest, segments, state, self.cfg.endpoint,
-                                     staging=[s.segment.name for s in self.staging.values()])
+                                     staging=[s.segment.name for s in self.staging.values()], shm_dir=self.cfg.shm_dir)
 
     def _check_idle(self) -> None:
         self.jobs.check_idle()
@@ -175,7 +175,8 @@ class WeightService:
         self.gens.check_room()
         pushes = plan_update(latest.index, msg.get("tensors"))
         self._updates += 1
-        staging = Staging(self.cfg.namespace, self._updates, pushes, lease.client, group=self.cfg.group)
+        staging = Staging(self.cfg.namespace, self._updates, pushes, lease.client, group=self.cfg.group,
+                          shm_dir=self.cfg.shm_dir)
         self.staging[staging.number] = staging
         self._write_manifest("serving")
         return {"ok": True, **staging.reply()}
@@ -223,4 +224,4 @@ class WeightService:
                 os.unlink(self.cfg.index_path)
             except FileNotFoundError:
                 pass
-        self.runstate.write_manifest(self.status_generation(), {}, "stopped", self.cfg.endpoint)
+        self.runstate.write_manifest(self.status_generation(), {}, "stopped", self.cfg.endpoint, shm_dir=self.cfg.shm_dir)

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from expertd.errors import UpdateRejected
-from expertd.index import TensorEntry, TensorIndex, tensor_checksum
+from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_checksum
 from expertd.shm import DTYPES, map_segment, segment_bytes
 
 from .arena import Arena
 from .layout import SCALE_DTYPES, SCALE_SUFFIX, block_size_of
-from .loader import Built, PreviousBytes, segments_of, write_part
+from .filling import write_part
+from .loader import Built, PreviousBytes, segments_of
 
 FP8 = "torch.float8_e4m3fn"
 SCALE_DTYPE_NAMES = tuple(str(d) for d in SCALE_DTYPES)
@@ -111,14 +112,16 @@ def plan_update(index: TensorIndex, items: list) -> list[Push]:
 class Staging:
     """The segment an updater writes its pushed tensors into, owned by the daemon until commit."""
 
-    def __init__(self, namespace: str, number: int, pushes: list[Push], client: str, group: str | None = None):
+    def __init__(self, namespace: str, number: int, pushes: list[Push], client: str, group: str | None = None,
+                 shm_dir: str = DEFAULT_SHM_DIR):
         self.number = number
         self.client = client
         self.committed = False  # a build from it is under way: it goes when that ends
         self.pushes = pushes
         self.created = time.monotonic()
         flat = [t for p in pushes for t in ((p, p.scale) if p.scale else (p,))]
-        self.arena = Arena(namespace, f"u{number}", segment_bytes=max(sum(t.nbytes for t in flat), 1) * 2, group=group)
+        self.arena = Arena(namespace, f"u{number}", segment_bytes=max(sum(t.nbytes for t in flat), 1) * 2, group=group,
+                           shm_dir=shm_dir)
         places = self.arena.place([t.nbytes for t in flat])
         for t, where in zip(flat, places):
             t.offset = where.offset
@@ -129,11 +132,12 @@ class Staging:
 
     def reply(self) -> dict:
         return {"update": self.number, "segment": self.segment.name, "nbytes": self.segment.nbytes,
+                "shm_dir": self.arena.shm_dir,
                 "tensors": [{"name": t.name, "offset": t.offset, "nbytes": t.nbytes} for t in self.tensors]}
 
     def staged(self) -> dict[str, torch.Tensor]:
         """The staged tensors, read-only."""
-        data = segment_bytes(map_segment(self.segment.name, self.segment.nbytes))
+        data = segment_bytes(map_segment(self.segment.name, self.segment.nbytes, shm_dir=self.arena.shm_dir))
         return {t.name: data[t.offset: t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) if t.nbytes
                 else torch.empty(t.shape, dtype=DTYPES[t.dtype]) for t in self.tensors}
 
@@ -162,7 +166,7 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
     by_target: dict[str, list[Push]] = {}
     for p in staging.pushes:
         by_target.setdefault(p.target.name, []).append(p)
-    arena = Arena(index.namespace, generation, group=group)
+    arena = Arena(index.namespace, generation, group=group, shm_dir=index.shm_dir)
     entries, parts, written = [], dict(previous.parts), 0
     try:
         for entry in index.tensors:
@@ -185,13 +189,14 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
                     digests[k] = f"{mark}#{k}"
             parts[entry.name] = digests
             entries.append(TensorEntry(entry.name, where.segment, where.offset, entry.nbytes, list(entry.shape),
-                                       entry.dtype, list(entry.sources), checksum=tensor_checksum(out)))
+                                       entry.dtype, list(entry.sources), checksum=tensor_checksum(out, n)))
             written += entry.nbytes
             del out, chunks, dest
         arena.unmap()
         new_index = TensorIndex(generation=generation, namespace=index.namespace, model_type=index.model_type,
                                 layout=index.layout, config=index.config,
-                                segments=segments_of(entries, index, arena=arena), tensors=entries, views=None)
+                                segments=segments_of(entries, index, arena=arena), tensors=entries, views=None,
+                                shm_dir=index.shm_dir)
     except BaseException:
         arena.unlink()
         raise

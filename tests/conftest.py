@@ -91,7 +91,7 @@ def tf4_python(wheel) -> str:
         run([sys.executable, "-m", "venv", "--clear", venv], cwd="/")
         run([python, *PIP, "install", TORCH], cwd=venv)
         run([python, *PIP, "install", TF4, "accelerate>=1.0", "safetensors>=0.4", "pyzmq>=25", "msgpack>=1.0",
-             "posix_ipc>=1.1", "xxhash>=3"], cwd=venv)
+             "xxhash>=3"], cwd=venv)
         open(ready, "w").close()
     run([python, *PIP, "install", "--no-deps", "--force-reinstall", wheel], cwd=venv)
     return python

@@ -44,7 +44,7 @@ def test_segments_are_private_reserved_and_removed(namespace):
 
 
 def test_not_enough_shm_is_a_clear_error_and_leaves_nothing(namespace, monkeypatch):
-    monkeypatch.setattr(arena_mod, "shm_free_bytes", lambda shm_dir="/dev/shm": 64 << 20)
+    monkeypatch.setattr(arena_mod.shmdir, "free_bytes", lambda shm: 64 << 20)
     arena = Arena(namespace, 1, segment_bytes=1 << 30)
     arena.place([100 << 20])
     with pytest.raises(ShmSpaceError, match=r"64.0 MiB free.*100.0 MiB.*--shm-size"):

@@ -102,3 +102,18 @@ def test_kubernetes_daemonset_and_workers_share_socket_and_shm():
     wait = worker["initContainers"][0]["command"]
     assert wait[:2] == ["expertd", "status"] and "--wait" in wait and cfg["endpoint"] in wait
     assert daemon["ports"][0]["containerPort"] == cfg["metrics_port"]
+
+
+def test_compose_hugepages_override_shares_one_huge_tmpfs_at_the_configs_shm_dir():
+    override = load(os.path.join(DOCKER, "docker-compose.hugepages.yml"))
+    daemon, worker = override["services"]["expertd"], override["services"]["worker"]
+    volume = override["volumes"]["expertd-hugeshm"]
+    assert volume["driver"] == "local" and volume["driver_opts"]["type"] == "tmpfs"
+    assert "huge=always" in volume["driver_opts"]["o"].split(",")
+    shm = [v for v in daemon["volumes"] if v.startswith("expertd-hugeshm:")]
+    assert shm and shm[0] in worker["volumes"]  # one tmpfs, at the same path in both containers
+    cfg_mount = next(v for v in daemon["volumes"] if v.endswith(":/etc/expertd/expertd.yaml:ro"))
+    cfg = load(os.path.join(DOCKER, cfg_mount.split(":")[0]))
+    assert cfg["shm_dir"] == shm[0].split(":")[1]
+    base = load(os.path.join(DOCKER, "expertd.yaml"))
+    assert {k: v for k, v in cfg.items() if k != "shm_dir"} == base

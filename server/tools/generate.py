@@ -39,6 +39,13 @@ PRESETS: dict[str, dict] = {
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
         num_nextn_predict_layers=1,
     ),
+    # About dsv3-counts' bytes (~0.1 GB of bf16) in ~100 tensors: the baseline its per-tensor costs are measured against.
+    "dsv3-bytes": dict(
+        vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=2048,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+    ),
     # ~1 GB of bf16 once dequantized: DeepSeek-V3's shapes scaled down, for the benchmarks.
     "bench-1g": dict(
         vocab_size=8192, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=384,

@@ -6,7 +6,8 @@ Once attached it prints a hello: {"lease", "digest"} (a hash of every checkpoint
 with --model the report of a model loaded through the client, after touching every weight (where the
 parameters live, their dtypes, the server or kernel modules it imported). --save DIR writes the model's
 logits and the served tensors there. Commands: digest, call (ask the daemon for status), reconnect,
-write (write into a served view), lease, measure (size and Pss of its mappings of NS), exit; with
+write (write into a served view), lease, measure (size and Pss of its mappings of NS), pages (its mappings
+of NS: files, permissions and huge-page use from /proc/self/smaps), exit; with
 --model also: logits (a digest of the model's logits), refresh (move to the latest generation, rebinding
 in place), loop SECONDS (forwards back to back, refreshing whenever a newer generation appears).
 """
@@ -35,29 +36,57 @@ def digest(views: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def shm_ranges(namespace: str) -> list[tuple[int, int, str]]:
+def segment_prefix(namespace: str, shm_dir: str = "/dev/shm") -> str:
+    """How the files of a namespace's segments start in /proc/self/maps (the index names their folder)."""
+    return os.path.join(shm_dir, f"{namespace}.")
+
+
+def shm_ranges(namespace: str, shm_dir: str = "/dev/shm") -> list[tuple[int, int, str]]:
     ranges = []
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split()
-            if len(parts) >= 6 and parts[5].startswith(f"/dev/shm/{namespace}."):
+            if len(parts) >= 6 and parts[5].startswith(segment_prefix(namespace, shm_dir)):
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 ranges.append((lo, hi, parts[1]))
     return ranges
 
 
-def shm_pss(namespace: str) -> dict:
+def shm_pss(namespace: str, shm_dir: str = "/dev/shm") -> dict:
     sizes, pss, name = {}, {}, None
     with open("/proc/self/smaps") as f:
         for line in f:
             parts = line.split()
             if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:
-                name = parts[5] if len(parts) >= 6 and parts[5].startswith(f"/dev/shm/{namespace}.") else None
+                name = parts[5] if len(parts) >= 6 and parts[5].startswith(segment_prefix(namespace, shm_dir)) else None
             elif name and parts[0] == "Size:":
                 sizes[name] = sizes.get(name, 0) + int(parts[1]) * 1024
             elif name and parts[0] == "Pss:":
                 pss[name] = pss.get(name, 0) + int(parts[1]) * 1024
     return {"size": sum(sizes.values()), "pss": sum(pss.values())}
+
+
+HUGE_FIELDS = ("ShmemPmdMapped", "FilePmdMapped", "Shared_Hugetlb", "Private_Hugetlb")
+
+
+def shm_pages(namespace: str, shm_dir: str) -> dict:
+    """This process's mappings of the namespace's segments: the files, their permissions and modes,
+    and how many kB of them the kernel maps with huge pages (PMD-mapped tmpfs or hugetlbfs)."""
+    files, perms, huge, size, current = set(), set(), dict.fromkeys(HUGE_FIELDS, 0), 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:
+                current = parts[5] if len(parts) >= 6 and parts[5].startswith(segment_prefix(namespace, shm_dir)) else None
+                if current:
+                    files.add(current)
+                    perms.add(parts[1])
+            elif current and parts[0] == "Size:":
+                size += int(parts[1])
+            elif current and parts[0].rstrip(":") in huge:
+                huge[parts[0].rstrip(":")] += int(parts[1])
+    modes = {oct(os.stat(p).st_mode & 0o777) for p in files if os.path.exists(p)}
+    return {"files": sorted(files), "perms": sorted(perms), "modes": sorted(modes), "size_kb": size, "huge_kb": huge}
 
 
 def logits_digest(model) -> str:
@@ -84,7 +113,7 @@ def forward_loop(client: ExpertClient, model, seconds: float) -> dict:
 def model_report(client: ExpertClient, namespace: str, save_dir: str | None) -> tuple[dict, object]:
     """Load the model through the client, touch every weight, and say where and what its parameters are."""
     model = client.load_model()
-    ranges = shm_ranges(namespace)
+    ranges = shm_ranges(namespace, client.index().shm_dir)
     outside, writable = [], [r for r in ranges if "w" in r[2]]
     state = dict(model.named_parameters())
     state.update((k, v) for k, v in model.named_buffers() if k in model.state_dict())
@@ -102,6 +131,7 @@ def model_report(client: ExpertClient, namespace: str, save_dir: str | None) -> 
     touched = sum(float(v.float().abs().sum()) for v in client.served_tensors().values())
     return {
         "generation": client.generation,
+        "shm_dir": client.index().shm_dir,
         "outside": outside,
         "writable_maps": len(writable),
         "dtypes": {k: str(v.dtype) for k, v in state.items()},
@@ -148,7 +178,9 @@ def main() -> None:
             elif cmd == "lease":
                 reply = {"lease": client.lease}
             elif cmd == "measure":
-                reply = shm_pss(args.namespace)
+                reply = shm_pss(args.namespace, client.index().shm_dir)
+            elif cmd == "pages":
+                reply = shm_pages(args.namespace, client.index().shm_dir)
             elif cmd == "logits":
                 reply = {"logits": logits_digest(model), "generation": client.generation}
             elif cmd == "refresh":

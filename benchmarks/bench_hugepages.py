@@ -1,0 +1,187 @@
+"""Segments on 4 KiB pages vs huge pages: a tmpfs mounted huge=never vs one mounted huge=always.
+
+    sudo python benchmarks/bench_hugepages.py [--gib 1.0] [--reps 3]
+
+Runs as root: it re-executes itself inside a private mount namespace (`unshare -m`) with two fresh
+tmpfs mounts, so nothing is mounted on the host and both go when it ends. For each mount, in the
+same run, on the same ~1 GB of MoE expert weights (bf16 gate_up [2I, H] and down [H, I] per expert,
+each tensor a segment of its own, as the daemon places them):
+
+H1  fill: the daemon's path, Arena.add (O_EXCL create + posix_fallocate + map) and a copy of the bytes
+H2  first touch: a worker's fresh read-only mappings, one byte read per 4 KiB (the page faults it pays)
+H3  expert forward: x[16, H] @ gate_up.T, SiLU-and-mul, @ down.T for every expert; the first pass over
+    fresh (cold) mappings, and the steady state (median of --reps further passes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import numpy as np
+import torch
+
+HIDDEN, INTER, TOKENS = 2048, 512, 16
+INSIDE = "EXPERTD_BENCH_HUGEPAGES_INSIDE"
+
+
+def machine() -> str:
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
+    mem = int(next(l.split()[1] for l in open("/proc/meminfo") if l.startswith("MemTotal"))) / 2**20
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, kernel {platform.release()}; "
+            f"Python {platform.python_version()}, torch {torch.__version__} ({torch.get_num_threads()} threads)")
+
+
+def meminfo(key: str) -> int:
+    return int(next(l.split()[1] for l in open("/proc/meminfo") if l.startswith(key + ":")))
+
+
+def fill(shm_dir: str, experts: int, namespace: str) -> tuple[object, float, int]:
+    """H1: every expert's two tensors into fresh segments; returns the arena, seconds and huge kB used."""
+    from expertd.server.arena import Arena
+
+    gen = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(2 * INTER, HIDDEN, generator=gen) * 0.02).to(torch.bfloat16)
+    down = (torch.randn(HIDDEN, INTER, generator=gen) * 0.02).to(torch.bfloat16)
+    arena = Arena(namespace, 1, shm_dir=shm_dir)
+    huge_before = meminfo("ShmemHugePages")
+    started = time.perf_counter()
+    for _ in range(experts):
+        for src in (gate_up, down):
+            arena.tensor(arena.add(src.nbytes), tuple(src.shape), src.dtype).copy_(src)
+    seconds = time.perf_counter() - started
+    arena.unmap()
+    return arena, seconds, meminfo("ShmemHugePages") - huge_before
+
+
+def map_all(arena) -> list:
+    from expertd.shm import map_segment
+
+    return [map_segment(s.name, s.nbytes, shm_dir=arena.shm_dir) for s in arena.segments]
+
+
+def first_touch(arena) -> float:
+    """H2: fresh read-only mappings of every segment, one byte read per 4 KiB page."""
+    started = time.perf_counter()
+    maps = map_all(arena)
+    total = 0
+    for m in maps:
+        total += int(np.frombuffer(m, dtype=np.uint8)[::4096].sum())
+    seconds = time.perf_counter() - started
+    for m in maps:
+        m.close()
+    return seconds
+
+
+def expert_pass(weights: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor) -> float:
+    started = time.perf_counter()
+    out = torch.zeros(TOKENS, HIDDEN, dtype=torch.bfloat16)
+    for gate_up, down in weights:
+        h = x @ gate_up.T
+        out += (torch.nn.functional.silu(h[:, :INTER]) * h[:, INTER:]) @ down.T
+    return time.perf_counter() - started
+
+
+def forward(arena, reps: int) -> tuple[float, float]:
+    """H3: the first pass over fresh mappings (page faults included), then the steady state."""
+    from expertd.shm import segment_bytes
+
+    maps = map_all(arena)
+    views = [segment_bytes(m) for m in maps]
+    weights = []
+    for i in range(0, len(views), 2):
+        gate_up = views[i][: 2 * INTER * HIDDEN * 2].view(torch.bfloat16).view(2 * INTER, HIDDEN)
+        down = views[i + 1][: HIDDEN * INTER * 2].view(torch.bfloat16).view(HIDDEN, INTER)
+        weights.append((gate_up, down))
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        first = expert_pass(weights, x)
+        steady = statistics.median(expert_pass(weights, x) for _ in range(reps))
+    return first, steady
+
+
+def measure(label: str, shm_dir: str, experts: int, reps: int) -> dict:
+    namespace = f"bench{uuid.uuid4().hex[:8]}"
+    arena, fill_s, huge_kb = fill(shm_dir, experts, namespace)
+    try:
+        nbytes = arena.nbytes
+        touch = statistics.median(first_touch(arena) for _ in range(reps))
+        first, steady = forward(arena, reps)
+    finally:
+        arena.unlink()
+    gb = nbytes / 1e9
+    print(f"  {label}: {nbytes / 2**30:.2f} GiB in {len(arena.segments)} segments, {huge_kb / 2**10:.0f} MiB in huge pages",
+          flush=True)
+    return {"gb": gb, "fill": gb / fill_s, "touch_ms": touch * 1e3, "touch_per_gb": touch * 1e3 / gb,
+            "first_ms": first * 1e3, "steady_ms": steady * 1e3}
+
+
+def table(small: dict, huge: dict) -> str:
+    rows = [
+        ("H1 fill (fallocate + copy), GB/s", "fill", "{:.2f}", False),
+        ("H2 first touch, ms per GB", "touch_per_gb", "{:.1f}", True),
+        ("H2 first touch, ms total", "touch_ms", "{:.1f}", True),
+        ("H3 expert forward, first pass (cold mappings), ms", "first_ms", "{:.0f}", True),
+        ("H3 expert forward, steady state, ms", "steady_ms", "{:.0f}", True),
+    ]
+    lines = ["| | 4 KiB pages (huge=never) | huge pages (huge=always) | gain |", "|---|---:|---:|---:|"]
+    for name, key, fmt, lower_is_better in rows:
+        ratio = small[key] / huge[key] if lower_is_better else huge[key] / small[key]
+        lines.append(f"| {name} | {fmt.format(small[key])} | {fmt.format(huge[key])} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+def inside(args) -> None:
+    torch.set_num_threads(os.cpu_count() or 1)
+    per_expert = (2 * INTER * HIDDEN + HIDDEN * INTER) * 2
+    experts = max(1, int(args.gib * 2**30 / per_expert))
+    print(f"machine: {machine()}")
+    print(f"weights: {experts} experts x (gate_up [{2 * INTER}, {HIDDEN}] + down [{HIDDEN}, {INTER}]) bf16, "
+          f"x [{TOKENS}, {HIDDEN}]; {args.reps} reps (medians)", flush=True)
+    small = measure("4 KiB pages", args.small_dir, experts, args.reps)
+    huge = measure("huge pages", args.huge_dir, experts, args.reps)
+    print()
+    print(table(small, huge))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0, help="size of the expert weights (default 1 GiB)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--small-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--huge-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if os.environ.get(INSIDE):
+        inside(args)
+        return
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        sys.exit("bench_hugepages.py needs root and util-linux unshare (it mounts two tmpfs in a private mount namespace)")
+    work = tempfile.mkdtemp(prefix="expertd-bench-hugepages-")
+    small, huge = os.path.join(work, "small"), os.path.join(work, "huge")
+    os.mkdir(small)
+    os.mkdir(huge)
+    size = f"{int(args.gib * 1.5 * 1024) + 256}m"
+    script = (f"mount -t tmpfs -o size={size},huge=never expertd-bench {small} && "
+              f"mount -t tmpfs -o size={size},huge=always expertd-bench {huge} && "
+              f'exec "$@"')
+    cmd = [sys.executable, os.path.abspath(__file__), "--gib", str(args.gib), "--reps", str(args.reps),
+           "--small-dir", small, "--huge-dir", huge]
+    try:
+        rc = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *cmd], env={**os.environ, INSIDE: "1"}).returncode
+    finally:
+        os.rmdir(small)
+        os.rmdir(huge)
+        os.rmdir(work)
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

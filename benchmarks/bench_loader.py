@@ -1,0 +1,244 @@
+"""The loader's scaling with threads, against the fill limit measured beside it in the same run.
+
+    python benchmarks/bench_loader.py [--workdir /tmp/expertd-bench] [--threads 1,2,...] [--reps 3]
+
+L1  at each thread count t: loader GB/s (bf16 out: `build` of the ~1 GB DeepSeek-V3-shaped FP8 checkpoint,
+    page cache warm) / fill GB/s (t threads posix_fallocate + copy the same bytes into fresh shared-memory
+    segments, one per served tensor, as the loader makes them). Goal >= 0.8 at every t.
+L3  start-to-serving (`expertd start` until status says serving: process start, imports, validation,
+    load, index) of DeepSeek-V3's real tensor counts at tiny dims (`--preset dsv3-counts --shards 163`:
+    61 layers, 256 routed experts, first 3 dense, MTP layer 61; ~92k checkpoint tensors) / the same of
+    about the same bytes in ~70 tensors (`--preset dsv3-bytes`). Goal <= 2.
+L2  reading every checkpoint tensor (hash only, t threads): page faults through the shard mappings vs
+    madvise(MADV_POPULATE_READ) first vs os.preadv into a reused buffer: GB/s read each.
+
+Each loader run is checked bit-exact against the single-threaded run's index (same checksums, same
+segment numbering). Torch's own intra-op threads are set to 1: every thread counted is one the
+benchmark asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from bench_generations import ensure_big  # noqa: E402
+from helpers.daemon import DaemonProcess, expertd_cmd  # noqa: E402
+from run_all import machine  # noqa: E402
+
+CHUNK = 1 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+MADV_POPULATE_READ = 22
+
+
+def warm(folder: str) -> None:
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+
+def run_threads(threads: int, work: list, fn) -> float:
+    """Seconds for `threads` threads to take items of `work` in order and run fn on each."""
+    lock, items = threading.Lock(), iter(work)
+
+    def loop() -> None:
+        while True:
+            with lock:
+                item = next(items, None)
+            if item is None:
+                return
+            fn(item)
+
+    pool = [threading.Thread(target=loop) for _ in range(threads)]
+    t0 = time.perf_counter()
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    return time.perf_counter() - t0
+
+
+def fill_once(plan, threads: int, src: torch.Tensor) -> float:
+    """t threads: posix_fallocate + copy each served tensor's parts into fresh per-tensor segments."""
+    from expertd.server.arena import Arena
+
+    arena = Arena(f"benchfill{os.getpid()}", 1)
+    try:
+        work = []
+        for slot, planned in enumerate(plan.tensors):
+            where = arena.add(planned.nbytes, slot, reserve=False)
+            base = ctypes.addressof(ctypes.c_char.from_buffer(arena._maps[where.segment]))
+            n = max(1, len(planned.sources))
+            step = planned.nbytes // n
+            work += [(where, k * step, step, base) for k in range(n)]
+
+        def one(item) -> None:
+            where, offset, nbytes, base = item
+            arena.reserve(where, offset, nbytes)
+            for b0 in range(0, nbytes, CHUNK):
+                ctypes.memmove(base + offset + b0, src.data_ptr() + (offset + b0) % (src.numel() - CHUNK),
+                               min(CHUNK, nbytes - b0))
+
+        return run_threads(threads, work, one)
+    finally:
+        arena.unmap()
+        arena.unlink()
+
+
+def load_once(checkpoint: str, threads: int) -> tuple[float, list]:
+    from expertd.server.loader import build, prepare
+
+    ckpt, plan = prepare(checkpoint)
+    t0 = time.perf_counter()
+    built = build(ckpt, plan, namespace=f"benchload{os.getpid()}", generation=1, threads=threads, device="cpu")
+    elapsed = time.perf_counter() - t0
+    built.close()
+    return elapsed, [(t.segment.rsplit(".", 1)[1], t.checksum) for t in built.index.tensors]
+
+
+def read_once(opened, threads: int, mode: str) -> float:
+    """t threads hash every FP8 source: through page faults, after MADV_POPULATE_READ, or via preadv."""
+    from expertd.index import checksum, tensor_bytes
+    from expertd.server.reader import Checkpoint
+
+    ckpt = Checkpoint(opened.folder, opened.config, opened.tensors)  # fresh mappings each run
+    sources = [info for info in opened.tensors.values()]
+    local = threading.local()
+    fds: dict[str, int] = {}
+    if mode == "preadv":
+        for info in sources:
+            fds.setdefault(info.file, os.open(info.file, os.O_RDONLY))
+
+    def one(info) -> None:
+        if mode == "preadv":
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = bytearray(CHUNK)
+            view = memoryview(buf)
+            for b0 in range(0, info.nbytes, CHUNK):
+                n = os.preadv(fds[info.file], [view[: min(CHUNK, info.nbytes - b0)]], info.offset + b0)
+                checksum(view[:n])
+            return
+        data = ckpt.view(info)
+        if mode == "populate" and data.numel():
+            addr = data.data_ptr() & ~4095
+            _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(data.data_ptr() + info.nbytes - addr), MADV_POPULATE_READ)
+        checksum(tensor_bytes(data))
+
+    try:
+        return run_threads(threads, sources, one)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        ckpt.close()
+
+
+def ensure_preset(workdir: str, name: str, preset: str, shards: int) -> str:
+    path = os.path.join(workdir, name)
+    if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        print(f"generating {name} (once) ...", flush=True)
+        subprocess.run(expertd_cmd("generate", path, "--preset", preset, "--shards", str(shards)), check=True,
+                       stdout=subprocess.DEVNULL)
+    return path
+
+
+def start_to_serving(workdir: str, checkpoint: str, tag: str) -> tuple[float, dict]:
+    t0 = time.perf_counter()
+    daemon = DaemonProcess.launch(os.path.join(workdir, f"start-{tag}"), checkpoint, f"benchstart{tag}{os.getpid()}",
+                                  stdout=subprocess.DEVNULL)
+    try:
+        status = daemon.wait_serving(timeout=900)
+        return time.perf_counter() - t0, status
+    finally:
+        daemon.stop()
+
+
+def l3_counts(workdir: str, reps: int) -> None:
+    from expertd.server.loader import prepare
+
+    counts = ensure_preset(workdir, "dsv3-counts-163", "dsv3-counts", 163)
+    few = ensure_preset(workdir, "dsv3-bytes", "dsv3-bytes", 4)
+    sizes = {}
+    for path in (counts, few):
+        warm(path)
+        ckpt, plan = prepare(path)
+        sizes[path] = (plan.nbytes, len(ckpt.tensors), len(plan.tensors), len(os.listdir(path)))
+    times = {counts: [], few: []}
+    for rep in range(reps):
+        for path in ((counts, few) if rep % 2 == 0 else (few, counts)):
+            times[path].append(start_to_serving(workdir, path, "c" if path == counts else "f")[0])
+    t_counts, t_few = min(times[counts]), min(times[few])
+    print("\nstart-to-serving, real daemon (best of %d, alternating):\n" % reps)
+    print("| checkpoint | bf16 bytes | checkpoint tensors | served tensors | files | start-to-serving |")
+    print("|---|---|---|---|---|---|")
+    for path, t in ((counts, t_counts), (few, t_few)):
+        nbytes, n_ckpt, n_served, files = sizes[path]
+        print(f"| {os.path.basename(path)} | {nbytes / 1e6:.1f} MB | {n_ckpt:,} | {n_served:,} | {files} | {t:.2f} s |")
+    per = (t_counts - t_few) / max(1, sizes[counts][1] - sizes[few][1]) * 1e6
+    print(f"\nL3 ratio **{t_counts / t_few:.2f}** (goal <= 2); extra per checkpoint tensor {per:.0f} us", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="/tmp/expertd-bench")
+    ap.add_argument("--threads", default=None, help="comma-separated thread counts (default 1..cores)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", choices=("L1", "L2", "L3"), action="append", help="run only these (default: all)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    from expertd.server.filling import default_threads
+    from expertd.server.loader import prepare
+
+    cores = default_threads()
+    counts = [int(t) for t in args.threads.split(",")] if args.threads else list(range(1, cores + 1))
+    os.makedirs(args.workdir, exist_ok=True)
+    checkpoint = ensure_big(args.workdir)
+    warm(checkpoint)
+    ckpt, plan = prepare(checkpoint)
+    src = torch.empty(plan.nbytes // 2 + CHUNK * 2, dtype=torch.uint8).fill_(7)
+    fp8 = sum(info.nbytes for info in ckpt.tensors.values())
+    print(machine())
+    print(f"checkpoint {checkpoint}: {plan.nbytes / 1e9:.2f} GB bf16 out, {fp8 / 1e9:.2f} GB read (every checkpoint tensor), {len(plan.tensors)} served tensors\n")
+    only = set(args.only or ("L1", "L2", "L3"))
+    if "L3" in only:
+        l3_counts(args.workdir, args.reps)
+    reference = None
+    if "L1" in only:
+        print("\n| threads | fill GB/s | loader GB/s | loader / fill | goal |")
+        print("|---|---|---|---|---|")
+    for t in counts if "L1" in only else ():
+        fills, loads = [], []
+        for _ in range(args.reps):  # alternate, so drift in the machine's load hits both
+            fills.append(fill_once(plan, t, src))
+            elapsed, layout = load_once(checkpoint, t)
+            loads.append(elapsed)
+            if reference is None:
+                reference = layout
+            elif layout != reference:
+                raise SystemExit(f"loader output at {t} threads differs from the first run: not deterministic")
+        fill_gbps, load_gbps = plan.nbytes / min(fills) / 1e9, plan.nbytes / min(loads) / 1e9
+        print(f"| {t} | {fill_gbps:.2f} | {load_gbps:.2f} | **{load_gbps / fill_gbps:.2f}** | >= 0.8 |", flush=True)
+    if "L2" in only:
+        print("\nreading every checkpoint tensor, hash only (GB/s read):\n")
+        print("| threads | page faults | MADV_POPULATE_READ | preadv |")
+        print("|---|---|---|---|")
+    for t in counts if "L2" in only else ():
+        best = {m: min(read_once(ckpt, t, m) for _ in range(args.reps)) for m in ("fault", "populate", "preadv")}
+        print(f"| {t} | " + " | ".join(f"{fp8 / best[m] / 1e9:.2f}" for m in ("fault", "populate", "preadv")) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""The loader's work items and the pool that runs them: reading, dequantizing and first-writing parts.
+
+A served tensor is made of source parts (one checkpoint tensor each: an expert's weight in a fused
+block, or the whole tensor). Each part is one work item: reserve its range of the segment (the
+first write into fresh shared-memory pages is the fill limit, so threads share it), then read its
+source through the shard's mapping, dequantize or copy it and hash both sides, chunk by chunk, so
+every chunk is hashed while it is still in cache. Items go to `load_threads` threads in batches
+of a few MiB and come back in the order they were given: the index comes out the same as a serial
+load's, whatever the thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from expertd.index import checksum, tensor_bytes, tensor_checksum
+
+from .arena import Arena, Placement
+from .layout import Source
+from .reader import Checkpoint
+
+CHUNK_BYTES = 1 << 20  # output bytes dequantized and hashed at a time: source and result stay in L2
+BATCH_BYTES = 8 << 20  # output bytes per pool task: small parts go in batches, a large part alone
+BATCH_ITEMS = 256
+
+
+def default_threads() -> int:
+    """The cores this process may run on (its affinity mask, which containers' cpusets narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def write_part(out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, *, name: str,
+               block_size: int, device: torch.device, threads: int | None = None) -> None:
+    """One source part into its place: FP8 dequantized (bit-exact reference rounding), anything else copied."""
+    if scale is not None:
+        from expertd.kernels import weight_dequant  # the daemon needs kernels; the client never imports them
+
+        # bf16 / fp16 scales (Qwen's FP8 releases) widen to float32 exactly: y = bf16(float32(x) * float32(s))
+        weight_dequant(data, scale.float(), block_size, out=out, out_dtype=out.dtype, name=name, device=device,
+                       threads=threads)
+    else:
+        out.copy_(data.view(out.shape))
+
+
+_local = threading.local()
+
+
+def _buffer(nbytes: int) -> torch.Tensor:
+    """This thread's reusable read buffer, at least `nbytes` long: it stays in cache from read to dequant."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.buf = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+    return buf[:nbytes]
+
+
+def stream_part(out: torch.Tensor, ckpt: Checkpoint, info, scale: torch.Tensor | None, *, block_size: int,
+                device: torch.device) -> tuple[str, str]:
+    """Write one part chunk by chunk: read (`preadv`), hash the source chunk, dequantize or copy it,
+    hash the result while it is in cache: (checksum of the source bytes, checksum of the written bytes)."""
+    src_hash = xxhash.xxh3_64()
+    if scale is None:  # stored bytes: read straight into shared memory; source and result are the same bytes
+        dst = out.reshape(-1).view(torch.uint8)
+        for b0 in range(0, info.nbytes, CHUNK_BYTES):
+            into = tensor_bytes(dst[b0: b0 + CHUNK_BYTES])
+            ckpt.read_into(info, b0, into)
+            src_hash.update(into)
+        digest = "xxh3_64:" + src_hash.hexdigest()
+        return digest, digest
+    out_hash = xxhash.xxh3_64()
+    m, n = info.shape  # FP8 [M, N], as the plan checked: whole 128-row blocks at a time
+    rows = m if device.type == "cuda" else max(1, CHUNK_BYTES // max(1, n * out.element_size() * block_size)) * block_size
+    for r0 in range(0, m, max(1, rows)):
+        r1 = min(m, r0 + rows)
+        piece = _buffer((r1 - r0) * n) if device.type != "cuda" else torch.empty((r1 - r0) * n, dtype=torch.uint8)
+        ckpt.read_into(info, r0 * n, tensor_bytes(piece))
+        src_hash.update(tensor_bytes(piece))
+        write_part(out[r0:r1], piece.view(info.dtype).view(r1 - r0, n), scale[r0 // block_size: -(-r1 // block_size)],
+                   name=info.name, block_size=block_size, device=device, threads=1)
+        out_hash.update(tensor_bytes(out[r0:r1]))
+    return "xxh3_64:" + src_hash.hexdigest(), "xxh3_64:" + out_hash.hexdigest()
+
+
+def source_digest(ckpt: Checkpoint, src: Source, known: dict) -> tuple[str, dict]:
+    """(digest of a source part, identities learned): the weight's checksum (skipped when its identity
+    is known from the last build) joined with its scale's."""
+    weight_id = ckpt.identity(src.info)
+    digest = known.get(weight_id)
+    if digest is None:
+        digest = tensor_checksum(ckpt.view(src.info))
+    ids = {weight_id: digest}
+    if src.scale is not None:
+        scale_digest = tensor_checksum(ckpt.view(src.scale))
+        ids[ckpt.identity(src.scale)] = scale_digest
+        digest = f"{digest}+{scale_digest}"
+    return digest, ids
+
+
+@dataclass
+class Part:
+    """Part k of a served tensor: fill `out` (at byte `offset` of `where`) from `src`, or from `old` bytes."""
+
+    src: Source
+    out: torch.Tensor
+    where: Placement
+    offset: int
+    old: torch.Tensor | None = None  # an older generation's bytes of this part (its source did not change)
+    digest: str | None = None  # the source digest, when already known
+
+    @property
+    def nbytes(self) -> int:
+        return self.out.numel() * self.out.element_size()
+
+
+def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, *, block_size: int,
+         device: torch.device) -> list[tuple[str, dict, str]]:
+    """Fill each part; per part (source digest, identities learned, checksum of the written bytes).
+
+    Small FP8 parts on the CPU go through `_fill_small` together (what DeepSeek-V3's tens of thousands
+    of tensors at small dims cost is Python per part, not bytes); the rest chunk by chunk."""
+    results: list = [None] * len(parts)
+    small = []
+    for i, part in enumerate(parts):
+        arena.reserve(part.where, part.offset, part.nbytes)
+        if part.old is not None:
+            dst = part.out.reshape(-1).view(torch.uint8)
+            dst.copy_(part.old)
+            results[i] = (part.digest, {}, checksum(tensor_bytes(dst)))
+        elif part.src.scale is not None and part.src.info.nbytes <= CHUNK_BYTES and _native(device):
+            small.append(i)
+        else:
+            results[i] = _fill_one(part, ckpt, block_size, device)
+    if small:
+        for i, result in zip(small, _fill_small([parts[i] for i in small], ckpt, block_size)):
+            results[i] = result
+    return results
+
+
+def _native(device: torch.device) -> bool:
+    if device.type != "cpu":
+        return False
+    from expertd.kernels import native
+
+    return native.available()
+
+
+def _fill_one(part: Part, ckpt: Checkpoint, block_size: int, device: torch.device) -> tuple[str, dict, str]:
+    src = part.src
+    scale = ckpt.view(src.scale) if src.scale is not None else None
+    digest, out_digest = stream_part(part.out, ckpt, src.info, scale, block_size=block_size, device=device)
+    ids = {ckpt.identity(src.info): digest}
+    if scale is not None:
+        scale_digest = tensor_checksum(scale)
+        ids[ckpt.identity(src.scale)] = scale_digest
+        digest = f"{digest}+{scale_digest}"
+    return digest, ids, out_digest
+
+
+def _memory(address: int, nbytes: int) -> memoryview:
+    """The bytes at `address` as a writable buffer (no tensor made)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def _fill_small(parts: list[Part], ckpt: Checkpoint, block_size: int) -> list[tuple[str, dict, str]]:
+    """Small FP8 parts at once: every scale read into one buffer, one table of block results for all of
+    them, then per part a read, two hashes and one call of the compiled gather, by address."""
+    from expertd.kernels import native
+
+    scale_dtype = parts[0].src.scale.dtype
+    if any(p.src.scale.dtype != scale_dtype for p in parts):  # mixed scale dtypes: one kind of table at a time
+        return [r for p in parts for r in _fill_small([p], ckpt, block_size)]
+    sizes = [p.src.scale.nbytes for p in parts]
+    scale_buf = torch.empty(sum(sizes), dtype=torch.uint8)
+    weight_buf = _buffer(max(p.src.info.nbytes for p in parts))
+    scale_mem, weight_ptr = tensor_bytes(scale_buf), weight_buf.data_ptr()
+    weight_mem = _memory(weight_ptr, weight_buf.numel())
+    scale_digests, at = [], 0
+    for p, size in zip(parts, sizes):
+        ckpt.read_into(p.src.scale, 0, scale_mem[at: at + size])
+        scale_digests.append(checksum(scale_mem[at: at + size]))
+        at += size
+    scales = scale_buf.view(scale_dtype).float()
+    bad = ~(torch.isfinite(scales) & (scales > 0))
+    if bool(bad.any()):  # name the first part with a bad scale, as planning would
+        from .layout import check_scale_values
+
+        first, at = int(bad.nonzero()[0]), 0
+        for p, size in zip(parts, sizes):
+            at += size // scale_dtype.itemsize
+            if first < at:
+                check_scale_values(ckpt, p.src.scale)
+    lut = native.block_luts(scales, torch.bfloat16)
+    lut_ptr, row = lut.data_ptr(), 256 * lut.element_size()
+    results, block = [], 0
+    for p, size, scale_digest in zip(parts, sizes, scale_digests):
+        info = p.src.info
+        m, n = info.shape
+        ckpt.read_into(info, 0, weight_mem[: info.nbytes])
+        digest = checksum(weight_mem[: info.nbytes])
+        out_ptr = p.out.data_ptr()
+        native.gather(weight_ptr, lut_ptr + block * row, out_ptr, m, n, block_size)
+        block += size // scale_dtype.itemsize
+        results.append((f"{digest}+{scale_digest}",
+                        {ckpt.identity(info): digest, ckpt.identity(p.src.scale): scale_digest},
+                        checksum(_memory(out_ptr, p.nbytes))))
+    return results
+
+
+def batches(items, size_of):
+    """Consecutive runs of `items` of about BATCH_BYTES (or BATCH_ITEMS items): one pool task each."""
+    limit, count = BATCH_BYTES, BATCH_ITEMS
+    batch, size = [], 0
+    for item in items:
+        batch.append(item)
+        size += size_of(item)
+        if size >= limit or len(batch) >= count:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+class OrderedPool:
+    """Runs tasks on `threads` threads, at most a few per thread queued, and hands results back in
+    the order the tasks were given (so memory stays bounded and the outcome does not depend on timing)."""
+
+    def __init__(self, threads: int):
+        # The pool is the parallelism: torch's own threads would only fight it for the cores (set before
+        # the pool's threads first use torch, which is when each takes torch's thread count).
+        self._torch_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="expertd-load")
+        self.window = 2 * max(1, threads) + 1
+        self.pending: deque[tuple[object, Future]] = deque()
+
+    def submit(self, tag, fn, *args, **kwargs):
+        """Queue fn(*args); yields (tag, result) of the oldest tasks while too many are queued."""
+        self.pending.append((tag, self.pool.submit(fn, *args, **kwargs)))
+        while len(self.pending) > self.window:
+            yield self._next()
+
+    def drain(self):
+        """(tag, result) of every task still queued, in order."""
+        while self.pending:
+            yield self._next()
+
+    def _next(self):
+        tag, future = self.pending.popleft()
+        return tag, future.result()  # a task's exception is raised here, in the caller's thread
+
+    def close(self) -> None:
+        """Drop queued tasks and wait for running ones: nothing writes after this returns."""
+        for _, future in self.pending:
+            future.cancel()
+        self.pending.clear()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        if self._torch_threads:
+            torch.set_num_threads(self._torch_threads)
+            self._torch_threads = 0

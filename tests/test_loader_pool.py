@@ -1,0 +1,111 @@
+"""The loader's thread pool: the same bytes, checksums and placement at any thread count, batch and chunk
+size; checksums that verify; a failing part stops the build and leaves nothing behind."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+
+import pytest
+import torch
+
+from expertd.errors import ConfigError, ShardFormatError
+from expertd.index import checksum_parts, tensor_checksum
+from expertd.server import filling
+from expertd.server.config import config_from_dict
+from expertd.server.loader import build, prepare
+from expertd.shm import map_segments, view
+from helpers.reference import reference_tensors
+
+
+def served(built) -> dict[str, torch.Tensor]:
+    """name -> a copy of each served tensor's bytes, read back through read-only mappings as a worker would."""
+    maps = map_segments(built.index.segments, shm_dir=built.index.shm_dir)
+    out = {t.name: view(maps, t).clone() for t in built.index.tensors}
+    del maps
+    return out
+
+
+def layout(built) -> list[tuple]:
+    return [(t.name, t.segment.rsplit(".", 2)[-1], t.offset, t.nbytes, t.checksum, tuple(t.sources))
+            for t in built.index.tensors]
+
+
+def test_any_thread_count_batch_and_chunk_gives_the_serial_result(tiny_checkpoint, namespace, monkeypatch):
+    serial = build(*prepare(tiny_checkpoint), namespace=namespace, generation=1, threads=1, device="cpu")
+    try:
+        expected, expected_layout = served(serial), layout(serial)
+    finally:
+        serial.close()
+    # Tiny batches and chunks: many tasks in flight, parts split into 128-row chunks, no part "small".
+    monkeypatch.setattr(filling, "BATCH_BYTES", 4096)
+    monkeypatch.setattr(filling, "CHUNK_BYTES", 4096)
+    for threads in (2, 5):
+        built = build(*prepare(tiny_checkpoint), namespace=namespace, generation=1, threads=threads, device="cpu")
+        try:
+            assert layout(built) == expected_layout
+            got = served(built)
+            for name, t in expected.items():
+                assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+        finally:
+            built.close()
+
+    # ...and every byte is the reference dequant of its checkpoint tensor, every checksum re-computes.
+    ref = reference_tensors(tiny_checkpoint)
+    entries = {t.name: t for t in serial.index.tensors}
+    fused = 0
+    for name, t in expected.items():
+        e = entries[name]
+        assert tensor_checksum(t, checksum_parts(e.checksum)) == e.checksum
+        if len(e.sources) > 1:
+            fused += 1
+            assert e.checksum.startswith(f"xxh3_64x{len(e.sources)}:")
+            parts = t.reshape(len(e.sources), -1)
+            for k, src in enumerate(e.sources):
+                assert torch.equal(parts[k].view(torch.uint8), ref[src].reshape(-1).view(torch.uint8)), src
+        elif e.sources:
+            assert torch.equal(t.reshape(-1).view(torch.uint8), ref[e.sources[0]].reshape(-1).view(torch.uint8)), name
+    assert fused > 0
+
+
+def test_a_failing_part_stops_the_build_and_leaves_nothing(tiny_checkpoint, namespace, tmp_path, monkeypatch):
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(tiny_checkpoint, folder)
+    ckpt, plan = prepare(folder)
+    # Truncate the shard holding the last expert weight after planning: its read fails on a pool thread.
+    victim = [s for t in plan.tensors for s in t.sources if len(t.sources) > 1][-1]
+    os.truncate(victim.info.file, victim.info.offset + victim.info.nbytes // 2)
+    monkeypatch.setattr(filling, "BATCH_BYTES", 4096)
+    with pytest.raises(ShardFormatError) as err:
+        build(ckpt, plan, namespace=namespace, generation=1, threads=3, device="cpu")
+    assert os.path.basename(victim.info.file) in str(err.value)
+    assert not glob.glob(f"/dev/shm/{namespace}*")
+
+
+def test_stop_request_cancels_queued_parts(tiny_checkpoint, namespace, monkeypatch):
+    from expertd.server.loader import Cancelled
+
+    monkeypatch.setattr(filling, "BATCH_BYTES", 4096)
+    asked = []
+
+    def should_stop() -> bool:
+        asked.append(1)
+        return len(asked) > 5
+
+    with pytest.raises(Cancelled):
+        build(*prepare(tiny_checkpoint), namespace=namespace, generation=1, threads=2, device="cpu",
+              should_stop=should_stop)
+    assert not glob.glob(f"/dev/shm/{namespace}*")
+
+
+@pytest.mark.parametrize("value", [0, -1, "4", 2.5, True])
+def test_load_threads_must_be_a_positive_integer(value):
+    with pytest.raises(ConfigError, match="load_threads"):
+        config_from_dict({"checkpoint": "/x", "load_threads": value})
+
+
+def test_load_threads_defaults_to_the_usable_cores():
+    assert config_from_dict({"checkpoint": "/x"}).load_threads is None
+    assert filling.default_threads() == len(os.sched_getaffinity(0))
+    assert config_from_dict({"checkpoint": "/x", "load_threads": 3}).load_threads == 3
