@@ -228,8 +228,9 @@ def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[
     stacks: dict[str, dict[str, list[str]]] = {}
     computed: dict[str, tuple] = {}  # layer name -> (converter, {pattern: keys})
     unused = []
+    rename = _RenameCache(lambda key: rename_source_key(key, renamings, converters, model.base_model_prefix, meta), meta)
     for key in sorted(names, key=dot_natural_key):
-        renamed, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        renamed, pattern = rename(key)
         if renamed not in meta and key in meta:
             renamed, pattern = key, None
         if renamed not in meta:
@@ -260,6 +261,63 @@ def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[
                                       tensor=sources[0])
             plan[param] = Assembly(param, sources, tuple(conv.source_patterns), conv, groups, layer)
     return plan, unused, state
+
+
+_INDEX = re.compile(r"(?<![^.])\d+(?![^.])")  # a name component that is a number: a layer or expert index
+
+
+class _RenameCache:
+    """transformers' `rename_source_key`, called once or twice per name shape instead of once per name.
+
+    DeepSeek-V3 has ~46k checkpoint weights but a few dozen shapes of name ("model.layers.#.mlp.experts.#.
+    gate_proj.weight", # a whole-component index); renaming each costs ~20-70 us. For a shape, a name with
+    distinct indices tells where each index of the result comes from; a second name's real rename must
+    agree with that prediction, on a name whose every index differs, before any prediction is used (else
+    the shape is always renamed for real),
+    and a predicted name that is not a parameter is renamed for real (an index past the model's layers,
+    where transformers may decide differently).
+    """
+
+    def __init__(self, rename, meta):
+        self.rename = rename
+        self.meta = meta
+        self.shapes: dict[str, tuple | bool | None] = {}  # shape -> (result template, index sources, pattern) or False
+        self.checked: set[str] = set()
+
+    def __call__(self, key: str):
+        numbers = _INDEX.findall(key)
+        shape = _INDEX.sub("#", key)
+        rule = self.shapes.get(shape)
+        if rule is None:  # not learned yet (or the names so far had equal indices)
+            result = self.rename(key)
+            if shape not in self.shapes or self.shapes[shape] is None:
+                self.shapes[shape] = self._rule(numbers, *result)
+            return result
+        if rule is False:
+            return self.rename(key)
+        template, where, pattern, learned = rule
+        predicted = template.format(*(numbers[i] for i in where))
+        if predicted not in self.meta:
+            return self.rename(key)
+        if shape not in self.checked:
+            result = self.rename(key)
+            if result != (predicted, pattern):
+                self.shapes[shape] = False  # this shape renames by its indices: no shortcut
+            elif all(a != b for a, b in zip(numbers, learned)):
+                self.checked.add(shape)  # confirmed on a name whose every index differs from the one it was learned on
+            return result
+        return predicted, pattern
+
+    @staticmethod
+    def _rule(numbers: list[str], renamed: str, pattern):
+        if len(set(numbers)) != len(numbers) or "{" in renamed or "}" in renamed:
+            return None  # ambiguous: learn from a later name
+        where = []
+        for n in _INDEX.findall(renamed):
+            if n not in numbers:
+                return False  # an index the name lacks: always rename for real
+            where.append(numbers.index(n))
+        return _INDEX.sub("{}", renamed), where, pattern, numbers
 
 
 def _targets(layer: str, targets) -> list[str]:

@@ -118,6 +118,27 @@ def _set_entry(folder, name, **fields):
     rewrite_header(_shard_of(folder, name), lambda h: h[name].update(fields))
 
 
+def _repeat_key(folder, name, field=None):
+    """Write a key twice in `name`'s shard header: the tensor's whole entry, or one of its fields."""
+    path = _shard_of(folder, name)
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    text = json.dumps(header)
+    opening = json.dumps(name) + ": {"
+    if field is None:
+        copy = json.dumps({name: header[name]})[1:-1]
+        text = "{" + copy + ", " + text[1:]
+    else:
+        at = text.index(opening) + len(opening)
+        text = text[:at] + json.dumps(field) + ": " + json.dumps(header[name][field]) + ", " + text[at:]
+    raw = text.encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
+
+
 def _write_scale(folder, name, value):
     from safetensors.torch import load_file, save_file
 
@@ -190,6 +211,8 @@ BAD_CHECKPOINTS = [
     ("fp8-e5m2-weight", lambda f: _set_entry(f, EXPERT, dtype="F8_E5M2"), UnsupportedDtypeError, EXPERT),
     ("scale-beside-bf16", _bf16_with_scale, ScaleError, "not an FP8 one"),
     ("duplicate-across-shards", lambda f: _duplicate(f, EXPERT), CheckpointError, "duplicate"),
+    ("duplicate-name-in-header", lambda f: _repeat_key(f, EXPERT), ShardFormatError, f"duplicate key '{EXPERT}'"),
+    ("duplicate-field-in-header", lambda f: _repeat_key(f, EXPERT, "dtype"), ShardFormatError, "duplicate key 'dtype'"),
     ("config-missing", lambda f: os.unlink(os.path.join(f, "config.json")), MissingShardError, "config.json"),
     ("config-not-matching", lambda f: _config(f, hidden_size=384), ShapeError, "does not match"),
     ("expert-missing", lambda f: _drop_tensor(f, EXPERT), MissingTensorError, EXPERT),
