@@ -66,6 +66,12 @@ class TensorIndex:
     schema: int = SCHEMA_VERSION
     shm_dir: str = DEFAULT_SHM_DIR  # the folder the segments' files are in (a tmpfs or hugetlbfs mount)
 
+    def view_count(self) -> int:
+        """How many per-expert views `all_views` gives, without making them."""
+        if self.views is not None:
+            return len(self.views)
+        return sum(len(t.sources) for t in self.tensors if len(t.sources) > 1 or (t.sources and t.sources[0] != t.name))
+
     def all_views(self) -> list[TensorEntry]:
         """The per-expert views; derived (once) when the index came without them."""
         if self.views is None:

@@ -82,11 +82,12 @@ def block_luts(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (scales.reshape(-1, 1).float() * _CODES).to(dtype).contiguous()
 
 
-def gather(x_ptr: int, lut_ptr: int, out_ptr: int, m: int, n: int, block_size: int, itemsize: int = 2) -> None:
-    """out[m, n] from fp8 bytes x[m, n] and a [blocks, 256] table, by address (a loader's small parts:
-    no tensor is made per part). The caller keeps the three buffers alive and correctly sized."""
+def gather(x_ptr: int, lut_ptr: int, out_ptr: int, n: int, block_size: int, r0: int, r1: int,
+           itemsize: int = 2) -> None:
+    """Rows [r0, r1) of out[M, n] from fp8 bytes x[M, n] and a [blocks, 256] table, by address (a loader's
+    small parts: no tensor is made per part). The caller keeps the three buffers alive and correctly sized."""
     fn = _lib.dequant_lut32 if itemsize == 4 else _lib.dequant_lut16
-    fn(x_ptr, lut_ptr, out_ptr, n, block_size, 0, m)
+    fn(x_ptr, lut_ptr, out_ptr, n, block_size, r0, r1)
 
 
 def dequant_lut(x_u8: torch.Tensor, scale: torch.Tensor, block_size: int, out: torch.Tensor,

@@ -15,6 +15,7 @@ faster), and mapped read-write only in the daemon.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import grp
 import math
@@ -70,6 +71,16 @@ def more_space_hint(shm_dir: str, need: int) -> str:
     return f"mount {shm_dir} with a larger size= (at least {math.ceil(need * 1.1 / 2**30)}g) or free space in it"
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_POPULATE_WRITE = 23
+
+
+def _populate_write(address: int, nbytes: int) -> None:
+    """madvise(MADV_POPULATE_WRITE): best effort (an older kernel says EINVAL and nothing changes)."""
+    _libc.madvise(address, nbytes, MADV_POPULATE_WRITE)
+
+
 class Arena:
     """Segments `/{namespace}.{pid}.{tag}.{i}` of one generation; tensors page-aligned, never spanning segments."""
 
@@ -83,7 +94,7 @@ class Arena:
         self.segment_bytes = segment_bytes  # 0: every tensor in a segment of its own
         self.segments: list[SegmentEntry] = []
         self._maps: dict[str, mmap.mmap] = {}
-        self._fds: dict[str, int] = {}  # segments created unreserved: reserved range by range, by `reserve`
+        self._fds: dict[str, tuple[int, int]] = {}  # unreserved segments: (fd, mapping address), for `reserve`
 
     def _new_segment(self, i: int | None = None) -> SegmentEntry:
         number = len(self.segments) if i is None else i
@@ -118,7 +129,13 @@ class Arena:
         """Reserve bytes [offset, offset + nbytes) of a placement made with `add(..., reserve=False)`
         (a huge-page folder reserves the whole pages around them)."""
         if nbytes > 0:
-            self._fallocate(self._fds[placement.segment], placement.segment, placement.offset + offset, nbytes)
+            fd, address = self._fds[placement.segment]
+            start = placement.offset + offset
+            self._fallocate(fd, placement.segment, start, nbytes)
+            # Map the reserved pages into the writable mapping in one call instead of one fault per page
+            # (Linux >= 5.14; elsewhere the first writes fault them in as before).
+            first = start // ALIGN * ALIGN
+            _populate_write(address + first, align_up(start + nbytes) - first)
 
     def check_space(self, need: int) -> None:
         """Refuse before the first byte when `need` bytes cannot fit: a clear error instead of ENOSPC half-way."""
@@ -177,7 +194,8 @@ class Arena:
                 os.ftruncate(fd, seg.nbytes)
             self._maps[seg.name] = mmap.mmap(fd, seg.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             if not reserve:
-                self._fds[seg.name], fd = fd, -1  # kept open for `reserve`
+                address = ctypes.addressof(ctypes.c_char.from_buffer(self._maps[seg.name]))
+                self._fds[seg.name], fd = (fd, address), -1  # kept open for `reserve`
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -209,14 +227,22 @@ class Arena:
         and no stray write of the daemon can reach served bytes. The caller must hold no tensor
         over these mappings any more: closing under a live tensor would leave it dangling.
         """
-        for name, mapping in self._maps.items():
-            if mapping is not None:
-                mapping.close()
-            self._maps[name] = None
+        for name in list(self._maps):
+            self.unmap_segment(name)
         self._close_fds()
 
+    def unmap_segment(self, name: str) -> None:
+        """`unmap` for one segment whose tensor is complete (a loader thread may call it while others fill)."""
+        mapping = self._maps.get(name)
+        if mapping is not None:
+            self._maps[name] = None
+            mapping.close()
+        fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd[0])
+
     def _close_fds(self) -> None:
-        for fd in self._fds.values():
+        for fd, _ in self._fds.values():
             os.close(fd)
         self._fds.clear()
 

@@ -288,7 +288,7 @@ class Daemon:
             "checkpoint": w.checkpoint,
             "generation": w.status_generation(),
             "tensors": len(index.tensors) if index else 0,
-            "views": len(index.all_views()) if index else 0,
+            "views": index.view_count() if index else 0,
             "segments": [s.name for s in index.segments] if index else [],
             "index_segment": w.gens.latest.index_place["segment"] if index else None,
             "shm_dir": self.cfg.shm_dir,

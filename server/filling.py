@@ -16,7 +16,7 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -27,7 +27,8 @@ from .arena import Arena, Placement
 from .layout import Source
 from .reader import Checkpoint
 
-CHUNK_BYTES = 1 << 20  # output bytes dequantized and hashed at a time: source and result stay in L2
+CHUNK_BYTES = 1 << 20  # output bytes dequantized and hashed at a time: source and result stay in cache
+HASH_BYTES = 256 << 10  # a small part's result is hashed in pieces of this size, each while it is in L2
 BATCH_BYTES = 8 << 20  # output bytes per pool task: small parts go in batches, a large part alone
 BATCH_ITEMS = 256
 
@@ -116,10 +117,10 @@ class Part:
     offset: int
     old: torch.Tensor | None = None  # an older generation's bytes of this part (its source did not change)
     digest: str | None = None  # the source digest, when already known
+    nbytes: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return self.out.numel() * self.out.element_size()
+    def __post_init__(self) -> None:
+        self.nbytes = self.out.numel() * self.out.element_size()
 
 
 def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, *, block_size: int,
@@ -130,13 +131,14 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, *, block_size: int,
     of tensors at small dims cost is Python per part, not bytes); the rest chunk by chunk."""
     results: list = [None] * len(parts)
     small = []
+    native = _native(device)
+    _reserve(parts, arena)
     for i, part in enumerate(parts):
-        arena.reserve(part.where, part.offset, part.nbytes)
         if part.old is not None:
             dst = part.out.reshape(-1).view(torch.uint8)
             dst.copy_(part.old)
             results[i] = (part.digest, {}, checksum(tensor_bytes(dst)))
-        elif part.src.scale is not None and part.src.info.nbytes <= CHUNK_BYTES and _native(device):
+        elif native and part.src.scale is not None and part.src.info.nbytes <= CHUNK_BYTES:
             small.append(i)
         else:
             results[i] = _fill_one(part, ckpt, block_size, device)
@@ -144,6 +146,19 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, *, block_size: int,
         for i, result in zip(small, _fill_small([parts[i] for i in small], ckpt, block_size)):
             results[i] = result
     return results
+
+
+def _reserve(parts: list[Part], arena: Arena) -> None:
+    """Reserve the parts' ranges, one call for each run of back-to-back parts of one segment."""
+    start = end = where = None
+    for part in parts:
+        if part.where is not where or part.offset != end:
+            if where is not None:
+                arena.reserve(where, start, end - start)
+            where, start = part.where, part.offset
+        end = part.offset + part.nbytes
+    if where is not None:
+        arena.reserve(where, start, end - start)
 
 
 def _native(device: torch.device) -> bool:
@@ -171,6 +186,43 @@ def _memory(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
+class _SpanReader:
+    """The bytes of many small tensors: where they lie close together in one shard (DeepSeek-V3's experts at
+    small dims, weight and scale side by side), the span around them is read with one `preadv`; a tensor
+    outside such a span is read alone into this thread's buffer."""
+
+    SPREAD = 4  # read a span when it is at most this many times the bytes wanted from it
+
+    def __init__(self, ckpt: Checkpoint, infos: list):
+        self.ckpt = ckpt
+        self.spans: dict[str, tuple[int, memoryview, int]] = {}  # file -> (file offset, bytes, address)
+        by_file: dict[str, list] = {}
+        for info in infos:
+            by_file.setdefault(info.file, []).append(info)
+        for file, group in by_file.items():
+            start = min(i.offset for i in group)
+            end = max(i.offset + i.nbytes for i in group)
+            if len(group) > 1 and end - start <= self.SPREAD * sum(i.nbytes for i in group):
+                buf = torch.empty(end - start, dtype=torch.uint8)
+                mem = tensor_bytes(buf)
+                ckpt.read_into(group[0], start - group[0].offset, mem)  # the span, relative to one of its tensors
+                self.spans[file] = (start, mem, buf.data_ptr(), buf)
+
+    def bytes(self, info) -> tuple[memoryview, int]:
+        """A tensor's bytes and their address (valid until the next call for a tensor outside every span)."""
+        span = self.spans.get(info.file)
+        if span is not None and span[0] <= info.offset and info.offset + info.nbytes <= span[0] + len(span[1]):
+            at = info.offset - span[0]
+            return span[1][at: at + info.nbytes], span[2] + at
+        buf = _buffer(info.nbytes)
+        mem = _memory(buf.data_ptr(), info.nbytes)
+        self.ckpt.read_into(info, 0, mem)
+        return mem, buf.data_ptr()
+
+    def read(self, info, into: memoryview) -> None:
+        into[:] = self.bytes(info)[0]
+
+
 def _fill_small(parts: list[Part], ckpt: Checkpoint, block_size: int) -> list[tuple[str, dict, str]]:
     """Small FP8 parts at once: every scale read into one buffer, one table of block results for all of
     them, then per part a read, two hashes and one call of the compiled gather, by address."""
@@ -180,14 +232,14 @@ def _fill_small(parts: list[Part], ckpt: Checkpoint, block_size: int) -> list[tu
     if any(p.src.scale.dtype != scale_dtype for p in parts):  # mixed scale dtypes: one kind of table at a time
         return [r for p in parts for r in _fill_small([p], ckpt, block_size)]
     sizes = [p.src.scale.nbytes for p in parts]
+    source = _SpanReader(ckpt, [info for p in parts for info in (p.src.info, p.src.scale)])
     scale_buf = torch.empty(sum(sizes), dtype=torch.uint8)
-    weight_buf = _buffer(max(p.src.info.nbytes for p in parts))
-    scale_mem, weight_ptr = tensor_bytes(scale_buf), weight_buf.data_ptr()
-    weight_mem = _memory(weight_ptr, weight_buf.numel())
+    scale_mem = tensor_bytes(scale_buf)
     scale_digests, at = [], 0
     for p, size in zip(parts, sizes):
-        ckpt.read_into(p.src.scale, 0, scale_mem[at: at + size])
-        scale_digests.append(checksum(scale_mem[at: at + size]))
+        into = scale_mem[at: at + size]
+        source.read(p.src.scale, into)
+        scale_digests.append(checksum(into))
         at += size
     scales = scale_buf.view(scale_dtype).float()
     bad = ~(torch.isfinite(scales) & (scales > 0))
@@ -205,14 +257,22 @@ def _fill_small(parts: list[Part], ckpt: Checkpoint, block_size: int) -> list[tu
     for p, size, scale_digest in zip(parts, sizes, scale_digests):
         info = p.src.info
         m, n = info.shape
-        ckpt.read_into(info, 0, weight_mem[: info.nbytes])
-        digest = checksum(weight_mem[: info.nbytes])
+        weight, weight_ptr = source.bytes(info)
+        digest = checksum(weight)
         out_ptr = p.out.data_ptr()
-        native.gather(weight_ptr, lut_ptr + block * row, out_ptr, m, n, block_size)
+        if p.nbytes <= HASH_BYTES:
+            native.gather(weight_ptr, lut_ptr + block * row, out_ptr, n, block_size, 0, m)
+            out_digest = checksum(_memory(out_ptr, p.nbytes))
+        else:
+            out_hash, rows = xxhash.xxh3_64(), max(1, HASH_BYTES // max(1, 2 * n))
+            for r0 in range(0, m, rows):  # each piece hashed while it is in L2
+                r1 = min(m, r0 + rows)
+                native.gather(weight_ptr, lut_ptr + block * row, out_ptr, n, block_size, r0, r1)
+                out_hash.update(_memory(out_ptr + r0 * n * 2, (r1 - r0) * n * 2))
+            out_digest = "xxh3_64:" + out_hash.hexdigest()
         block += size // scale_dtype.itemsize
         results.append((f"{digest}+{scale_digest}",
-                        {ckpt.identity(info): digest, ckpt.identity(p.src.scale): scale_digest},
-                        checksum(_memory(out_ptr, p.nbytes))))
+                        {ckpt.identity(info): digest, ckpt.identity(p.src.scale): scale_digest}, out_digest))
     return results
 
 
@@ -248,6 +308,10 @@ class OrderedPool:
         self.pending.append((tag, self.pool.submit(fn, *args, **kwargs)))
         while len(self.pending) > self.window:
             yield self._next()
+
+    def run(self, fn, *args) -> Future:
+        """Run fn(*args) on the pool outside the ordered results (housekeeping such as unmapping)."""
+        return self.pool.submit(fn, *args)
 
     def drain(self):
         """(tag, result) of every task still queued, in order."""

@@ -146,14 +146,20 @@ def build(
     try:
         known: dict[tuple, str] = {}
         prev, digests = _unchanged(ckpt, plan, previous, pool, known, check_stop)
-        slots: dict[int, tuple] = {}  # plan position -> (placement, out, results per part)
-        computed_config = old = None
+        slots: dict[int, list] = {}  # plan position -> [placement, out, results per part, parts pending]
+        unmapping = []  # a finished tensor's writable mapping is dropped on the pool while others fill
+        computed_config = old = out = chunks = items = None
 
         def collect(done) -> None:
             for (slot, first, nbytes), results in done:
+                entry = slots[slot]
                 for k, (digest, ids, out_digest) in enumerate(results, first):
                     known.update(ids)
-                    slots[slot][2][k] = (digest, out_digest)
+                    entry[2][k] = (digest, out_digest)
+                entry[3] -= len(results)
+                if entry[3] == 0:
+                    entry[1] = None
+                    unmapping.append(pool.run(arena.unmap_segment, entry[0].segment))
                 advance(nbytes)
 
         for slot, planned in enumerate(plan.tensors):
@@ -164,7 +170,8 @@ def build(
                 continue  # unchanged: the new index points at the same bytes
             where = arena.add(planned.nbytes, slot, reserve=planned.computed is not None)
             out = arena.tensor(where, planned.shape, planned.dtype)
-            slots[slot] = (where, out, [None] * (n if planned.computed is None else 1))
+            pending = n if planned.computed is None else 1
+            slots[slot] = [where, out, [None] * pending, pending]
             if planned.computed is not None:
                 if computed_config is None:
                     from expertd.hf import model_config
@@ -185,7 +192,8 @@ def build(
                 collect(pool.submit((slot, first, sum(item.nbytes for item in batch)), fill, batch, ckpt, arena, block_size=block, device=dev))
                 first += len(batch)
         collect(pool.drain())
-        pool.close()
+        for future in unmapping:
+            future.result()
         bar.close()
 
         entries: list[TensorEntry] = []
@@ -196,7 +204,7 @@ def build(
                 entries.append(prev[slot])
                 parts[planned.name] = digests[slot]
                 continue
-            where, out, results = slots[slot]
+            where, _, results, _ = slots[slot]
             if planned.computed is not None:
                 part_digests, out_checksum = results[0]
             else:
@@ -210,7 +218,9 @@ def build(
             written += planned.nbytes
             count += 1
         slots.clear()
-        arena.unmap()  # every tensor over the writable mappings is gone by now
+        del out, chunks, items  # the last tensor's views: its mapping is closed
+        arena.unmap()  # the rest (none after a whole build); every tensor over the writable mappings is gone by now
+        pool.close()
         index = TensorIndex(
             generation=generation,
             namespace=namespace,

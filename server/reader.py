@@ -85,6 +85,35 @@ def read_json(path: str, what: str) -> dict:
     return data
 
 
+def _check_entry(path: str, name: str, entry, data_len: int) -> tuple[int, int, int, torch.dtype]:
+    """One header entry checked field by field: (begin, end, nbytes, dtype), or the error that names what is wrong."""
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
+        raise ShardFormatError("header entry needs dtype, shape and data_offsets", file=path, tensor=name)
+    tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(tag, str) or tag not in SAFETENSORS:
+        raise UnsupportedDtypeError(
+            f"dtype {tag!r} is not supported (supported: {', '.join(SAFETENSORS)})", file=path, tensor=name
+        )
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise ShardFormatError(f"shape {shape!r} is not a list of non-negative integers", file=path, tensor=name)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        raise ShardFormatError(f"data_offsets {offsets!r} is not [begin, end]", file=path, tensor=name)
+    dtype = SAFETENSORS[tag]
+    nbytes = math.prod(shape) * dtype.itemsize
+    begin, end = offsets
+    if begin < 0 or end < begin or end - begin != nbytes:
+        raise ShardFormatError(
+            f"data_offsets {offsets} span {end - begin} bytes but {tag}{shape} needs {nbytes}", file=path, tensor=name
+        )
+    if end > data_len:
+        raise ShardFormatError(
+            f"data_offsets {offsets} run past the end of the data ({data_len} bytes; truncated shard?)",
+            file=path,
+            tensor=name,
+        )
+    return begin, end, nbytes, dtype
+
+
 def read_shard_header(path: str) -> dict[str, TensorInfo]:
     """Parse and check one safetensors header: dtypes known, offsets inside the file, no overlaps."""
     try:
@@ -117,30 +146,16 @@ def read_shard_header(path: str) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
-            raise ShardFormatError("header entry needs dtype, shape and data_offsets", file=path, tensor=name)
-        tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if tag not in SAFETENSORS:
-            raise UnsupportedDtypeError(
-                f"dtype {tag!r} is not supported (supported: {', '.join(SAFETENSORS)})", file=path, tensor=name
-            )
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise ShardFormatError(f"shape {shape!r} is not a list of non-negative integers", file=path, tensor=name)
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-            raise ShardFormatError(f"data_offsets {offsets!r} is not [begin, end]", file=path, tensor=name)
-        dtype = SAFETENSORS[tag]
-        nbytes = math.prod(shape) * dtype.itemsize
-        begin, end = offsets
-        if begin < 0 or end < begin or end - begin != nbytes:
-            raise ShardFormatError(
-                f"data_offsets {offsets} span {end - begin} bytes but {tag}{shape} needs {nbytes}", file=path, tensor=name
-            )
-        if end > data_len:
-            raise ShardFormatError(
-                f"data_offsets {offsets} run past the end of the data ({data_len} bytes; truncated shard?)",
-                file=path,
-                tensor=name,
-            )
+        try:  # the common case in a few C calls; anything unusual is checked field by field below
+            tag, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            dtype = SAFETENSORS[tag]
+            nbytes = math.prod(shape) * dtype.itemsize
+            plain = (type(shape) is list and type(nbytes) is int and type(begin) is int and type(end) is int
+                     and min(shape, default=0) >= 0 and 0 <= begin <= end <= data_len and end - begin == nbytes)
+        except (TypeError, KeyError, ValueError):
+            plain = False
+        if not plain:
+            begin, end, nbytes, dtype = _check_entry(path, name, entry, data_len)
         spans.append((begin, end, name))
         infos[name] = TensorInfo(name, path, dtype, tuple(shape), nbytes, 8 + header_len + begin)
     spans.sort()

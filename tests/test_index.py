@@ -224,3 +224,9 @@ def synthetic_dsv3_index() -> TensorIndex:
         add(f"model.extra.{k}.weight", [16], [f"model.extra.{k}.weight"])
     return TensorIndex(1, "dsv3", "deepseek_v3", "transformers-fused", {"model_type": "deepseek_v3"},
                        [SegmentEntry(t.segment, 4096) for t in tensors], tensors, None)
+
+
+def test_view_count_is_the_number_of_derived_views():
+    index = sample()
+    count = index.view_count()
+    assert count == len(derive_views(index.tensors)) == len(index.all_views()) > 0
