@@ -191,7 +191,8 @@ class _SpanReader:
     small dims, weight and scale side by side), the span around them is read with one `preadv`; a tensor
     outside such a span is read alone into this thread's buffer."""
 
-    SPREAD = 4  # read a span when it is at most this many times the bytes wanted from it
+    SPREAD = 2  # read a span when it is at most this many times the bytes wanted from it...
+    SMALL = 64 << 10  # ...and its tensors are this small on average (larger ones cost bytes, not calls)
 
     def __init__(self, ckpt: Checkpoint, infos: list):
         self.ckpt = ckpt
@@ -202,7 +203,8 @@ class _SpanReader:
         for file, group in by_file.items():
             start = min(i.offset for i in group)
             end = max(i.offset + i.nbytes for i in group)
-            if len(group) > 1 and end - start <= self.SPREAD * sum(i.nbytes for i in group):
+            wanted = sum(i.nbytes for i in group)
+            if len(group) > 1 and wanted <= self.SMALL * len(group) and end - start <= self.SPREAD * wanted:
                 buf = torch.empty(end - start, dtype=torch.uint8)
                 mem = tensor_bytes(buf)
                 ckpt.read_into(group[0], start - group[0].offset, mem)  # the span, relative to one of its tensors
