@@ -24,7 +24,7 @@ import xxhash
 from expertd.index import checksum, tensor_bytes, tensor_checksum
 
 from .arena import Arena, Placement
-from .layout import Source
+from .layout import Source, check_scale_values
 from .reader import Checkpoint
 
 CHUNK_BYTES = 1 << 20  # output bytes dequantized and hashed at a time: source and result stay in cache
@@ -246,8 +246,6 @@ def _fill_small(parts: list[Part], ckpt: Checkpoint, block_size: int) -> list[tu
     scales = scale_buf.view(scale_dtype).float()
     bad = ~(torch.isfinite(scales) & (scales > 0))
     if bool(bad.any()):  # name the first part with a bad scale, as planning would
-        from .layout import check_scale_values
-
         first, at = int(bad.nonzero()[0]), 0
         for p, size in zip(parts, sizes):
             at += size // scale_dtype.itemsize
