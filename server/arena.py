@@ -125,17 +125,34 @@ class Arena:
         """Copy raw bytes to a placement (daemon side only)."""
         self._maps[placement.segment][placement.offset : placement.offset + len(data)] = data
 
-    def reserve(self, placement: Placement, offset: int, nbytes: int) -> None:
+    @property
+    def writes(self) -> bool:
+        """Whether `pwrite` can fill segments: tmpfs can, hugetlbfs has no write() (only its mappings)."""
+        return self.shm.fstype != shmdir.HUGETLBFS
+
+    def reserve(self, placement: Placement, offset: int, nbytes: int, populate: bool = True) -> None:
         """Reserve bytes [offset, offset + nbytes) of a placement made with `add(..., reserve=False)`
-        (a huge-page folder reserves the whole pages around them)."""
+        (a huge-page folder reserves the whole pages around them); with `populate`, for writes through
+        the mapping, also map the pages in (`pwrite` needs no mapping)."""
         if nbytes > 0:
             fd, address = self._fds[placement.segment]
             start = placement.offset + offset
             self._fallocate(fd, placement.segment, start, nbytes)
-            # Map the reserved pages into the writable mapping in one call instead of one fault per page
-            # (Linux >= 5.14; elsewhere the first writes fault them in as before).
-            first = start // ALIGN * ALIGN
-            _populate_write(address + first, align_up(start + nbytes) - first)
+            if populate:
+                # Map the reserved pages into the writable mapping in one call instead of one fault per page
+                # (Linux >= 5.14; elsewhere the first writes fault them in as before).
+                first = start // ALIGN * ALIGN
+                _populate_write(address + first, align_up(start + nbytes) - first)
+
+    def pwrite(self, placement: Placement, offset: int, data: memoryview) -> None:
+        """Write `data` at byte `offset` of a placement made with `add(..., reserve=False)`, through the
+        segment's file: tmpfs then takes each fresh page without zeroing it first, where a write through
+        the mapping has the kernel zero the page and then writes it again."""
+        fd = self._fds[placement.segment][0]
+        at = placement.offset + offset
+        while len(data):
+            done = os.pwrite(fd, data, at)
+            data, at = data[done:], at + done
 
     def check_space(self, need: int) -> None:
         """Refuse before the first byte when `need` bytes cannot fit: a clear error instead of ENOSPC half-way."""

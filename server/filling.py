@@ -1,12 +1,13 @@
 """The loader's work items and the pool that runs them: reading, dequantizing and first-writing parts.
 
 A served tensor is made of source parts (one checkpoint tensor each: an expert's weight in a fused
-block, or the whole tensor). Each part is one work item: reserve its range of the segment (the
-first write into fresh shared-memory pages is the fill limit, so threads share it), then read its
-source through the shard's mapping, dequantize or copy it and hash both sides, chunk by chunk, so
-every chunk is hashed while it is still in cache. Items go to `load_threads` threads in batches
-of a few MiB and come back in the order they were given: the index comes out the same as a serial
-load's, whatever the thread count.
+block, or the whole tensor). Each part is one work item: reserve its range of the segment, then read
+its source (`preadv`), dequantize or copy it into a buffer that stays in cache, hash both sides, and
+`pwrite` the result into the segment's file, chunk by chunk (see `Output`: on tmpfs this takes fresh
+pages without zeroing them first). Items go to `load_threads` threads in batches of a few MiB, the
+threads taking turns among as many tensors (writes into one file wait on its lock), and results come
+back in the order the batches were given: the index comes out the same as a serial load's, whatever
+the thread count.
 """
 
 from __future__ import annotations
@@ -57,38 +58,91 @@ def write_part(out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None
 _local = threading.local()
 
 
-def _buffer(nbytes: int) -> torch.Tensor:
-    """This thread's reusable read buffer, at least `nbytes` long: it stays in cache from read to dequant."""
-    buf = getattr(_local, "buf", None)
+def _buffer(nbytes: int, which: str = "read") -> torch.Tensor:
+    """This thread's reusable buffer `which` ("read": sources, "out": results on their way to `pwrite`),
+    at least `nbytes` long: it stays in cache from read to dequant to write."""
+    buf = getattr(_local, which, None)
     if buf is None or buf.numel() < nbytes:
-        buf = _local.buf = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+        buf = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
+        setattr(_local, which, buf)
     return buf[:nbytes]
 
 
-def stream_part(out: torch.Tensor, ckpt: Checkpoint, info, scale: torch.Tensor | None, *, block_size: int,
-                device: torch.device) -> tuple[str, str]:
+class Output:
+    """Where one batch's results go, by address.
+
+    On tmpfs each result is made in this thread's buffer while it is in cache and leaves with `pwrite`:
+    the kernel then takes each fresh page without zeroing it first, where a write through the mapping
+    has it zero the page and then writes it again (~2x the fill rate here). Back-to-back results of one
+    segment leave in one call. On hugetlbfs (no write()) and for the GPU path (results copied back by
+    torch) results are written straight through the daemon's mapping instead (`direct`)."""
+
+    def __init__(self, arena: Arena, direct: bool):
+        self.arena, self.direct = arena, direct
+        self.where: Placement | None = None
+        self.start = self.used = 0  # pending bytes [start, start + used) of `where`, at the buffer's head
+        self.buf = None if direct else _buffer(CHUNK_BYTES, "out")
+
+    def at(self, part: Part, offset: int, nbytes: int) -> int:
+        """The address to write bytes [offset, offset + nbytes) of `part`'s result to (valid until the next call)."""
+        if self.direct:
+            return part.out.data_ptr() + offset
+        pos = part.offset + offset
+        if self.where is not part.where or pos != self.start + self.used or self.used + nbytes > self.buf.numel():
+            self.flush()
+            if nbytes > self.buf.numel():
+                self.buf = _buffer(nbytes, "out")
+            self.where, self.start = part.where, pos
+        address = self.buf.data_ptr() + self.used
+        self.used += nbytes
+        return address
+
+    def tensor(self, part: Part, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        """`at` as a tensor, for torch to write into."""
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(_memory(self.at(part, offset, nbytes), nbytes), dtype=dtype).view(shape)
+
+    def copy(self, part: Part, data: memoryview) -> None:
+        """`part`'s whole result, already made elsewhere (an older generation's bytes)."""
+        if self.direct:
+            _memory(part.out.data_ptr(), len(data))[:] = data
+        else:
+            self.flush()
+            self.arena.pwrite(part.where, part.offset, data)
+
+    def flush(self) -> None:
+        if self.used:
+            self.arena.pwrite(self.where, self.start, _memory(self.buf.data_ptr(), self.used))
+        self.where, self.used = None, 0
+
+
+def stream_part(part: Part, output: Output, ckpt: Checkpoint, info, scale: torch.Tensor | None, *,
+                block_size: int, device: torch.device) -> tuple[str, str]:
     """Write one part chunk by chunk: read (`preadv`), hash the source chunk, dequantize or copy it,
     hash the result while it is in cache: (checksum of the source bytes, checksum of the written bytes)."""
     src_hash = xxhash.xxh3_64()
-    if scale is None:  # stored bytes: read straight into shared memory; source and result are the same bytes
-        dst = out.reshape(-1).view(torch.uint8)
+    if scale is None:  # stored bytes: read straight into place; source and result are the same bytes
         for b0 in range(0, info.nbytes, CHUNK_BYTES):
-            into = tensor_bytes(dst[b0: b0 + CHUNK_BYTES])
+            nbytes = min(CHUNK_BYTES, info.nbytes - b0)
+            into = _memory(output.at(part, b0, nbytes), nbytes)
             ckpt.read_into(info, b0, into)
             src_hash.update(into)
         digest = "xxh3_64:" + src_hash.hexdigest()
         return digest, digest
     out_hash = xxhash.xxh3_64()
     m, n = info.shape  # FP8 [M, N], as the plan checked: whole 128-row blocks at a time
-    rows = m if device.type == "cuda" else max(1, CHUNK_BYTES // max(1, n * out.element_size() * block_size)) * block_size
+    item = part.out.element_size()
+    rows = m if device.type == "cuda" else max(1, CHUNK_BYTES // max(1, n * item * block_size)) * block_size
     for r0 in range(0, m, max(1, rows)):
         r1 = min(m, r0 + rows)
         piece = _buffer((r1 - r0) * n) if device.type != "cuda" else torch.empty((r1 - r0) * n, dtype=torch.uint8)
         ckpt.read_into(info, r0 * n, tensor_bytes(piece))
         src_hash.update(tensor_bytes(piece))
-        write_part(out[r0:r1], piece.view(info.dtype).view(r1 - r0, n), scale[r0 // block_size: -(-r1 // block_size)],
+        dst = output.tensor(part, r0 * n * item, (r1 - r0) * n * item, part.out.dtype, (r1 - r0, n))
+        write_part(dst, piece.view(info.dtype).view(r1 - r0, n), scale[r0 // block_size: -(-r1 // block_size)],
                    name=info.name, block_size=block_size, device=device, threads=1)
-        out_hash.update(tensor_bytes(out[r0:r1]))
+        out_hash.update(tensor_bytes(dst))
     return "xxh3_64:" + src_hash.hexdigest(), "xxh3_64:" + out_hash.hexdigest()
 
 
@@ -123,7 +177,7 @@ class Part:
         self.nbytes = self.out.numel() * self.out.element_size()
 
 
-def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, *, block_size: int,
+def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, block_size: int,
          device: torch.device) -> list[tuple[str, dict, str]]:
     """Fill each part; per part (source digest, identities learned, checksum of the written bytes).
 
@@ -132,33 +186,35 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, *, block_size: int,
     results: list = [None] * len(parts)
     small = []
     native = _native(device)
-    _reserve(parts, arena)
+    output = Output(arena, direct=device.type == "cuda" or not arena.writes)
+    _reserve(parts, arena, populate=output.direct)
     for i, part in enumerate(parts):
         if part.old is not None:
-            dst = part.out.reshape(-1).view(torch.uint8)
-            dst.copy_(part.old)
-            results[i] = (part.digest, {}, checksum(tensor_bytes(dst)))
+            data = tensor_bytes(part.old)
+            output.copy(part, data)
+            results[i] = (part.digest, {}, checksum(data))
         elif native and part.src.scale is not None and part.src.info.nbytes <= CHUNK_BYTES:
             small.append(i)
         else:
-            results[i] = _fill_one(part, ckpt, block_size, device)
+            results[i] = _fill_one(part, output, ckpt, block_size, device)
     if small:
-        for i, result in zip(small, _fill_small([parts[i] for i in small], ckpt, block_size)):
+        for i, result in zip(small, _fill_small([parts[i] for i in small], output, ckpt, block_size)):
             results[i] = result
+    output.flush()
     return results
 
 
-def _reserve(parts: list[Part], arena: Arena) -> None:
+def _reserve(parts: list[Part], arena: Arena, populate: bool) -> None:
     """Reserve the parts' ranges, one call for each run of back-to-back parts of one segment."""
     start = end = where = None
     for part in parts:
         if part.where is not where or part.offset != end:
             if where is not None:
-                arena.reserve(where, start, end - start)
+                arena.reserve(where, start, end - start, populate)
             where, start = part.where, part.offset
         end = part.offset + part.nbytes
     if where is not None:
-        arena.reserve(where, start, end - start)
+        arena.reserve(where, start, end - start, populate)
 
 
 def _native(device: torch.device) -> bool:
@@ -169,10 +225,11 @@ def _native(device: torch.device) -> bool:
     return native.available()
 
 
-def _fill_one(part: Part, ckpt: Checkpoint, block_size: int, device: torch.device) -> tuple[str, dict, str]:
+def _fill_one(part: Part, output: Output, ckpt: Checkpoint, block_size: int,
+              device: torch.device) -> tuple[str, dict, str]:
     src = part.src
     scale = ckpt.view(src.scale) if src.scale is not None else None
-    digest, out_digest = stream_part(part.out, ckpt, src.info, scale, block_size=block_size, device=device)
+    digest, out_digest = stream_part(part, output, ckpt, src.info, scale, block_size=block_size, device=device)
     ids = {ckpt.identity(src.info): digest}
     if scale is not None:
         scale_digest = tensor_checksum(scale)
@@ -225,14 +282,14 @@ class _SpanReader:
         into[:] = self.bytes(info)[0]
 
 
-def _fill_small(parts: list[Part], ckpt: Checkpoint, block_size: int) -> list[tuple[str, dict, str]]:
+def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint, block_size: int) -> list[tuple[str, dict, str]]:
     """Small FP8 parts at once: every scale read into one buffer, one table of block results for all of
     them, then per part a read, two hashes and one call of the compiled gather, by address."""
     from expertd.kernels import native
 
     scale_dtype = parts[0].src.scale.dtype
     if any(p.src.scale.dtype != scale_dtype for p in parts):  # mixed scale dtypes: one kind of table at a time
-        return [r for p in parts for r in _fill_small([p], ckpt, block_size)]
+        return [r for p in parts for r in _fill_small([p], output, ckpt, block_size)]
     sizes = [p.src.scale.nbytes for p in parts]
     source = _SpanReader(ckpt, [info for p in parts for info in (p.src.info, p.src.scale)])
     scale_buf = torch.empty(sum(sizes), dtype=torch.uint8)
@@ -259,16 +316,17 @@ def _fill_small(parts: list[Part], ckpt: Checkpoint, block_size: int) -> list[tu
         m, n = info.shape
         weight, weight_ptr = source.bytes(info)
         digest = checksum(weight)
-        out_ptr = p.out.data_ptr()
         if p.nbytes <= HASH_BYTES:
+            out_ptr = output.at(p, 0, p.nbytes)
             native.gather(weight_ptr, lut_ptr + block * row, out_ptr, n, block_size, 0, m)
             out_digest = checksum(_memory(out_ptr, p.nbytes))
         else:
             out_hash, rows = xxhash.xxh3_64(), max(1, HASH_BYTES // max(1, 2 * n))
             for r0 in range(0, m, rows):  # each piece hashed while it is in L2
                 r1 = min(m, r0 + rows)
-                native.gather(weight_ptr, lut_ptr + block * row, out_ptr, n, block_size, r0, r1)
-                out_hash.update(_memory(out_ptr + r0 * n * 2, (r1 - r0) * n * 2))
+                out_ptr = output.at(p, r0 * n * 2, (r1 - r0) * n * 2)
+                native.gather(weight_ptr, lut_ptr + block * row, out_ptr - r0 * n * 2, n, block_size, r0, r1)
+                out_hash.update(_memory(out_ptr, (r1 - r0) * n * 2))
             out_digest = "xxh3_64:" + out_hash.hexdigest()
         block += size // scale_dtype.itemsize
         results.append((f"{digest}+{scale_digest}",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -148,7 +149,7 @@ def build(
         prev, digests = _unchanged(ckpt, plan, previous, pool, known, check_stop)
         slots: dict[int, list] = {}  # plan position -> [placement, out, results per part, parts pending]
         unmapping = []  # a finished tensor's writable mapping is dropped on the pool while others fill
-        computed_config = old = out = chunks = items = None
+        context: dict = {}  # the model config (for computed tensors) and the previous bytes, made once
 
         def collect(done) -> None:
             for (slot, first, nbytes), results in done:
@@ -162,35 +163,42 @@ def build(
                     unmapping.append(pool.run(arena.unmap_segment, entry[0].segment))
                 advance(nbytes)
 
-        for slot, planned in enumerate(plan.tensors):
+        def tasks(slot: int, planned):
+            """The pool tasks that fill one served tensor: (tag, function, arguments...)."""
             check_stop()
             n = len(planned.sources)
             if prev[slot] is not None and digests[slot] == previous.parts[planned.name]:
                 advance(planned.nbytes)
-                continue  # unchanged: the new index points at the same bytes
+                return  # unchanged: the new index points at the same bytes
             where = arena.add(planned.nbytes, slot, reserve=planned.computed is not None)
             out = arena.tensor(where, planned.shape, planned.dtype)
             pending = n if planned.computed is None else 1
             slots[slot] = [where, out, [None] * pending, pending]
             if planned.computed is not None:
-                if computed_config is None:
+                if "config" not in context:
                     from expertd.hf import model_config
 
-                    computed_config = model_config(ckpt.config)
-                collect(pool.submit((slot, 0, planned.nbytes), _computed, ckpt, planned, out, computed_config, block, dev))
-                continue
+                    context["config"] = model_config(ckpt.config)
+                yield (slot, 0, planned.nbytes), _computed, ckpt, planned, out, context["config"], block, dev
+                return
             chunks = out.view(n, *planned.source_shape) if n > 1 else out.view(1, *planned.shape)
             step = planned.nbytes // n
             items = [Part(src, chunks[k], where, k * step) for k, src in enumerate(planned.sources)]
+            del out, chunks  # the parts hold their views; the mapping closes once they are done
             if prev[slot] is not None:  # copy the parts whose sources did not change
-                old = old or PreviousBytes(previous.index)
+                old = context.get("old") or context.setdefault("old", PreviousBytes(previous.index))
                 for k, item in enumerate(items):
                     if digests[slot][k] == previous.parts[planned.name][k]:
                         item.old, item.digest = old.part(prev[slot], k, n), digests[slot][k]
             first = 0
             for batch in batches(items, lambda item: item.nbytes):
-                collect(pool.submit((slot, first, sum(item.nbytes for item in batch)), fill, batch, ckpt, arena, block_size=block, device=dev))
+                yield (slot, first, sum(item.nbytes for item in batch)), fill, batch, ckpt, arena, block, dev
                 first += len(batch)
+
+        # Threads take turns among `threads` tensors at a time: each then mostly writes a segment of its own
+        # (writes into one file take turns on its lock).
+        for tag, fn, *args in interleave((tasks(slot, planned) for slot, planned in enumerate(plan.tensors)), threads):
+            collect(pool.submit(tag, fn, *args))
         collect(pool.drain())
         for future in unmapping:
             future.result()
@@ -218,7 +226,6 @@ def build(
             written += planned.nbytes
             count += 1
         slots.clear()
-        del out, chunks, items  # the last tensor's views: its mapping is closed
         arena.unmap()  # the rest (none after a whole build); every tensor over the writable mappings is gone by now
         pool.close()
         index = TensorIndex(
@@ -244,6 +251,25 @@ def build(
         generation, threads, count, len(entries), written / 2**20, elapsed,
     )
     return Built(arena, index, parts, known, written, count, elapsed)
+
+
+def interleave(streams, width: int):
+    """The items of `streams` (iterables, taken in order), `width` of them at a time taking turns: a stream
+    joins when one before it is done."""
+    streams, active = iter(streams), deque()
+    while True:
+        while len(active) < width:
+            stream = next(streams, None)
+            if stream is None:
+                break
+            active.append(iter(stream))
+        if not active:
+            return
+        stream = active.popleft()
+        for item in stream:
+            yield item
+            active.append(stream)
+            break
 
 
 def _unchanged(ckpt: Checkpoint, plan: Plan, previous: Built | None, pool: OrderedPool, known: dict, check_stop):

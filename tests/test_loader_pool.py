@@ -13,8 +13,9 @@ import torch
 from expertd.errors import ConfigError, ShardFormatError
 from expertd.index import checksum_parts, tensor_checksum
 from expertd.server import filling
+from expertd.server.arena import Arena
 from expertd.server.config import config_from_dict
-from expertd.server.loader import build, prepare
+from expertd.server.loader import build, interleave, prepare
 from expertd.shm import map_segments, view
 from helpers.reference import reference_tensors
 
@@ -32,7 +33,10 @@ def layout(built) -> list[tuple]:
             for t in built.index.tensors]
 
 
-def test_any_thread_count_batch_and_chunk_gives_the_serial_result(tiny_checkpoint, namespace, monkeypatch):
+@pytest.mark.parametrize("writes", [True, False], ids=["pwrite", "through-the-mapping"])
+def test_any_thread_count_batch_and_chunk_gives_the_serial_result(tiny_checkpoint, namespace, monkeypatch, writes):
+    # pwrite on tmpfs; straight through the daemon's mapping where a folder has no write() (hugetlbfs).
+    monkeypatch.setattr(Arena, "writes", property(lambda self: writes))
     serial = build(*prepare(tiny_checkpoint), namespace=namespace, generation=1, threads=1, device="cpu")
     try:
         expected, expected_layout = served(serial), layout(serial)
@@ -109,3 +113,10 @@ def test_load_threads_defaults_to_the_usable_cores():
     assert config_from_dict({"checkpoint": "/x"}).load_threads is None
     assert filling.default_threads() == len(os.sched_getaffinity(0))
     assert config_from_dict({"checkpoint": "/x", "load_threads": 3}).load_threads == 3
+
+
+def test_interleave_takes_turns_among_width_streams_in_order():
+    streams = [[f"a{k}" for k in range(3)], [], ["b0"], [f"c{k}" for k in range(2)], ["d0", "d1"]]
+    assert list(interleave(streams, 1)) == ["a0", "a1", "a2", "b0", "c0", "c1", "d0", "d1"]
+    assert list(interleave(streams, 2)) == ["a0", "a1", "b0", "a2", "c0", "d0", "c1", "d1"]  # the empty one is passed over
+    assert list(interleave(iter(streams), 9)) == ["a0", "b0", "c0", "d0", "a1", "c1", "d1", "a2"]
