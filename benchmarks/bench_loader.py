@@ -130,7 +130,8 @@ def read_once(opened, threads: int, mode: str) -> float:
     fds: dict[str, int] = {}
     if mode == "preadv":
         for info in sources:
-            fds.setdefault(info.file, os.open(info.file, os.O_RDONLY))
+            if info.file not in fds:
+                fds[info.file] = os.open(info.file, os.O_RDONLY)
 
     def one(info) -> None:
         if mode == "preadv":
@@ -186,6 +187,7 @@ def l3_counts(workdir: str, reps: int) -> None:
         warm(path)
         ckpt, plan = prepare(path)
         sizes[path] = (plan.nbytes, len(ckpt.tensors), len(plan.tensors), len(os.listdir(path)))
+        ckpt.close()
     times = {counts: [], few: []}
     for rep in range(reps):
         for path in ((counts, few) if rep % 2 == 0 else (few, counts)):

@@ -54,3 +54,22 @@ DEQUANT_LUT(dequant_lut16, uint16_t)
 #undef WIDE
 #define WIDE wide32
 DEQUANT_LUT(dequant_lut32, uint32_t)
+
+/* Many small parts in one call (the caller's Python drops the GIL for it): part i is described by
+ * desc[5i..5i+4] = fp8 bytes x, result y, rows m, columns n, its first block's row of the table.
+ * y = the table lookup of x, and both are hashed: hashes[2i] = hash(x), hashes[2i+1] = hash(y).
+ * `hash` is XXH3_64bits of the xxhash library the daemon already loads. */
+typedef uint64_t (*hash64_fn)(const void *, size_t);
+
+void fill_parts16(int64_t count, const int64_t *desc, const uint16_t *lut, int64_t block, hash64_fn hash,
+                  uint64_t *hashes) {
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t *d = desc + 5 * i;
+        const uint8_t *x = (const uint8_t *)(intptr_t)d[0];
+        uint16_t *y = (uint16_t *)(intptr_t)d[1];
+        int64_t m = d[2], n = d[3];
+        hashes[2 * i] = hash(x, (size_t)(m * n));
+        dequant_lut16(x, lut + d[4] * 256, y, n, block, 0, m);
+        hashes[2 * i + 1] = hash(y, (size_t)(m * n) * 2);
+    }
+}

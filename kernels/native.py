@@ -19,6 +19,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import xxhash
 
 log = logging.getLogger("expertd.kernels")
 
@@ -54,7 +55,40 @@ def _build() -> ctypes.CDLL | None:
     for fn in (lib.dequant_lut16, lib.dequant_lut32):
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
         fn.restype = None
+    lib.fill_parts16.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                 ctypes.c_void_p]
+    lib.fill_parts16.restype = None
     return lib
+
+
+def _xxh3_address() -> int | None:
+    """The address of XXH3_64bits in the xxhash module's own library (the checksums' hash), if it exports it."""
+    try:
+        import xxhash._xxhash as compiled
+
+        fn = ctypes.CDLL(compiled.__file__).XXH3_64bits
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_char_p, ctypes.c_size_t], ctypes.c_uint64
+    probe = b"expertd"
+    if fn(probe, len(probe)) != xxhash.xxh3_64_intdigest(probe):  # not the hash the index records
+        return None
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+_xxh3: list = []
+
+
+def fill_parts(desc: torch.Tensor, lut_ptr: int, block_size: int, hashes: torch.Tensor) -> bool:
+    """Small parts at once, with the GIL dropped: `desc` int64 [k, 5] (fp8 address, result address, rows,
+    columns, first table row), `hashes` uint64-sized int64 [k, 2] (source, result). False where the xxhash
+    library does not export XXH3_64bits: the caller then goes part by part."""
+    if not _xxh3:
+        _xxh3.append(_xxh3_address())
+    if _xxh3[0] is None:
+        return False
+    _lib.fill_parts16(desc.shape[0], desc.data_ptr(), lut_ptr, block_size, _xxh3[0], hashes.data_ptr())
+    return True
 
 
 def available() -> bool:

@@ -82,6 +82,7 @@ class Output:
         self.where: Placement | None = None
         self.start = self.used = 0  # pending bytes [start, start + used) of `where`, at the buffer's head
         self.buf = None if direct else _buffer(CHUNK_BYTES, "out")
+        self.before_flush = None  # called before pending bytes leave: whoever writes them late finishes first
 
     def at(self, part: Part, offset: int, nbytes: int) -> int:
         """The address to write bytes [offset, offset + nbytes) of `part`'s result to (valid until the next call)."""
@@ -112,6 +113,8 @@ class Output:
             self.arena.pwrite(part.where, part.offset, data)
 
     def flush(self) -> None:
+        if self.before_flush is not None:
+            self.before_flush()
         if self.used:
             self.arena.pwrite(self.where, self.start, _memory(self.buf.data_ptr(), self.used))
         self.where, self.used = None, 0
@@ -244,47 +247,56 @@ def _memory(address: int, nbytes: int) -> memoryview:
 
 
 class _SpanReader:
-    """The bytes of many small tensors: where they lie close together in one shard (DeepSeek-V3's experts at
-    small dims, weight and scale side by side), the span around them is read with one `preadv`; a tensor
-    outside such a span is read alone into this thread's buffer."""
+    """The bytes of many small tensors, read when it is made and kept until it is dropped: where they lie
+    close together in one shard (DeepSeek-V3's experts at small dims, weight and scale side by side), the
+    span around them is read with one `preadv`; a tensor outside such a span is read alone."""
 
-    SPREAD = 2  # read a span when it is at most this many times the bytes wanted from it...
+    SPREAD = 2  # read a span when it is at most this many times the bytes wanted from it, or at most
+    PER_TENSOR = 16 << 10  # this many bytes per tensor wanted (copying them costs less than a call each)...
     SMALL = 64 << 10  # ...and its tensors are this small on average (larger ones cost bytes, not calls)
 
     def __init__(self, ckpt: Checkpoint, infos: list):
-        self.ckpt = ckpt
-        self.spans: dict[str, tuple[int, memoryview, int]] = {}  # file -> (file offset, bytes, address)
+        self.at: dict[tuple[str, int], int] = {}  # (file, offset) -> address of the tensor's bytes
+        self.buffers = []
         by_file: dict[str, list] = {}
         for info in infos:
             by_file.setdefault(info.file, []).append(info)
+        alone = []
         for file, group in by_file.items():
             start = min(i.offset for i in group)
             end = max(i.offset + i.nbytes for i in group)
             wanted = sum(i.nbytes for i in group)
-            if len(group) > 1 and wanted <= self.SMALL * len(group) and end - start <= self.SPREAD * wanted:
-                buf = torch.empty(end - start, dtype=torch.uint8)
-                mem = tensor_bytes(buf)
-                ckpt.read_into(group[0], start - group[0].offset, mem)  # the span, relative to one of its tensors
-                self.spans[file] = (start, mem, buf.data_ptr(), buf)
+            if (len(group) > 1 and wanted <= self.SMALL * len(group)
+                    and end - start <= max(self.SPREAD * wanted, self.PER_TENSOR * len(group))):
+                base = self._read(ckpt, group[0], start - group[0].offset, end - start)  # relative to one tensor
+                self.at.update(((file, i.offset), base + i.offset - start) for i in group)
+            else:
+                alone += group
+        if alone:
+            base = self._read(None, None, 0, sum(i.nbytes for i in alone))
+            for info in alone:
+                ckpt.read_into(info, 0, _memory(base, info.nbytes))
+                self.at[info.file, info.offset] = base
+                base += info.nbytes
 
-    def bytes(self, info) -> tuple[memoryview, int]:
-        """A tensor's bytes and their address (valid until the next call for a tensor outside every span)."""
-        span = self.spans.get(info.file)
-        if span is not None and span[0] <= info.offset and info.offset + info.nbytes <= span[0] + len(span[1]):
-            at = info.offset - span[0]
-            return span[1][at: at + info.nbytes], span[2] + at
-        buf = _buffer(info.nbytes)
-        mem = _memory(buf.data_ptr(), info.nbytes)
-        self.ckpt.read_into(info, 0, mem)
-        return mem, buf.data_ptr()
+    def _read(self, ckpt, info, offset: int, nbytes: int) -> int:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.buffers.append(buf)
+        if ckpt is not None:
+            ckpt.read_into(info, offset, tensor_bytes(buf))
+        return buf.data_ptr()
 
-    def read(self, info, into: memoryview) -> None:
-        into[:] = self.bytes(info)[0]
+    def address(self, info) -> int:
+        return self.at[info.file, info.offset]
+
+    def bytes(self, info) -> memoryview:
+        return _memory(self.at[info.file, info.offset], info.nbytes)
 
 
 def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint, block_size: int) -> list[tuple[str, dict, str]]:
-    """Small FP8 parts at once: every scale read into one buffer, one table of block results for all of
-    them, then per part a read, two hashes and one call of the compiled gather, by address."""
+    """Small FP8 parts at once: every source read into a few buffers, every scale copied into one, one table
+    of block results for all of them; then the parts that fit in L2 in one compiled call (gather and both
+    hashes, without the GIL), each larger one piece by piece."""
     from expertd.kernels import native
 
     scale_dtype = parts[0].src.scale.dtype
@@ -297,7 +309,7 @@ def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint, block_size:
     scale_digests, at = [], 0
     for p, size in zip(parts, sizes):
         into = scale_mem[at: at + size]
-        source.read(p.src.scale, into)
+        into[:] = source.bytes(p.src.scale)
         scale_digests.append(checksum(into))
         at += size
     scales = scale_buf.view(scale_dtype).float()
@@ -310,27 +322,49 @@ def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint, block_size:
                 check_scale_values(ckpt, p.src.scale)
     lut = native.block_luts(scales, torch.bfloat16)
     lut_ptr, row = lut.data_ptr(), 256 * lut.element_size()
-    results, block = [], 0
-    for p, size, scale_digest in zip(parts, sizes, scale_digests):
-        info = p.src.info
-        m, n = info.shape
-        weight, weight_ptr = source.bytes(info)
-        digest = checksum(weight)
-        if p.nbytes <= HASH_BYTES:
-            out_ptr = output.at(p, 0, p.nbytes)
-            native.gather(weight_ptr, lut_ptr + block * row, out_ptr, n, block_size, 0, m)
-            out_digest = checksum(_memory(out_ptr, p.nbytes))
+    digests: list = [None] * len(parts)  # (source checksum, result checksum) per part
+    pending: list[tuple[int, list[int]]] = []  # parts whose results wait in the output buffer for `run`
+
+    def run() -> None:
+        """Fill the pending parts (before their bytes leave the output buffer)."""
+        if not pending:
+            return
+        desc = torch.tensor([d for _, d in pending], dtype=torch.int64)
+        hashes = torch.empty(len(pending), 2, dtype=torch.int64)
+        if native.fill_parts(desc, lut_ptr, block_size, hashes):
+            for (i, _), (h_in, h_out) in zip(pending, hashes.view(torch.uint64).tolist()):
+                digests[i] = (f"xxh3_64:{h_in:016x}", f"xxh3_64:{h_out:016x}")
         else:
-            out_hash, rows = xxhash.xxh3_64(), max(1, HASH_BYTES // max(1, 2 * n))
-            for r0 in range(0, m, rows):  # each piece hashed while it is in L2
-                r1 = min(m, r0 + rows)
-                out_ptr = output.at(p, r0 * n * 2, (r1 - r0) * n * 2)
-                native.gather(weight_ptr, lut_ptr + block * row, out_ptr - r0 * n * 2, n, block_size, r0, r1)
-                out_hash.update(_memory(out_ptr, (r1 - r0) * n * 2))
-            out_digest = "xxh3_64:" + out_hash.hexdigest()
-        block += size // scale_dtype.itemsize
+            for i, (x, y, m, n, first_block) in pending:
+                native.gather(x, lut_ptr + first_block * row, y, n, block_size, 0, m)
+                digests[i] = (checksum(_memory(x, m * n)), checksum(_memory(y, 2 * m * n)))
+        pending.clear()
+
+    output.before_flush = run
+    try:
+        block = 0
+        for i, p in enumerate(parts):
+            info = p.src.info
+            m, n = info.shape
+            weight_ptr = source.address(info)
+            if p.nbytes <= HASH_BYTES:
+                pending.append((i, [weight_ptr, output.at(p, 0, p.nbytes), m, n, block]))
+            else:
+                out_hash, rows = xxhash.xxh3_64(), max(1, HASH_BYTES // max(1, 2 * n))
+                for r0 in range(0, m, rows):  # each piece hashed while it is in L2
+                    r1 = min(m, r0 + rows)
+                    out_ptr = output.at(p, r0 * n * 2, (r1 - r0) * n * 2)
+                    native.gather(weight_ptr, lut_ptr + block * row, out_ptr - r0 * n * 2, n, block_size, r0, r1)
+                    out_hash.update(_memory(out_ptr, (r1 - r0) * n * 2))
+                digests[i] = (checksum(source.bytes(info)), "xxh3_64:" + out_hash.hexdigest())
+            block += sizes[i] // scale_dtype.itemsize
+        run()
+    finally:
+        output.before_flush = None
+    results = []
+    for p, (digest, out_digest), scale_digest in zip(parts, digests, scale_digests):
         results.append((f"{digest}+{scale_digest}",
-                        {ckpt.identity(info): digest, ckpt.identity(p.src.scale): scale_digest}, out_digest))
+                        {ckpt.identity(p.src.info): digest, ckpt.identity(p.src.scale): scale_digest}, out_digest))
     return results
 
 
