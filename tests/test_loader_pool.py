@@ -120,3 +120,24 @@ def test_interleave_takes_turns_among_width_streams_in_order():
     assert list(interleave(streams, 1)) == ["a0", "a1", "a2", "b0", "c0", "c1", "d0", "d1"]
     assert list(interleave(streams, 2)) == ["a0", "a1", "b0", "a2", "c0", "d0", "c1", "d1"]  # the empty one is passed over
     assert list(interleave(iter(streams), 9)) == ["a0", "b0", "c0", "d0", "a1", "c1", "d1", "a2"]
+
+
+def test_small_parts_part_by_part_where_xxhash_exports_no_xxh3(tiny_checkpoint, namespace, monkeypatch):
+    """Small parts are gathered and hashed in one compiled call with XXH3_64bits from the xxhash library;
+    without that symbol they go part by part in Python: the same bytes and checksums either way."""
+    from expertd.kernels import native
+
+    results = []
+    for address in (None, "library"):
+        if address is None:
+            monkeypatch.setattr(native, "_xxh3", [None])
+        else:
+            monkeypatch.setattr(native, "_xxh3", [])
+        built = build(*prepare(tiny_checkpoint), namespace=namespace, generation=1, threads=2, device="cpu")
+        try:
+            results.append((layout(built), {k: v.view(torch.uint8) for k, v in served(built).items()}))
+        finally:
+            built.close()
+    assert native._xxh3 and native._xxh3[0] is not None  # this machine's xxhash exports it: both ways ran
+    assert results[0][0] == results[1][0]
+    assert all(torch.equal(results[0][1][k], results[1][1][k]) for k in results[0][1])
