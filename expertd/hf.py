@@ -199,6 +199,24 @@ def _expert_position(keys: list[str]) -> int | None:
     return numeric[-1] if len(parts) == 1 and numeric else None
 
 
+def natural_key(part_key):
+    """transformers' `dot_natural_key` (the order it collects checkpoint names in) taken one dot-separated
+    part at a time, each part's key remembered: a checkpoint repeats a few dozen parts tens of thousands of
+    times. The same keys, since `dot_natural_key` keys each part on its own."""
+    known: dict[str, object] = {}
+
+    def key(name: str) -> list:
+        out = []
+        for part in name.split("."):
+            k = known.get(part)
+            if k is None:
+                k = known[part] = part_key(part)[0]
+            out.append(k)
+        return out
+
+    return key
+
+
 def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[str], dict]:
     """Map checkpoint names onto the parameters of the model a config describes, the way transformers'
     own loading does (renames, prefix changes, expert stacks); returns ({param: Assembly}, unused names,
@@ -229,7 +247,7 @@ def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[
     computed: dict[str, tuple] = {}  # layer name -> (converter, {pattern: keys})
     unused = []
     rename = _RenameCache(lambda key: rename_source_key(key, renamings, converters, model.base_model_prefix, meta), meta)
-    for key in sorted(names, key=dot_natural_key):
+    for key in sorted(names, key=natural_key(dot_natural_key)):
         renamed, pattern = rename(key)
         if renamed not in meta and key in meta:
             renamed, pattern = key, None

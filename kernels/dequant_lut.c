@@ -73,3 +73,12 @@ void fill_parts16(int64_t count, const int64_t *desc, const uint16_t *lut, int64
         hashes[2 * i + 1] = hash(y, (size_t)(m * n) * 2);
     }
 }
+
+/* Copy many small buffers and hash each copy: desc[3i..3i+2] = source, destination, bytes. */
+void copy_hash(int64_t count, const int64_t *desc, hash64_fn hash, uint64_t *hashes) {
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t *d = desc + 3 * i;
+        memcpy((void *)(intptr_t)d[1], (const void *)(intptr_t)d[0], (size_t)d[2]);
+        hashes[i] = hash((const void *)(intptr_t)d[1], (size_t)d[2]);
+    }
+}

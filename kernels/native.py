@@ -58,6 +58,8 @@ def _build() -> ctypes.CDLL | None:
     lib.fill_parts16.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                  ctypes.c_void_p]
     lib.fill_parts16.restype = None
+    lib.copy_hash.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    lib.copy_hash.restype = None
     return lib
 
 
@@ -79,13 +81,26 @@ def _xxh3_address() -> int | None:
 _xxh3: list = []
 
 
+def _hash_address() -> int | None:
+    if not _xxh3:
+        _xxh3.append(_xxh3_address())
+    return _xxh3[0]
+
+
+def copy_hash(desc: torch.Tensor, hashes: torch.Tensor) -> bool:
+    """Copy small buffers and hash each copy with the GIL dropped: `desc` int64 [k, 3] (source address,
+    destination address, bytes), `hashes` uint64-sized int64 [k]. False where there is no XXH3_64bits."""
+    if _hash_address() is None:
+        return False
+    _lib.copy_hash(desc.shape[0], desc.data_ptr(), _xxh3[0], hashes.data_ptr())
+    return True
+
+
 def fill_parts(desc: torch.Tensor, lut_ptr: int, block_size: int, hashes: torch.Tensor) -> bool:
     """Small parts at once, with the GIL dropped: `desc` int64 [k, 5] (fp8 address, result address, rows,
     columns, first table row), `hashes` uint64-sized int64 [k, 2] (source, result). False where the xxhash
     library does not export XXH3_64bits: the caller then goes part by part."""
-    if not _xxh3:
-        _xxh3.append(_xxh3_address())
-    if _xxh3[0] is None:
+    if _hash_address() is None:
         return False
     _lib.fill_parts16(desc.shape[0], desc.data_ptr(), lut_ptr, block_size, _xxh3[0], hashes.data_ptr())
     return True

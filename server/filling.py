@@ -13,11 +13,11 @@ the thread count.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 import xxhash
@@ -164,20 +164,20 @@ def source_digest(ckpt: Checkpoint, src: Source, known: dict) -> tuple[str, dict
     return digest, ids
 
 
-@dataclass
 class Part:
-    """Part k of a served tensor: fill `out` (at byte `offset` of `where`) from `src`, or from `old` bytes."""
+    """Part k of a served tensor: its `nbytes` at byte `offset` of `where`, filled from `src`, or from `old`
+    bytes. `out`, its place in the daemon's writable mapping, is made only where it is written through."""
 
-    src: Source
-    out: torch.Tensor
-    where: Placement
-    offset: int
-    old: torch.Tensor | None = None  # an older generation's bytes of this part (its source did not change)
-    digest: str | None = None  # the source digest, when already known
-    nbytes: int = field(init=False)
+    __slots__ = ("src", "block", "k", "where", "offset", "nbytes", "old", "digest")
 
-    def __post_init__(self) -> None:
-        self.nbytes = self.out.numel() * self.out.element_size()
+    def __init__(self, src: Source, block: torch.Tensor, k: int, where: Placement, offset: int, nbytes: int):
+        self.src, self.block, self.k, self.where, self.offset, self.nbytes = src, block, k, where, offset, nbytes
+        self.old: torch.Tensor | None = None  # an older generation's bytes of this part (its source did not change)
+        self.digest: str | None = None  # the source digest, when already known
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.block[self.k]
 
 
 def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, block_size: int,
@@ -305,13 +305,17 @@ def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint, block_size:
     sizes = [p.src.scale.nbytes for p in parts]
     source = _SpanReader(ckpt, [info for p in parts for info in (p.src.info, p.src.scale)])
     scale_buf = torch.empty(sum(sizes), dtype=torch.uint8)
-    scale_mem = tensor_bytes(scale_buf)
-    scale_digests, at = [], 0
-    for p, size in zip(parts, sizes):
-        into = scale_mem[at: at + size]
-        into[:] = source.bytes(p.src.scale)
-        scale_digests.append(checksum(into))
-        at += size
+    base, ends = scale_buf.data_ptr(), list(itertools.accumulate(sizes))
+    desc = torch.tensor([[source.address(p.src.scale), base + end - size, size]
+                         for p, size, end in zip(parts, sizes, ends)], dtype=torch.int64)
+    hashes = torch.empty(len(parts), dtype=torch.int64)
+    if native.copy_hash(desc, hashes):
+        scale_digests = [f"xxh3_64:{h:016x}" for h in hashes.view(torch.uint64).tolist()]
+    else:
+        scale_digests = []
+        for src_at, dst_at, size in desc.tolist():
+            ctypes.memmove(dst_at, src_at, size)
+            scale_digests.append(checksum(_memory(dst_at, size)))
     scales = scale_buf.view(scale_dtype).float()
     bad = ~(torch.isfinite(scales) & (scales > 0))
     if bool(bad.any()):  # name the first part with a bad scale, as planning would

@@ -201,3 +201,17 @@ def test_a_changed_source_recomputes_its_tensor_whole(llama_fp8, conversion, nam
             second.close()
     finally:
         first.close()
+
+
+def test_natural_key_gives_transformers_keys():
+    from transformers.core_model_loading import dot_natural_key
+
+    from expertd.hf import natural_key
+
+    names = ["model.layers.10.mlp.experts.2.w1.weight", "model.layers.2.mlp.experts.11.w1.weight", "lm_head.weight",
+             "model.layers.2.mlp.experts.11.w1.weight_scale_inv", "a..b", "", "x.shard_11.y", "x.shard_2.y", "7",
+             "model.layers.2.mlp.gate.e_score_correction_bias", "model.embed_tokens.weight", "x.007.y", "x.7.y"]
+    key = natural_key(dot_natural_key)
+    for name in names + names:  # the second pass takes the remembered parts
+        assert key(name) == dot_natural_key(name), name
+    assert sorted(names, key=key) == sorted(names, key=dot_natural_key)
