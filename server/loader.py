@@ -11,6 +11,7 @@ checkpoint tensors are not parts of it. `publish` writes the index only once eve
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -144,6 +145,10 @@ def build(
         if should_stop is not None and should_stop():
             raise Cancelled("building stopped before it finished")
 
+    # Tens of thousands of small objects per build (parts, digests, identities) would start full collections
+    # that scan the whole heap (the model skeleton, the plan) for nothing: ~15 % of a DeepSeek-V3-count build.
+    collecting = gc.isenabled()
+    gc.disable()
     try:
         known: dict[tuple, str] = {}
         prev, digests = _unchanged(ckpt, plan, previous, pool, known, check_stop)
@@ -245,6 +250,8 @@ def build(
         raise
     finally:
         ckpt.close()
+        if collecting:
+            gc.enable()
     elapsed = time.perf_counter() - started
     log.info(
         "built generation %d on %d thread(s): %d of %d tensors written (%.1f MiB) in %.2fs",
