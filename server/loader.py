@@ -189,7 +189,7 @@ def build(
             chunks = out.view(n, *planned.source_shape) if n > 1 else out.view(1, *planned.shape)
             step = planned.nbytes // n
             items = [Part(src, chunks, k, where, k * step, step) for k, src in enumerate(planned.sources)]
-            del out, chunks  # the parts hold their views; the mapping closes once they are done
+            del out, chunks  # the parts hold the block; its mapping closes once they are done
             if prev[slot] is not None:  # copy the parts whose sources did not change
                 old = context.get("old") or context.setdefault("old", PreviousBytes(previous.index))
                 for k, item in enumerate(items):
