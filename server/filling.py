@@ -74,8 +74,9 @@ class Output:
     On tmpfs each result is made in this thread's buffer while it is in cache and leaves with `pwrite`:
     the kernel then takes each fresh page without zeroing it first, where a write through the mapping
     has it zero the page and then writes it again (placing bytes this way ran ~1.5x faster here).
-    Back-to-back results of one segment leave in one call. On hugetlbfs (no write()) and for the GPU path (results copied back by
-    torch) results are written straight through the daemon's mapping instead (`direct`)."""
+    Back-to-back results of one segment leave in one call. On hugetlbfs (no write()) and for the GPU
+    path (results copied back by torch) results are written straight through the daemon's mapping
+    instead (`direct`)."""
 
     def __init__(self, arena: Arena, direct: bool):
         self.arena, self.direct = arena, direct
