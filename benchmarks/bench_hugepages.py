@@ -7,10 +7,16 @@ tmpfs mounts, so nothing is mounted on the host and both go when it ends. For ea
 same run, on the same ~1 GB of MoE expert weights (bf16 gate_up [2I, H] and down [H, I] per expert,
 each tensor a segment of its own, as the daemon places them):
 
-H1  fill: the daemon's path, Arena.add (O_EXCL create + posix_fallocate + map) and a copy of the bytes
+H1  fill, --reps times each, alternating: the daemon's path on tmpfs (Arena.add, posix_fallocate, the bytes
+    written with pwrite, as the loader writes them) and through the mapping (Arena.add with its
+    posix_fallocate and a copy into the writable mapping, as on hugetlbfs and for the GPU path). The
+    first fill of each fresh mount is reported apart: its pages are ones the mount never had.
 H2  first touch: a worker's fresh read-only mappings, one byte read per 4 KiB (the page faults it pays)
 H3  expert forward: x[16, H] @ gate_up.T, SiLU-and-mul, @ down.T for every expert; the first pass over
     fresh (cold) mappings, and the steady state (median of --reps further passes)
+H4  the loader: `build` of the ~1 GB DeepSeek-V3-shaped FP8 checkpoint (page cache warm, every core) into
+    each mount, --reps times, alternating; the first build into each mount reported apart. --no-loader
+    skips it; --workdir is where the checkpoint is generated on first use (as bench_loader.py does).
 """
 
 from __future__ import annotations
@@ -44,21 +50,36 @@ def meminfo(key: str) -> int:
     return int(next(l.split()[1] for l in open("/proc/meminfo") if l.startswith(key + ":")))
 
 
-def fill(shm_dir: str, experts: int, namespace: str) -> tuple[object, float, int]:
-    """H1: every expert's two tensors into fresh segments; returns the arena, seconds and huge kB used."""
-    from expertd.server.arena import Arena
-
+def expert_weights() -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     gate_up = (torch.randn(2 * INTER, HIDDEN, generator=gen) * 0.02).to(torch.bfloat16)
     down = (torch.randn(HIDDEN, INTER, generator=gen) * 0.02).to(torch.bfloat16)
-    arena = Arena(namespace, 1, shm_dir=shm_dir)
+    return gate_up, down
+
+
+def fill(shm_dir: str, experts: int, how: str) -> tuple[object, float, int]:
+    """H1: every expert's two tensors into fresh segments, `how` = "pwrite" (the daemon's path on tmpfs)
+    or "map" (a copy through the writable mapping); returns the arena, seconds and huge-page kB used."""
+    from expertd.server.arena import Arena
+
+    weights = [(w, memoryview(w.view(torch.uint8).reshape(-1).numpy())) for w in expert_weights()]
+    arena = Arena(f"bench{uuid.uuid4().hex[:8]}", 1, shm_dir=shm_dir)
     huge_before = meminfo("ShmemHugePages")
-    started = time.perf_counter()
-    for _ in range(experts):
-        for src in (gate_up, down):
-            arena.tensor(arena.add(src.nbytes), tuple(src.shape), src.dtype).copy_(src)
-    seconds = time.perf_counter() - started
-    arena.unmap()
+    try:
+        started = time.perf_counter()
+        for _ in range(experts):
+            for src, data in weights:
+                if how == "pwrite":
+                    where = arena.add(src.nbytes, reserve=False)
+                    arena.reserve(where, 0, src.nbytes, populate=False)
+                    arena.pwrite(where, 0, data)
+                else:
+                    arena.tensor(arena.add(src.nbytes), tuple(src.shape), src.dtype).copy_(src)
+        seconds = time.perf_counter() - started
+        arena.unmap()
+    except BaseException:
+        arena.unlink()
+        raise
     return arena, seconds, meminfo("ShmemHugePages") - huge_before
 
 
@@ -108,9 +129,24 @@ def forward(arena, reps: int) -> tuple[float, float]:
     return first, steady
 
 
+def fills(shm_dir: str, experts: int, reps: int) -> tuple[dict, object, int]:
+    """H1, --reps times each way, alternating, the daemon's path first: the very first fill of the fresh
+    mount is reported apart (it takes pages this mount never had), the rest as medians. The last fill is
+    kept for H2 and H3."""
+    seconds = {"pwrite": [], "map": []}
+    for rep in range(reps):
+        for how in ("pwrite", "map"):
+            arena, took, huge_kb = fill(shm_dir, experts, how)
+            seconds[how].append(took)
+            if how == "map" and rep == reps - 1:
+                first, later = seconds["pwrite"][0], seconds["pwrite"][1:] or seconds["pwrite"]
+                return {"first": first, "pwrite": statistics.median(later), "map": statistics.median(seconds["map"])}, arena, huge_kb
+            arena.unlink()
+    raise ValueError("reps must be >= 1")
+
+
 def measure(label: str, shm_dir: str, experts: int, reps: int) -> dict:
-    namespace = f"bench{uuid.uuid4().hex[:8]}"
-    arena, fill_s, huge_kb = fill(shm_dir, experts, namespace)
+    fill_s, arena, huge_kb = fills(shm_dir, experts, reps)
     try:
         nbytes = arena.nbytes
         touch = statistics.median(first_touch(arena) for _ in range(reps))
@@ -120,20 +156,51 @@ def measure(label: str, shm_dir: str, experts: int, reps: int) -> dict:
     gb = nbytes / 1e9
     print(f"  {label}: {nbytes / 2**30:.2f} GiB in {len(arena.segments)} segments, {huge_kb / 2**10:.0f} MiB in huge pages",
           flush=True)
-    return {"gb": gb, "fill": gb / fill_s, "touch_ms": touch * 1e3, "touch_per_gb": touch * 1e3 / gb,
+    return {"gb": gb, "fill_first": gb / fill_s["first"], "fill": gb / fill_s["pwrite"], "fill_map": gb / fill_s["map"], "touch_ms": touch * 1e3, "touch_per_gb": touch * 1e3 / gb,
             "first_ms": first * 1e3, "steady_ms": steady * 1e3}
+
+
+def loader(checkpoint: str, dirs: dict[str, str], reps: int) -> dict[str, dict]:
+    """H4: the loader's build of `checkpoint` into each folder, alternating; GB/s of bf16 placed."""
+    from expertd.server.loader import build, prepare
+
+    ckpt, plan = prepare(checkpoint)
+    for name in os.listdir(checkpoint):  # page cache warm
+        with open(os.path.join(checkpoint, name), "rb") as f:
+            while f.read(1 << 24):
+                pass
+    seconds: dict[str, list[float]] = {label: [] for label in dirs}
+    try:
+        for _ in range(reps):
+            for label, shm_dir in dirs.items():
+                started = time.perf_counter()
+                built = build(ckpt, plan, namespace=f"bench{uuid.uuid4().hex[:8]}", generation=1, device="cpu",
+                              shm_dir=shm_dir)
+                seconds[label].append(time.perf_counter() - started)
+                built.close()
+    finally:
+        ckpt.close()
+    gb = plan.nbytes / 1e9
+    return {label: {"first": gb / took[0], "later": gb / statistics.median(took[1:] or took)}
+            for label, took in seconds.items()}
 
 
 def table(small: dict, huge: dict) -> str:
     rows = [
-        ("H1 fill (fallocate + copy), GB/s", "fill", "{:.2f}", False),
+        ("H1 first fill of the fresh mount, the daemon's path (fallocate + pwrite), GB/s", "fill_first", "{:.2f}", False),
+        ("H1 fill, the daemon's path, later fills (median), GB/s", "fill", "{:.2f}", False),
+        ("H1 fill through the mapping (fallocate + copy; hugetlbfs, GPU path), median, GB/s", "fill_map", "{:.2f}", False),
         ("H2 first touch, ms per GB", "touch_per_gb", "{:.1f}", True),
         ("H2 first touch, ms total", "touch_ms", "{:.1f}", True),
         ("H3 expert forward, first pass (cold mappings), ms", "first_ms", "{:.0f}", True),
         ("H3 expert forward, steady state, ms", "steady_ms", "{:.0f}", True),
+        ("H4 loader, first build into the fresh mount, GB/s of bf16", "load_first", "{:.2f}", False),
+        ("H4 loader, later builds (median), GB/s of bf16", "load", "{:.2f}", False),
     ]
     lines = ["| | 4 KiB pages (huge=never) | huge pages (huge=always) | gain |", "|---|---:|---:|---:|"]
     for name, key, fmt, lower_is_better in rows:
+        if key not in small:
+            continue
         ratio = small[key] / huge[key] if lower_is_better else huge[key] / small[key]
         lines.append(f"| {name} | {fmt.format(small[key])} | {fmt.format(huge[key])} | {ratio:.2f}x |")
     return "\n".join(lines)
@@ -148,6 +215,11 @@ def inside(args) -> None:
           f"x [{TOKENS}, {HIDDEN}]; {args.reps} reps (medians)", flush=True)
     small = measure("4 KiB pages", args.small_dir, experts, args.reps)
     huge = measure("huge pages", args.huge_dir, experts, args.reps)
+    if args.checkpoint:
+        loads = loader(args.checkpoint, {"small": args.small_dir, "huge": args.huge_dir}, args.reps)
+        for result, label in ((small, "small"), (huge, "huge")):
+            result["load_first"], result["load"] = loads[label]["first"], loads[label]["later"]
+        print(f"  H4 checkpoint: {args.checkpoint} (FP8), {torch.get_num_threads()} load threads")
     print()
     print(table(small, huge))
 
@@ -156,6 +228,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="size of the expert weights (default 1 GiB)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--workdir", default="/tmp/expertd-bench", help="where H4's checkpoint is generated (once)")
+    ap.add_argument("--no-loader", action="store_true", help="skip H4 (the loader into each mount)")
+    ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     ap.add_argument("--small-dir", help=argparse.SUPPRESS)
     ap.add_argument("--huge-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -164,16 +239,24 @@ def main() -> None:
         return
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         sys.exit("bench_hugepages.py needs root and util-linux unshare (it mounts two tmpfs in a private mount namespace)")
+    checkpoint, mib = None, int(args.gib * 1.5 * 1024) + 256
+    if not args.no_loader:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_generations import ensure_big
+
+        checkpoint = ensure_big(args.workdir)
+        fp8 = sum(os.path.getsize(os.path.join(checkpoint, n)) for n in os.listdir(checkpoint))
+        mib = max(mib, int(fp8 * 2.5 / 2**20) + 256)  # bf16 out, small tensors rounded up to huge pages
     work = tempfile.mkdtemp(prefix="expertd-bench-hugepages-")
     small, huge = os.path.join(work, "small"), os.path.join(work, "huge")
     os.mkdir(small)
     os.mkdir(huge)
-    size = f"{int(args.gib * 1.5 * 1024) + 256}m"
+    size = f"{mib}m"
     script = (f"mount -t tmpfs -o size={size},huge=never expertd-bench {small} && "
               f"mount -t tmpfs -o size={size},huge=always expertd-bench {huge} && "
               f'exec "$@"')
     cmd = [sys.executable, os.path.abspath(__file__), "--gib", str(args.gib), "--reps", str(args.reps),
-           "--small-dir", small, "--huge-dir", huge]
+           "--small-dir", small, "--huge-dir", huge] + (["--checkpoint", checkpoint] if checkpoint else [])
     try:
         rc = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *cmd], env={**os.environ, INSIDE: "1"}).returncode
     finally:
