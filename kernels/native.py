@@ -60,7 +60,19 @@ def _build() -> ctypes.CDLL | None:
     lib.fill_parts16.restype = None
     lib.copy_hash.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.copy_hash.restype = None
+    lib.dequant_lut_simd.argtypes = [ctypes.c_int]
+    lib.dequant_lut_simd.restype = ctypes.c_int
+    lib.dequant_lut_simd(0 if os.environ.get("EXPERTD_NATIVE_SIMD", "1") == "0" else 1)
     return lib
+
+
+def simd(enable: bool | None = None) -> bool:
+    """Whether the 16-bit gather runs on AVX-512 VBMI (64 codes per instruction; the CPU is asked at run
+    time). `enable` switches it (on only where the CPU has it; EXPERTD_NATIVE_SIMD=0 starts it off);
+    the results are the same bits either way."""
+    if not available():
+        return False
+    return bool(_lib.dequant_lut_simd(-1 if enable is None else int(enable)))
 
 
 def _xxh3_address() -> int | None:

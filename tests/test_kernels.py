@@ -33,17 +33,23 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native-simd", "native-scalar", "torch"])
 def cpu_path(request, monkeypatch):
-    """Run a CPU test on the compiled table lookup and on the pure-torch path."""
+    """Run a CPU test on the compiled table lookup (AVX-512 VBMI gather and the scalar loop) and on the
+    pure-torch path."""
     from expertd.kernels import native
 
-    if request.param == "native":
+    if request.param.startswith("native"):
         if not native.available():
             pytest.fail("the native CPU dequant could not be built (is a C compiler installed?)")
+        before = native.simd()
+        if native.simd(request.param == "native-simd") != (request.param == "native-simd"):
+            pytest.skip("this CPU has no AVX-512 VBMI (the scalar loop is tested by native-scalar)")
+        yield request.param
+        native.simd(before)
     else:
         monkeypatch.setattr(native, "available", lambda: False)
-    return request.param
+        yield request.param
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
