@@ -16,7 +16,8 @@ H3  expert forward: x[16, H] @ gate_up.T, SiLU-and-mul, @ down.T for every exper
     fresh (cold) mappings, and the steady state (median of --reps further passes)
 H4  the loader: `build` of the ~1 GB DeepSeek-V3-shaped FP8 checkpoint (page cache warm, every core) into
     each mount, --reps times, alternating; the first build into each mount reported apart. --no-loader
-    skips it; --workdir is where the checkpoint is generated on first use (as bench_loader.py does).
+    skips it; --workdir is where the checkpoint is generated on first use (as bench_loader.py does);
+    --checkpoint DIR loads one of your own instead.
 """
 
 from __future__ import annotations
@@ -166,6 +167,8 @@ def loader(checkpoint: str, dirs: dict[str, str], reps: int) -> dict[str, dict]:
 
     ckpt, plan = prepare(checkpoint)
     for name in os.listdir(checkpoint):  # page cache warm
+        if not os.path.isfile(os.path.join(checkpoint, name)):
+            continue
         with open(os.path.join(checkpoint, name), "rb") as f:
             while f.read(1 << 24):
                 pass
@@ -230,7 +233,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", default="/tmp/expertd-bench", help="where H4's checkpoint is generated (once)")
     ap.add_argument("--no-loader", action="store_true", help="skip H4 (the loader into each mount)")
-    ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    ap.add_argument("--checkpoint", help="H4 loads this checkpoint (default: the generated ~1 GB one)")
     ap.add_argument("--small-dir", help=argparse.SUPPRESS)
     ap.add_argument("--huge-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -241,11 +244,15 @@ def main() -> None:
         sys.exit("bench_hugepages.py needs root and util-linux unshare (it mounts two tmpfs in a private mount namespace)")
     checkpoint, mib = None, int(args.gib * 1.5 * 1024) + 256
     if not args.no_loader:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from bench_generations import ensure_big
+        if args.checkpoint:
+            checkpoint = os.path.abspath(args.checkpoint)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from bench_generations import ensure_big
 
-        checkpoint = ensure_big(args.workdir)
-        fp8 = sum(os.path.getsize(os.path.join(checkpoint, n)) for n in os.listdir(checkpoint))
+            checkpoint = ensure_big(args.workdir)
+        fp8 = sum(os.path.getsize(os.path.join(checkpoint, n)) for n in os.listdir(checkpoint)
+                  if os.path.isfile(os.path.join(checkpoint, n)))
         mib = max(mib, int(fp8 * 2.5 / 2**20) + 256)  # bf16 out, small tensors rounded up to huge pages
     work = tempfile.mkdtemp(prefix="expertd-bench-hugepages-")
     small, huge = os.path.join(work, "small"), os.path.join(work, "huge")

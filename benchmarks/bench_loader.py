@@ -1,6 +1,10 @@
 """The loader's scaling with threads, against the fill limit measured beside it in the same run.
 
     python benchmarks/bench_loader.py [--workdir /tmp/expertd-bench] [--threads 1,2,...] [--reps 3]
+        [--checkpoint DIR] [--counts-checkpoint DIR --bytes-checkpoint DIR] [--only L1|L2|L3 ...]
+
+The checkpoints are generated into --workdir on first use; --checkpoint (L1, L2) and the L3 pair
+measure checkpoints of your own instead (any the daemon serves).
 
 L1  at each thread count t: loader GB/s (bf16 out: `build` of the ~1 GB DeepSeek-V3-shaped FP8 checkpoint,
     page cache warm) / fill GB/s (t threads posix_fallocate + copy the same bytes into fresh shared-memory
@@ -177,17 +181,19 @@ def start_to_serving(workdir: str, checkpoint: str, tag: str) -> tuple[float, di
         daemon.stop()
 
 
-def l3_counts(workdir: str, reps: int) -> None:
+def l3_counts(workdir: str, reps: int, counts: str | None = None, few: str | None = None) -> None:
     from expertd.server.loader import prepare
 
-    counts = ensure_preset(workdir, "dsv3-counts-163", "dsv3-counts", 163)
-    few = ensure_preset(workdir, "dsv3-bytes", "dsv3-bytes", 4)
+    counts = counts or ensure_preset(workdir, "dsv3-counts-163", "dsv3-counts", 163)
+    few = few or ensure_preset(workdir, "dsv3-bytes", "dsv3-bytes", 4)
     sizes = {}
     for path in (counts, few):
         warm(path)
         ckpt, plan = prepare(path)
         sizes[path] = (plan.nbytes, len(ckpt.tensors), len(plan.tensors), len(os.listdir(path)))
         ckpt.close()
+    if counts == few:
+        raise SystemExit("L3 compares two different checkpoints: give --counts-checkpoint and --bytes-checkpoint apart")
     times = {counts: [], few: []}
     for rep in range(reps):
         for path in ((counts, few) if rep % 2 == 0 else (few, counts)):
@@ -209,6 +215,9 @@ def main() -> int:
     ap.add_argument("--threads", default=None, help="comma-separated thread counts (default 1..cores)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", choices=("L1", "L2", "L3"), action="append", help="run only these (default: all)")
+    ap.add_argument("--checkpoint", help="L1 and L2 on this checkpoint (default: the generated ~1 GB one)")
+    ap.add_argument("--counts-checkpoint", help="L3: a checkpoint with many tensors (default: generated dsv3-counts)")
+    ap.add_argument("--bytes-checkpoint", help="L3: about the same bytes in few tensors (default: generated dsv3-bytes)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from expertd.server.filling import default_threads
@@ -217,7 +226,7 @@ def main() -> int:
     cores = default_threads()
     counts = [int(t) for t in args.threads.split(",")] if args.threads else list(range(1, cores + 1))
     os.makedirs(args.workdir, exist_ok=True)
-    checkpoint = ensure_big(args.workdir)
+    checkpoint = args.checkpoint or ensure_big(args.workdir)
     warm(checkpoint)
     ckpt, plan = prepare(checkpoint)
     src = torch.empty(plan.nbytes // 2 + CHUNK * 2, dtype=torch.uint8).fill_(7)
@@ -226,7 +235,7 @@ def main() -> int:
     print(f"checkpoint {checkpoint}: {plan.nbytes / 1e9:.2f} GB bf16 out, {fp8 / 1e9:.2f} GB read (every checkpoint tensor), {len(plan.tensors)} served tensors\n")
     only = set(args.only or ("L1", "L2", "L3"))
     if "L3" in only:
-        l3_counts(args.workdir, args.reps)
+        l3_counts(args.workdir, args.reps, args.counts_checkpoint, args.bytes_checkpoint)
     reference = None
     if "L1" in only:
         print("\n| threads | fill GB/s (fallocate + copy through the mapping) | loader GB/s | loader / fill | goal "

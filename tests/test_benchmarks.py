@@ -1,0 +1,69 @@
+"""The loader and huge-page benchmarks run end to end on small checkpoints (their figures are not checked here:
+speed is measured by running them, see BENCHMARKS.md), so a reviewer can point them at checkpoints of their own."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+TINY = os.path.join(ROOT, "checkpoints", "tiny")
+
+
+def run(script: str, *args: str, timeout: int = 600) -> str:
+    before = set(os.listdir("/dev/shm"))
+    out = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert set(os.listdir("/dev/shm")) <= before, "the benchmark left shared memory behind"
+    return out.stdout
+
+
+def table_rows(text: str, first_cell: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()
+            if line.startswith(f"| {first_cell} |")]
+
+
+def test_bench_loader_on_given_checkpoints(tmp_path):
+    from expertd.server.tools.generate import generate
+
+    few, many = str(tmp_path / "few"), str(tmp_path / "many")
+    generate(few, preset="tiny", seed=0, shards=1)
+    generate(many, preset="tiny", seed=0, shards=5)
+    text = run("bench_loader.py", "--workdir", str(tmp_path / "work"), "--threads", "1,2", "--reps", "1",
+               "--checkpoint", TINY, "--counts-checkpoint", many, "--bytes-checkpoint", few)
+    assert f"checkpoint {TINY}:" in text
+    for threads in ("1", "2"):  # L1 (each run checked equal to the first: the script exits 1 otherwise), then L2
+        l1, l2 = table_rows(text, threads)
+        assert float(l1[1]) > 0 and float(l1[2]) > 0 and float(l1[3].strip("*")) > 0
+        assert all(float(v) > 0 for v in l2[1:])
+    ratio = re.search(r"L3 ratio \*\*([0-9.]+)\*\*", text)
+    assert ratio and float(ratio.group(1)) > 0
+    assert "| many | " in text and "| few | " in text
+
+
+def test_bench_loader_refuses_one_checkpoint_as_both_sides_of_l3(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_loader.py"), "--only", "L3", "--reps", "1",
+                          "--workdir", str(tmp_path), "--checkpoint", TINY, "--counts-checkpoint", TINY,
+                          "--bytes-checkpoint", TINY], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode != 0 and "two different checkpoints" in out.stderr
+
+
+def test_bench_hugepages_on_a_given_checkpoint():
+    if os.geteuid() != 0:
+        pytest.skip("bench_hugepages.py mounts two tmpfs: it needs root (CI runs as root)")
+    if shutil.which("unshare") is None:
+        pytest.skip("needs util-linux unshare for a private mount namespace")
+    text = run("bench_hugepages.py", "--gib", "0.01", "--reps", "2", "--checkpoint", TINY)
+    huge = re.search(r"huge pages: [0-9.]+ GiB in \d+ segments, (\d+) MiB in huge pages", text)
+    assert huge and int(huge.group(1)) > 0, text  # the huge mount really gave huge pages
+    for row in ("H1 first fill", "H1 fill, the daemon's path", "H1 fill through the mapping", "H2 first touch, ms per GB",
+                "H3 expert forward, steady state", "H4 loader, first build", "H4 loader, later builds"):
+        cells = next(line for line in text.splitlines() if line.startswith(f"| {row}")).strip("|").split("|")
+        assert float(cells[1]) >= 0 and float(cells[2]) >= 0 and cells[3].strip().endswith("x"), row
