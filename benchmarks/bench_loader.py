@@ -78,10 +78,10 @@ def fill_once(plan, threads: int, src: torch.Tensor, how: str = "map") -> float:
     """Seconds to place the plan's bytes in fresh shared memory with t threads: the segments created (one per
     served tensor, as the loader makes them), each part posix_fallocate'd and copied in, through the mapping
     (`how="map"`) or with pwrite from memory (`"pwrite"`, as the loader writes on tmpfs), the threads taking
-    turns among t tensors as the loader's do, the writable mappings dropped: the loader's work without
+    turns among as many tensors as the loader's do, the writable mappings dropped: the loader's work without
     reading, dequantizing or hashing."""
     from expertd.server.arena import Arena
-    from expertd.server.loader import interleave
+    from expertd.server.loader import TURNS_PER_THREAD, interleave
 
     arena = Arena(f"benchfill{os.getpid()}", 1)
     try:
@@ -104,7 +104,7 @@ def fill_once(plan, threads: int, src: torch.Tensor, how: str = "map") -> float:
                 else:
                     arena.pwrite(where, offset + b0, memoryview((ctypes.c_char * size).from_address(at)).cast("B"))
 
-        run_threads(threads, list(interleave(streams, threads)), one)
+        run_threads(threads, list(interleave(streams, threads * TURNS_PER_THREAD)), one)
         arena.unmap()
         return time.perf_counter() - t0
     finally:

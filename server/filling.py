@@ -5,7 +5,7 @@ block, or the whole tensor). Each part is one work item: reserve its range of th
 its source (`preadv`), dequantize or copy it into a buffer that stays in cache, hash both sides, and
 `pwrite` the result into the segment's file, chunk by chunk (see `Output`: on tmpfs this takes fresh
 pages without zeroing them first). Items go to `load_threads` threads in batches of a few MiB, the
-threads taking turns among as many tensors (writes into one file wait on its lock), and results come
+threads taking turns among 4 tensors per thread (writes into one file wait on its lock), and results come
 back in the order the batches were given: the index comes out the same as a serial load's, whatever
 the thread count.
 """
