@@ -98,7 +98,9 @@ def read_dict(desc: dict) -> dict:
         size = os.fstat(fd).st_size
         if size < nbytes:  # mapping past the end would SIGBUS on the first read
             raise CorruptIndex(f"index segment {name} is truncated: {size} bytes, the daemon announced {nbytes}")
-        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        # the whole file: on hugetlbfs an unmap must cover whole huge pages (a shorter one fails with EINVAL,
+        # which mmap.close() ignores, and the mapping would stay for the life of the process)
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)
     try:
