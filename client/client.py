@@ -260,6 +260,9 @@ class ExpertClient:
             self._conn.close()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=self.timeout)
+        # this client's own mappings go (views already handed out keep theirs): a retired generation's pages
+        # are freed once no worker maps them
+        self._segments = self._index = None
 
     def __enter__(self) -> "ExpertClient":
         return self

@@ -15,6 +15,7 @@ rule from a segment's name to its file.
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -59,11 +60,18 @@ def map_segment(name: str, nbytes: int, writable: bool = False, shared_write: bo
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise ShmError(f"segment {name} ({path}) has {size} bytes, index says {nbytes}")
-        if shared_write:
-            return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        if writable:
-            return mmap.mmap(fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        try:
+            if shared_write:
+                return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if writable:
+                return mmap.mmap(fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as exc:
+            hint = ""
+            if writable and exc.errno == errno.ENOMEM:  # hugetlbfs reserves a private mapping's pages up front
+                hint = ("; a copy-on-write map of a hugetlbfs segment needs free huge pages for its whole size: "
+                        "attach without copy_on_write, or serve from a huge tmpfs")
+            raise ShmError(f"cannot map shared-memory segment {name} ({path}, {nbytes} bytes): {exc.strerror}{hint}") from exc
     finally:
         os.close(fd)
 

@@ -118,6 +118,12 @@ class Arena:
             self._create_one(seg, reserve=reserve)
         except BaseException:
             self.segments.remove(seg)
+            if seg.name in self._maps:  # created, then failed (no space, chown, map): remove it here
+                unlink_segment(seg.name, self.shm_dir)
+                self._maps.pop(seg.name)
+                fd = self._fds.pop(seg.name, None)
+                if fd is not None:
+                    os.close(fd[0])
             raise
         return Placement(seg.name, 0)
 
@@ -151,7 +157,14 @@ class Arena:
         fd = self._fds[placement.segment][0]
         at = placement.offset + offset
         while len(data):
-            done = os.pwrite(fd, data, at)
+            try:
+                done = os.pwrite(fd, data, at)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise ShmSpaceError(f"no space to write {len(data)} bytes at offset {at} of segment "
+                                        f"{placement.segment} in {self.shm_dir}; "
+                                        + more_space_hint(self.shm_dir, len(data))) from exc
+                raise ShmError(f"writing segment {placement.segment} at offset {at}: {exc.strerror}") from exc
             data, at = data[done:], at + done
 
     def check_space(self, need: int) -> None:
@@ -193,15 +206,17 @@ class Arena:
 
     def _create_one(self, seg: SegmentEntry, writable_by_group: bool = False, reserve: bool = True) -> None:
         path = segment_path(seg.name, self.shm_dir)
+        self._maps[seg.name] = None  # unlink() removes it from here on (an interrupt may come right after open)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600)
         except FileExistsError as exc:
+            del self._maps[seg.name]  # not ours: never unlink it
             raise ShmError(f"shared-memory segment {seg.name} already exists ({path}); "
                            "another daemon of this namespace may be running") from exc
         except OSError as exc:
+            del self._maps[seg.name]  # nothing was created
             raise ShmError(f"cannot create shared-memory segment {seg.name} ({path}): {exc.strerror}") from exc
         try:
-            self._maps[seg.name] = None  # created: unlink() must remove it from here on
             if self.gid is not None:
                 os.fchown(fd, -1, self.gid)
                 os.fchmod(fd, 0o660 if writable_by_group else 0o640)
@@ -209,7 +224,13 @@ class Arena:
                 self._fallocate(fd, seg.name, 0, seg.nbytes)
             else:
                 os.ftruncate(fd, seg.nbytes)
-            self._maps[seg.name] = mmap.mmap(fd, seg.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                self._maps[seg.name] = mmap.mmap(fd, seg.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:  # hugetlbfs reserves the huge pages of a shared mapping when it is made
+                if exc.errno == errno.ENOMEM:
+                    raise ShmSpaceError(f"no memory to map {seg.nbytes / 2**20:.1f} MiB of segment {seg.name} in "
+                                        f"{self.shm_dir}; " + more_space_hint(self.shm_dir, seg.nbytes)) from exc
+                raise ShmError(f"cannot map shared-memory segment {seg.name} ({path}): {exc.strerror}") from exc
             if not reserve:
                 address = ctypes.addressof(ctypes.c_char.from_buffer(self._maps[seg.name]))
                 self._fds[seg.name], fd = (fd, address), -1  # kept open for `reserve`

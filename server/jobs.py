@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -20,6 +21,16 @@ from .loader import Built, Cancelled
 log = logging.getLogger("expertd.jobs")
 
 KEEP = 32  # finished jobs remembered for `job` requests
+
+
+def forget_frames(exc: BaseException) -> None:
+    """Clear the local variables of the frames a kept exception (and those it chains) still holds: a failed
+    build's frames hold tensors over its unlinked segments, whose pages would stay allocated with them."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 @dataclass
@@ -70,6 +81,7 @@ class Jobs:
                 job.state = "failed"
                 if not isinstance(exc, (Cancelled, ExpertdError)):
                     log.exception("%s %d failed", kind, job.number)
+                forget_frames(exc)
 
         job.thread = threading.Thread(target=run, name=f"expertd-{kind}", daemon=True)
         self.current = job

@@ -129,8 +129,9 @@ def build(
     dev = resolve_device(device)
     threads = threads or default_threads()
     arena = Arena(namespace, generation, group=group, shm_dir=shm_dir)
-    if previous is None:
-        arena.check_space(sum(arena.segment_size(t.nbytes) for t in plan.tensors))
+    if previous is None:  # the tensors, and the generation's index segment published after them
+        arena.check_space(sum(arena.segment_size(t.nbytes) for t in plan.tensors)
+                          + arena.segment_size(INDEX_BYTES_PER_TENSOR * len(plan.tensors)))
     block = plan.block_size[0]
     started = time.perf_counter()
     pool = OrderedPool(threads)
@@ -149,12 +150,12 @@ def build(
     # that scan the whole heap (the model skeleton, the plan) for nothing: ~15 % of a DeepSeek-V3-count build.
     collecting = gc.isenabled()
     gc.disable()
+    slots: dict[int, list] = {}  # plan position -> [placement, out, results per part, parts pending]
+    context: dict = {}  # the model config (for computed tensors) and the previous bytes, made once
     try:
         known: dict[tuple, str] = {}
         prev, digests = _unchanged(ckpt, plan, previous, pool, known, check_stop)
-        slots: dict[int, list] = {}  # plan position -> [placement, out, results per part, parts pending]
         unmapping = []  # a finished tensor's writable mapping is dropped on the pool while others fill
-        context: dict = {}  # the model config (for computed tensors) and the previous bytes, made once
 
         def collect(done) -> None:
             for (slot, first, nbytes), results in done:
@@ -248,6 +249,10 @@ def build(
     except BaseException:
         pool.close()  # no thread writes any more: then the segments can go
         arena.unlink()
+        # The exception keeps this frame: its tensors over the (now unlinked) segments must not keep their
+        # pages alive with it. The rest goes with the frames the daemon clears (`jobs.forget_frames`).
+        slots.clear()
+        context.clear()
         raise
     finally:
         ckpt.close()
@@ -260,6 +265,10 @@ def build(
     )
     return Built(arena, index, parts, known, written, count, elapsed)
 
+
+# Room the packed index takes per served tensor, for the space check (~280 bytes measured at DeepSeek-V3's
+# counts: 479 kB for 1,755 tensors; a tensor's many source names are one pattern).
+INDEX_BYTES_PER_TENSOR = 1024
 
 # Tensors in turn per loader thread. With as many tensors as threads, a thread that gets ahead soon lands
 # on the tensor another thread is writing and waits on that file's lock; with 4 per thread the ~1 GB bench

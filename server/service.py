@@ -18,7 +18,7 @@ from expertd.errors import Busy, ExpertdError, NotReady, ProtocolError, UpdateRe
 from .arena import segment_name, unlink_segment
 from .config import DaemonConfig
 from .generations import Generation, Generations, Lease, place_index
-from .jobs import Job, Jobs
+from .jobs import Job, Jobs, forget_frames
 from .loader import Cancelled, build, prepare, publish
 from .runstate import RunState
 from .updates import Staging, build_update, plan_update
@@ -116,6 +116,7 @@ class WeightService:
                     unlink_segment(place["segment"], job.built.index.shm_dir)
                 job.built.close()
                 job.exc, job.error, job.message, job.state = exc, type(exc).__name__, str(exc), "failed"
+                forget_frames(exc)
             else:
                 self.gens.publish(Generation(job.built, place))
                 job.state = "published"

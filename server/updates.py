@@ -20,7 +20,7 @@ from expertd.errors import UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_checksum
 from expertd.shm import DTYPES, map_segment, segment_bytes
 
-from .arena import Arena
+from .arena import ALIGN, Arena, align_up
 from .layout import SCALE_DTYPES, SCALE_SUFFIX, block_size_of
 from .filling import write_part
 from .loader import Built, PreviousBytes, segments_of
@@ -120,9 +120,12 @@ class Staging:
         self.pushes = pushes
         self.created = time.monotonic()
         flat = [t for p in pushes for t in ((p, p.scale) if p.scale else (p,))]
-        self.arena = Arena(namespace, f"u{number}", segment_bytes=max(sum(t.nbytes for t in flat), 1) * 2, group=group,
-                           shm_dir=shm_dir)
+        # one segment for all: each tensor starts on a page, so it needs the page-rounded sizes
+        self.arena = Arena(namespace, f"u{number}", segment_bytes=sum(max(align_up(t.nbytes), ALIGN) for t in flat),
+                           group=group, shm_dir=shm_dir)
         places = self.arena.place([t.nbytes for t in flat])
+        if len(self.arena.segments) != 1:
+            raise AssertionError(f"staging placed {len(flat)} tensors in {len(self.arena.segments)} segments")
         for t, where in zip(flat, places):
             t.offset = where.offset
         self.arena.create(writable_by_group=True)

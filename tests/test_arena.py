@@ -64,3 +64,34 @@ def test_group_deployment_makes_segments_group_readable(namespace):
         assert stat.S_IMODE(st.st_mode) == 0o640 and st.st_gid == os.getgid()
     finally:
         arena.unlink()
+
+
+@pytest.mark.parametrize("fails", ["posix_fallocate", "mmap"])
+def test_a_segment_that_fails_after_creation_is_removed(namespace, monkeypatch, fails):
+    def no_space(*args, **kwargs):
+        raise OSError(28 if fails == "posix_fallocate" else 12, "No space left on device")
+
+    monkeypatch.setattr(arena_mod.os if fails == "posix_fallocate" else arena_mod.mmap, fails, no_space)
+    arena = Arena(namespace, 1)
+    with pytest.raises(ShmSpaceError, match=rf"segment /{namespace}\.\d+\.1\.000 in /dev/shm"):
+        arena.add(1 << 20)
+    assert glob.glob(f"/dev/shm/{namespace}*") == [] and arena.segments == []
+    monkeypatch.undo()
+    placement = arena.add(1 << 20)  # the same number again: nothing of the failed one is in the way
+    assert placement.segment.endswith(".1.000")
+    arena.unmap()
+    arena.unlink()
+
+
+def test_a_segment_name_taken_by_another_file_is_refused_and_left_alone(namespace):
+    arena = Arena(namespace, 1)
+    other = f"/dev/shm/{namespace}.{os.getpid()}.1.000"
+    with open(other, "wb") as f:
+        f.write(b"not ours")
+    try:
+        with pytest.raises(Exception, match="already exists"):
+            arena.add(4096)
+        arena.unlink()
+        assert open(other, "rb").read() == b"not ours"
+    finally:
+        os.unlink(other)

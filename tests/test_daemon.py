@@ -130,3 +130,22 @@ def test_a_loading_daemon_answers_status_and_defers_the_index(tmp_path, tiny_che
     assert daemon.handle({"op": "index"}) == {"ok": False, "error": "NotReady", "message": "the daemon is still loading"}
     lease = daemon.handle({"op": "lease", "pid": 1, "protocol": PROTOCOL_VERSION})
     assert lease["ok"] and daemon.handle({"op": "heartbeat", "client": lease["client"]})["ok"]
+
+
+def test_a_closed_client_keeps_no_mapping_once_its_views_are_dropped(start_daemon, tiny_checkpoint, namespace):
+    import gc
+
+    def mapped() -> int:
+        return sum(f"/{namespace}." in line for line in open("/proc/self/maps"))
+
+    daemon = start_daemon(tiny_checkpoint)
+    client = ExpertClient(daemon.endpoint, heartbeat=False)
+    tensors = client.tensors()
+    assert mapped() > 0
+    kept = next(iter(tensors.values())).clone()
+    client.close()
+    assert mapped() > 0  # views handed out stay valid after close
+    del tensors
+    gc.collect()
+    assert mapped() == 0  # the client's own maps went with close
+    assert kept.numel() > 0

@@ -175,6 +175,13 @@ def test_update_from_one_process_refresh_in_another(tiny_checkpoint, start_daemo
         again = edit_checkpoint(tiny_checkpoint, str(tmp_path / "fp8"), replace={EXPERT: q, EXPERT + "_scale_inv": s})
         assert torch.equal(updater.tensors()[EXPERT], reference_tensors(again)[EXPERT])
 
+        # several tensors smaller than a page each share the staging segment, each on a page of its own
+        small = {name: (served[name].float() * k).bfloat16() for k, name in enumerate(
+            (NORM, "model.layers.0.input_layernorm.weight", "model.norm.weight"), start=2)}
+        updater.update(small)
+        updater.refresh()
+        assert all(torch.equal(updater.tensors()[name], value) for name, value in small.items())
+
         # bad pushes name the tensor and publish nothing
         files, latest = shm_files(namespace), daemon.status()["generation"]
         for bad, words in (

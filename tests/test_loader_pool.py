@@ -141,3 +141,48 @@ def test_small_parts_part_by_part_where_xxhash_exports_no_xxh3(tiny_checkpoint, 
     assert native._xxh3 and native._xxh3[0] is not None  # this machine's xxhash exports it: both ways ran
     assert results[0][0] == results[1][0]
     assert all(torch.equal(results[0][1][k], results[1][1][k]) for k in results[0][1])
+
+
+def own_segment_maps(namespace: str) -> list[str]:
+    """This process's mappings and open files of the namespace's segments (a deleted one shows as such)."""
+    found = [line.split(None, 5)[-1].strip() for line in open("/proc/self/maps") if f"/{namespace}." in line]
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if f"/{namespace}." in target:
+            found.append(target)
+    return found
+
+
+@pytest.mark.parametrize("how", ["write fails", "stopped"])
+def test_a_failed_build_kept_by_its_job_holds_no_segment_pages(tiny_checkpoint, namespace, monkeypatch, how):
+    """The daemon keeps a failed job's exception; its frames must not keep the unlinked segments mapped."""
+    from expertd.server.jobs import Jobs
+
+    calls = {"n": 0}
+
+    def count() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 6
+
+    original = os.pwrite
+
+    def failing_pwrite(fd, data, offset):
+        if count():
+            raise OSError(28, "No space left on device")
+        return original(fd, data, offset)
+
+    if how == "write fails":
+        monkeypatch.setattr(os, "pwrite", failing_pwrite)
+    ckpt, plan = prepare(tiny_checkpoint)
+    jobs = Jobs()
+    job = jobs.start("load", 1, lambda: build(ckpt, plan, namespace=namespace, generation=1, threads=2, device="cpu",
+                                              should_stop=count if how == "stopped" else None))
+    job.thread.join(60)
+    assert job.state == "failed" and job.exc is not None and calls["n"] > 6
+    if how == "write fails":
+        assert job.error == "ShmSpaceError" and "no space to write" in job.message and f"segment /{namespace}." in job.message
+    assert glob.glob(f"/dev/shm/{namespace}*") == []
+    assert own_segment_maps(namespace) == []  # while the job and its exception are still kept
