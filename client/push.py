@@ -17,15 +17,8 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
-def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> int:
-    """Stage `tensors`, commit them and wait until the daemon publishes them; returns the generation."""
-    if not isinstance(tensors, dict) or not tensors:
-        raise UpdateRejected("update() needs a non-empty dict of name -> tensor")
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise UpdateRejected(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
-    spec = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in tensors.items()]
-    staging = conn.request("update", client=lease, tensors=spec)
+def _write_staged(staging: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Copy the pushed bytes into the staging segment the daemon handed out; their checksums, in its order."""
     mapping = map_segment(staging["segment"], staging["nbytes"], shared_write=True,
                           shm_dir=staging.get("shm_dir", DEFAULT_SHM_DIR))
     try:
@@ -38,8 +31,28 @@ def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> 
             data[slot["offset"]: slot["offset"] + slot["nbytes"]].copy_(raw)
             sums.append(tensor_checksum(raw))
         del data
+        return sums
     finally:
         mapping.close()
+
+
+def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> int:
+    """Stage `tensors`, commit them and wait until the daemon publishes them; returns the generation."""
+    if not isinstance(tensors, dict) or not tensors:
+        raise UpdateRejected("update() needs a non-empty dict of name -> tensor")
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise UpdateRejected(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+    spec = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in tensors.items()]
+    staging = conn.request("update", client=lease, tensors=spec)
+    try:
+        sums = _write_staged(staging, tensors)
+    except BaseException:
+        try:  # the daemon drops the staged segment at once instead of when this lease ends
+            conn.request("abort", client=lease, update=staging["update"])
+        except Exception:  # the first failure is the one to report
+            pass
+        raise
     job = conn.request("commit", client=lease, update=staging["update"], checksums=sums)
     deadline = time.monotonic() + max(timeout, 1.0)
     while job["state"] in ("building", "built"):

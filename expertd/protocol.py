@@ -27,7 +27,7 @@ DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
 MAX_MESSAGE_BYTES = 1 << 20  # requests larger than this are refused unread
 
 OPS = ("hello", "index", "lease", "release", "heartbeat", "status", "stop", "refresh",
-       "reload", "update", "commit", "job")
+       "reload", "update", "commit", "abort", "job")
 
 # Conditions a client handles by type, mapped by name in one place (as pyzmq maps errno to classes);
 # any other error name arrives as a plain DaemonError carrying that name in `kind`.

@@ -200,6 +200,19 @@ class WeightService:
         staging.committed = True
         return {"ok": True, **job.to_dict()}
 
+    def op_abort(self, msg: dict) -> dict:
+        """Drop a staged update its updater will not commit (it failed after `update`): its segment goes and
+        the next reload or update may start."""
+        lease = self.lease_of(msg)
+        staging = self.staging.get(msg.get("update"))
+        if staging is None or staging.client != lease.client:
+            raise UpdateRejected(f"no staged update {msg.get('update')!r} of lease {lease.client!r}")
+        if staging.committed:
+            raise UpdateRejected(f"update {staging.number} is committed and building: it can no longer be aborted")
+        self._drop_staging(staging.number)
+        self._write_manifest("serving")
+        return {"ok": True}
+
     def op_job(self, msg: dict) -> dict:
         job = self.jobs.get(msg.get("job"))
         if job is None:

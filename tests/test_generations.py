@@ -17,6 +17,7 @@ from expertd.client import ExpertClient
 from expertd.connection import Connection
 from expertd.errors import GenerationLimit, UpdateRejected
 from expertd.kernels import quantize_fp8_blockwise
+from expertd.protocol import PROTOCOL_VERSION
 from helpers.checkpoints import EXPERT, edit_checkpoint
 from helpers.daemon import DaemonProcess, expertd_cmd
 from helpers.inputs import INPUT_IDS
@@ -275,3 +276,32 @@ def test_sighup_reloads_the_configured_folder_in_place(tiny_checkpoint, start_da
     assert status["job"]["tensors_written"] == 1 and status["job"]["bytes_written"] == 320 * 2, shard
     with ExpertClient(daemon.endpoint) as client:
         assert torch.equal(client.tensors()[NORM], ref[NORM] * 3)
+
+
+def test_an_updater_failing_before_commit_aborts_its_staged_update(tiny_checkpoint, start_daemon, namespace, monkeypatch):
+    from expertd.client import push as push_mod
+
+    daemon = start_daemon(tiny_checkpoint)
+    files = shm_files(namespace)
+    with ExpertClient(daemon.endpoint) as updater:
+        norm = updater.tensors()[NORM] * 2
+        original = push_mod.tensor_checksum
+
+        def broken(raw):
+            raise RuntimeError("the updater failed while writing its staged bytes")
+
+        monkeypatch.setattr(push_mod, "tensor_checksum", broken)
+        with pytest.raises(RuntimeError, match="while writing its staged bytes"):
+            updater.update({NORM: norm})
+        assert shm_files(namespace) == files  # the staged segment went at once, not when this lease ends
+        monkeypatch.setattr(push_mod, "tensor_checksum", original)
+        generation = updater.update({NORM: norm})  # not Busy: nothing is left staged
+        updater.refresh()
+        assert generation == daemon.status()["generation"] and torch.equal(updater.tensors()[NORM], norm)
+        raw = Connection(daemon.endpoint)
+        try:
+            lease = raw.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"]
+            with pytest.raises(UpdateRejected, match="no staged update 99"):
+                raw.request("abort", client=lease, update=99)
+        finally:
+            raw.close()
