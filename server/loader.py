@@ -129,9 +129,6 @@ def build(
     dev = resolve_device(device)
     threads = threads or default_threads()
     arena = Arena(namespace, generation, group=group, shm_dir=shm_dir)
-    if previous is None:  # the tensors, and the generation's index segment published after them
-        arena.check_space(sum(arena.segment_size(t.nbytes) for t in plan.tensors)
-                          + arena.segment_size(INDEX_BYTES_PER_TENSOR * len(plan.tensors)))
     block = plan.block_size[0]
     started = time.perf_counter()
     pool = OrderedPool(threads)
@@ -153,6 +150,9 @@ def build(
     slots: dict[int, list] = {}  # plan position -> [placement, out, results per part, parts pending]
     context: dict = {}  # the model config (for computed tensors) and the previous bytes, made once
     try:
+        if previous is None:  # the tensors, and the generation's index segment published after them
+            arena.check_space(sum(arena.segment_size(t.nbytes) for t in plan.tensors)
+                              + arena.segment_size(INDEX_BYTES_PER_TENSOR * len(plan.tensors)))
         known: dict[tuple, str] = {}
         prev, digests = _unchanged(ckpt, plan, previous, pool, known, check_stop)
         unmapping = []  # a finished tensor's writable mapping is dropped on the pool while others fill
@@ -248,6 +248,7 @@ def build(
         )
     except BaseException:
         pool.close()  # no thread writes any more: then the segments can go
+        bar.close()
         arena.unlink()
         # The exception keeps this frame: its tensors over the (now unlinked) segments must not keep their
         # pages alive with it. The rest goes with the frames the daemon clears (`jobs.forget_frames`).

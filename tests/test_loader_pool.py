@@ -186,3 +186,25 @@ def test_a_failed_build_kept_by_its_job_holds_no_segment_pages(tiny_checkpoint, 
         assert job.error == "ShmSpaceError" and "no space to write" in job.message and f"segment /{namespace}." in job.message
     assert glob.glob(f"/dev/shm/{namespace}*") == []
     assert own_segment_maps(namespace) == []  # while the job and its exception are still kept
+
+
+def test_a_build_refused_for_space_closes_its_checkpoint(tiny_checkpoint, namespace, monkeypatch):
+    from expertd.errors import ShmSpaceError
+    from expertd.server import shmdir
+
+    def open_shards() -> list[str]:
+        found = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            found += [target] if target.startswith(os.path.realpath(tiny_checkpoint)) else []
+        return found + [line for line in open("/proc/self/maps") if os.path.realpath(tiny_checkpoint) in line]
+
+    before = open_shards()
+    ckpt, plan = prepare(tiny_checkpoint)
+    monkeypatch.setattr(shmdir, "free_bytes", lambda shm: 1 << 20)
+    with pytest.raises(ShmSpaceError, match="1.0 MiB free but the model needs"):
+        build(ckpt, plan, namespace=namespace, generation=1, threads=2, device="cpu")
+    assert open_shards() == before and glob.glob(f"/dev/shm/{namespace}*") == []
