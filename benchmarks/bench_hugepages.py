@@ -163,15 +163,12 @@ def measure(label: str, shm_dir: str, experts: int, reps: int) -> dict:
 
 def loader(checkpoint: str, dirs: dict[str, str], reps: int) -> dict[str, dict]:
     """H4: the loader's build of `checkpoint` into each folder, alternating; GB/s of bf16 placed."""
+    from bench_loader import warm
+
     from expertd.server.loader import build, prepare
 
     ckpt, plan = prepare(checkpoint)
-    for name in os.listdir(checkpoint):  # page cache warm
-        if not os.path.isfile(os.path.join(checkpoint, name)):
-            continue
-        with open(os.path.join(checkpoint, name), "rb") as f:
-            while f.read(1 << 24):
-                pass
+    warm(checkpoint)  # page cache warm
     seconds: dict[str, list[float]] = {label: [] for label in dirs}
     try:
         for _ in range(reps):

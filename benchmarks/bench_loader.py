@@ -47,7 +47,10 @@ MADV_POPULATE_READ = 22
 
 
 def warm(folder: str) -> None:
+    """Read every file of a checkpoint folder once: the page cache then holds it."""
     for name in sorted(os.listdir(folder)):
+        if not os.path.isfile(os.path.join(folder, name)):
+            continue
         with open(os.path.join(folder, name), "rb") as f:
             while f.read(1 << 24):
                 pass

@@ -256,6 +256,11 @@ def checksum(data) -> str:
     return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
 
 
+def checksum_text(value: int) -> str:
+    """`checksum`'s text for an XXH3-64 value computed elsewhere (the compiled loops, a segment header)."""
+    return f"xxh3_64:{value:016x}"
+
+
 def combined_checksum(part_checksums: list[str]) -> str:
     """The checksum of a tensor made of n equal, back-to-back parts, from each part's `checksum`:
     `xxh3_64x{n}:` + xxh3-64 of the n part digests (8 bytes each, in order). Each part is then

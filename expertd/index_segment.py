@@ -21,7 +21,7 @@ import msgpack
 import xxhash
 
 from .errors import CorruptIndex, ProtocolError, ShmError
-from .index import DEFAULT_SHM_DIR, TensorIndex
+from .index import DEFAULT_SHM_DIR, TensorIndex, checksum_text
 from .shm import OPEN_FLAGS, segment_path
 
 MAGIC = b"EXPDIDX\x01"
@@ -33,7 +33,7 @@ def pack(index: TensorIndex) -> tuple[bytes, dict]:
     payload = msgpack.packb(index.to_dict(), use_bin_type=True)
     digest = xxhash.xxh3_64_intdigest(payload)
     blob = HEADER.pack(MAGIC, index.generation, len(payload), digest) + payload
-    return blob, {"nbytes": len(blob), "checksum": f"xxh3_64:{digest:016x}", "generation": index.generation,
+    return blob, {"nbytes": len(blob), "checksum": checksum_text(digest), "generation": index.generation,
                   "shm_dir": index.shm_dir}
 
 
@@ -59,8 +59,8 @@ def unpack(blob, desc: dict) -> dict:
         raise CorruptIndex(f"index segment {name} holds generation {stamped}, the daemon announced {generation}")
     if HEADER.size + length != nbytes:
         raise CorruptIndex(f"index segment {name} announces {length} payload bytes, the daemon {nbytes - HEADER.size}")
-    if f"xxh3_64:{checksum:016x}" != digest:
-        raise CorruptIndex(f"index segment {name}: header checksum xxh3_64:{checksum:016x}, the daemon announced {digest}")
+    if checksum_text(checksum) != digest:
+        raise CorruptIndex(f"index segment {name}: header checksum {checksum_text(checksum)}, the daemon announced {digest}")
     with memoryview(blob) as whole, whole[HEADER.size:nbytes] as payload:  # released before the mapping closes
         if xxhash.xxh3_64_intdigest(payload) != checksum:
             raise CorruptIndex(f"index segment {name} fails its checksum {digest}: its bytes were changed")

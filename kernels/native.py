@@ -102,9 +102,10 @@ def _hash_address() -> int | None:
 def copy_hash(desc: torch.Tensor, hashes: torch.Tensor) -> bool:
     """Copy small buffers and hash each copy with the GIL dropped: `desc` int64 [k, 3] (source address,
     destination address, bytes), `hashes` uint64-sized int64 [k]. False where there is no XXH3_64bits."""
-    if _hash_address() is None:
+    hash_fn = _hash_address()
+    if hash_fn is None:
         return False
-    _lib.copy_hash(desc.shape[0], desc.data_ptr(), _xxh3[0], hashes.data_ptr())
+    _lib.copy_hash(desc.shape[0], desc.data_ptr(), hash_fn, hashes.data_ptr())
     return True
 
 
@@ -112,9 +113,10 @@ def fill_parts(desc: torch.Tensor, lut_ptr: int, block_size: int, hashes: torch.
     """Small parts at once, with the GIL dropped: `desc` int64 [k, 5] (fp8 address, result address, rows,
     columns, first table row), `hashes` uint64-sized int64 [k, 2] (source, result). False where the xxhash
     library does not export XXH3_64bits: the caller then goes part by part."""
-    if _hash_address() is None:
+    hash_fn = _hash_address()
+    if hash_fn is None:
         return False
-    _lib.fill_parts16(desc.shape[0], desc.data_ptr(), lut_ptr, block_size, _xxh3[0], hashes.data_ptr())
+    _lib.fill_parts16(desc.shape[0], desc.data_ptr(), lut_ptr, block_size, hash_fn, hashes.data_ptr())
     return True
 
 

@@ -46,6 +46,11 @@ def align_up(n: int, align: int = ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
+def placed_size(nbytes: int) -> int:
+    """The bytes a tensor of `nbytes` takes in a shared segment: whole pages, at least one."""
+    return max(align_up(nbytes), ALIGN)
+
+
 def segment_name(namespace: str, pid: int, tag: int | str, i: int) -> str:
     return f"/{namespace}.{pid}.{tag}.{i:03d}"
 
@@ -119,11 +124,9 @@ class Arena:
         except BaseException:
             self.segments.remove(seg)
             if seg.name in self._maps:  # created, then failed (no space, chown, map): remove it here
+                self.unmap_segment(seg.name)
+                del self._maps[seg.name]
                 unlink_segment(seg.name, self.shm_dir)
-                self._maps.pop(seg.name)
-                fd = self._fds.pop(seg.name, None)
-                if fd is not None:
-                    os.close(fd[0])
             raise
         return Placement(seg.name, 0)
 
@@ -160,11 +163,8 @@ class Arena:
             try:
                 done = os.pwrite(fd, data, at)
             except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise ShmSpaceError(f"no space to write {len(data)} bytes at offset {at} of segment "
-                                        f"{placement.segment} in {self.shm_dir}; "
-                                        + more_space_hint(self.shm_dir, len(data))) from exc
-                raise ShmError(f"writing segment {placement.segment} at offset {at}: {exc.strerror}") from exc
+                raise self._os_error(exc, f"write {len(data)} bytes at offset {at} of segment {placement.segment}",
+                                     len(data)) from exc
             data, at = data[done:], at + done
 
     def check_space(self, need: int) -> None:
@@ -180,8 +180,7 @@ class Arena:
     def place(self, sizes: list[int]) -> list[Placement]:
         """Assign each size a segment and offset; a tensor never spans segments."""
         placements, used = [], None
-        for size in sizes:
-            size = max(align_up(size), ALIGN)
+        for size in map(placed_size, sizes):
             if used is None or used + size > self.segment_bytes:
                 self._new_segment()
                 used = 0
@@ -227,10 +226,7 @@ class Arena:
             try:
                 self._maps[seg.name] = mmap.mmap(fd, seg.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as exc:  # hugetlbfs reserves the huge pages of a shared mapping when it is made
-                if exc.errno == errno.ENOMEM:
-                    raise ShmSpaceError(f"no memory to map {seg.nbytes / 2**20:.1f} MiB of segment {seg.name} in "
-                                        f"{self.shm_dir}; " + more_space_hint(self.shm_dir, seg.nbytes)) from exc
-                raise ShmError(f"cannot map shared-memory segment {seg.name} ({path}): {exc.strerror}") from exc
+                raise self._os_error(exc, f"map {seg.nbytes / 2**20:.1f} MiB of segment {seg.name}", seg.nbytes) from exc
             if not reserve:
                 address = ctypes.addressof(ctypes.c_char.from_buffer(self._maps[seg.name]))
                 self._fds[seg.name], fd = (fd, address), -1  # kept open for `reserve`
@@ -243,12 +239,14 @@ class Arena:
         try:
             os.posix_fallocate(fd, offset, nbytes)
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                raise ShmSpaceError(
-                    f"no space to reserve {nbytes / 2**20:.1f} MiB for segment {name} in {self.shm_dir}; "
-                    + more_space_hint(self.shm_dir, nbytes)
-                ) from exc
-            raise ShmError(f"reserving segment {name} ({segment_path(name, self.shm_dir)}): {exc}") from exc
+            raise self._os_error(exc, f"reserve {nbytes / 2**20:.1f} MiB for segment {name}", nbytes) from exc
+
+    def _os_error(self, exc: OSError, doing: str, nbytes: int) -> ShmError:
+        """The error to raise for an OSError while `doing` something to a segment: out of space or memory (on
+        hugetlbfs, out of huge pages) is a ShmSpaceError saying how to get more; anything else a ShmError."""
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            return ShmSpaceError(f"no space to {doing} in {self.shm_dir}; " + more_space_hint(self.shm_dir, nbytes))
+        return ShmError(f"cannot {doing} in {self.shm_dir}: {exc.strerror}")
 
     def tensor(self, placement: Placement, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A writable tensor over a placement's bytes (daemon side only)."""

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xxhash
 
-from expertd.index import checksum, tensor_bytes, tensor_checksum
+from expertd.index import checksum, checksum_text, tensor_bytes, tensor_checksum
 
 from .arena import Arena, Placement
 from .layout import Source, check_scale_values
@@ -311,7 +311,7 @@ def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint, block_size:
                          for p, size, end in zip(parts, sizes, ends)], dtype=torch.int64)
     hashes = torch.empty(len(parts), dtype=torch.int64)
     if native.copy_hash(desc, hashes):
-        scale_digests = [f"xxh3_64:{h:016x}" for h in hashes.view(torch.uint64).tolist()]
+        scale_digests = [checksum_text(h) for h in hashes.view(torch.uint64).tolist()]
     else:
         scale_digests = []
         for src_at, dst_at, size in desc.tolist():
@@ -338,7 +338,7 @@ def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint, block_size:
         hashes = torch.empty(len(pending), 2, dtype=torch.int64)
         if native.fill_parts(desc, lut_ptr, block_size, hashes):
             for (i, _), (h_in, h_out) in zip(pending, hashes.view(torch.uint64).tolist()):
-                digests[i] = (f"xxh3_64:{h_in:016x}", f"xxh3_64:{h_out:016x}")
+                digests[i] = (checksum_text(h_in), checksum_text(h_out))
         else:
             for i, (x, y, m, n, first_block) in pending:
                 native.gather(x, lut_ptr + first_block * row, y, n, block_size, 0, m)

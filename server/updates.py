@@ -20,7 +20,7 @@ from expertd.errors import UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_checksum
 from expertd.shm import DTYPES, map_segment, segment_bytes
 
-from .arena import ALIGN, Arena, align_up
+from .arena import Arena, placed_size
 from .layout import SCALE_DTYPES, SCALE_SUFFIX, block_size_of
 from .filling import write_part
 from .loader import Built, PreviousBytes, segments_of
@@ -121,7 +121,7 @@ class Staging:
         self.created = time.monotonic()
         flat = [t for p in pushes for t in ((p, p.scale) if p.scale else (p,))]
         # one segment for all: each tensor starts on a page, so it needs the page-rounded sizes
-        self.arena = Arena(namespace, f"u{number}", segment_bytes=sum(max(align_up(t.nbytes), ALIGN) for t in flat),
+        self.arena = Arena(namespace, f"u{number}", segment_bytes=sum(placed_size(t.nbytes) for t in flat),
                            group=group, shm_dir=shm_dir)
         places = self.arena.place([t.nbytes for t in flat])
         if len(self.arena.segments) != 1:

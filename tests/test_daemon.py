@@ -135,8 +135,10 @@ def test_a_loading_daemon_answers_status_and_defers_the_index(tmp_path, tiny_che
 def test_a_closed_client_keeps_no_mapping_once_its_views_are_dropped(start_daemon, tiny_checkpoint, namespace):
     import gc
 
+    from helpers.procfs import open_paths
+
     def mapped() -> int:
-        return sum(f"/{namespace}." in line for line in open("/proc/self/maps"))
+        return len(open_paths(f"/{namespace}."))
 
     daemon = start_daemon(tiny_checkpoint)
     client = ExpertClient(daemon.endpoint, heartbeat=False)

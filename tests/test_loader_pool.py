@@ -17,6 +17,7 @@ from expertd.server.arena import Arena
 from expertd.server.config import config_from_dict
 from expertd.server.loader import build, interleave, prepare
 from expertd.shm import map_segments, view
+from helpers.procfs import open_paths
 from helpers.reference import reference_tensors
 
 
@@ -143,19 +144,6 @@ def test_small_parts_part_by_part_where_xxhash_exports_no_xxh3(tiny_checkpoint, 
     assert all(torch.equal(results[0][1][k], results[1][1][k]) for k in results[0][1])
 
 
-def own_segment_maps(namespace: str) -> list[str]:
-    """This process's mappings and open files of the namespace's segments (a deleted one shows as such)."""
-    found = [line.split(None, 5)[-1].strip() for line in open("/proc/self/maps") if f"/{namespace}." in line]
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if f"/{namespace}." in target:
-            found.append(target)
-    return found
-
-
 @pytest.mark.parametrize("how", ["write fails", "stopped"])
 def test_a_failed_build_kept_by_its_job_holds_no_segment_pages(tiny_checkpoint, namespace, monkeypatch, how):
     """The daemon keeps a failed job's exception; its frames must not keep the unlinked segments mapped."""
@@ -185,26 +173,16 @@ def test_a_failed_build_kept_by_its_job_holds_no_segment_pages(tiny_checkpoint, 
     if how == "write fails":
         assert job.error == "ShmSpaceError" and "no space to write" in job.message and f"segment /{namespace}." in job.message
     assert glob.glob(f"/dev/shm/{namespace}*") == []
-    assert own_segment_maps(namespace) == []  # while the job and its exception are still kept
+    assert open_paths(f"/{namespace}.") == []  # while the job and its exception are still kept
 
 
 def test_a_build_refused_for_space_closes_its_checkpoint(tiny_checkpoint, namespace, monkeypatch):
     from expertd.errors import ShmSpaceError
     from expertd.server import shmdir
 
-    def open_shards() -> list[str]:
-        found = []
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            found += [target] if target.startswith(os.path.realpath(tiny_checkpoint)) else []
-        return found + [line for line in open("/proc/self/maps") if os.path.realpath(tiny_checkpoint) in line]
-
-    before = open_shards()
+    before = open_paths(os.path.realpath(tiny_checkpoint))
     ckpt, plan = prepare(tiny_checkpoint)
     monkeypatch.setattr(shmdir, "free_bytes", lambda shm: 1 << 20)
     with pytest.raises(ShmSpaceError, match="1.0 MiB free but the model needs"):
         build(ckpt, plan, namespace=namespace, generation=1, threads=2, device="cpu")
-    assert open_shards() == before and glob.glob(f"/dev/shm/{namespace}*") == []
+    assert open_paths(os.path.realpath(tiny_checkpoint)) == before and glob.glob(f"/dev/shm/{namespace}*") == []
