@@ -19,6 +19,7 @@ from expertd.index import TensorIndex
 from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
 
 from expertd.connection import Connection
+from .parallel import bind_sharded, check_partition
 from .restore import restore
 from expertd.shm import map_segments, view
 
@@ -155,19 +156,34 @@ class ExpertClient:
         segments = self._attach()
         return {entry.name: view(segments, entry) for entry in self.index().tensors}
 
-    def load_model(self, dtype: torch.dtype = torch.bfloat16):
+    def load_model(self, dtype: torch.dtype = torch.bfloat16, distributed_config=None):
         """The transformers model for the served config, in eval mode, every weight a shared view.
 
         The model is built under accelerate's `init_empty_weights`, then each parameter is bound to
         its view with the dtype `from_pretrained(dtype=dtype)` would give it (fp32 where
         transformers keeps a module in fp32, such as DeepSeek-V3's `e_score_correction_bias`).
+
+        With `distributed_config` (a transformers `DistributedConfig`, inside an initialised
+        torch.distributed process group, e.g. under torchrun) the model is the one
+        `from_pretrained(..., distributed_config=...)` returns — transformers' own expert parallelism
+        and FSDP2, same modules, hooks and DTensor placements — and each rank's local shards are views
+        of this host's shared memory. A daemon that serves only some EP ranks' experts (`expert_parallel`
+        in its config) accepts only workers of those ranks and of its EP size (`PartitionError`).
         """
         from expertd.hf import empty_model
 
         index = self.index()
         with _gc_paused():
             model = empty_model(index.config, dtype)
-            self._bind(model, index, dtype, strict=True)
+            if distributed_config is None:
+                check_partition(index, self.endpoint, None, 1)
+                self._bind(model, index, dtype, strict=True)
+            else:
+                from expertd.hf_distributed import distribute
+
+                model, _config, ep_rank, ep_size = distribute(model, distributed_config)
+                check_partition(index, self.endpoint, ep_rank, ep_size)
+                self._bind(model, index, dtype, strict=True)
             model.eval()
         self._model_dtypes[id(model)] = dtype
         from .capture import capture_from_env  # EXPERTD_CAPTURE_DIR set: capture activations, no code changes
@@ -292,7 +308,19 @@ class ExpertClient:
 
         want = loaded_dtypes(model, dtype)
         views = IndexViews(index, self._attach(), want, only)
-        return restore(model, views, strict=strict, dtypes=want, unexpected=False)
+        from expertd.hf_distributed import is_dtensor, reset_fsdp_shards
+
+        sharded = {name for name, p in model.named_parameters() if is_dtensor(p)}
+        if not sharded:
+            return restore(model, views, strict=strict, dtypes=want, unexpected=False)
+        # transformers' parallelism made DTensors of the sharded parameters: each gets its rank's shard of the
+        # served tensor; the rest (buffers, unsharded parameters) binds as in any model
+        shards = bind_sharded(model, views, {e.name: e for e in index.tensors}, only)
+        result = restore(model, views, strict=strict, dtypes=want, unexpected=False, skip=sharded)
+        result.names += shards
+        result.bound += len(shards)
+        reset_fsdp_shards(model)
+        return result
 
     def _remap(self, index: TensorIndex) -> None:
         """Map the segments a new index adds; forget those it no longer uses (views keep theirs alive)."""

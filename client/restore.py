@@ -66,7 +66,7 @@ def _resolve(name: str, target: torch.Tensor, views, fusions) -> torch.Tensor | 
 
 
 def restore(model: nn.Module, views, strict: bool = True, dtypes: dict[str, torch.dtype] | None = None,
-            unexpected: bool = True) -> RestoreResult:
+            unexpected: bool = True, skip=()) -> RestoreResult:
     """Bind `views` (a mapping of name -> tensor) into `model` in place, no copies; returns missing and
     unexpected names.
 
@@ -75,7 +75,8 @@ def restore(model: nn.Module, views, strict: bool = True, dtypes: dict[str, torc
     per-expert checkpoint views, which needs transformers' expert fusions for the model (read only then).
     Raises RestoreError naming the parameter on a shape or dtype mismatch. `dtypes` gives the dtype each
     name must have (default: the model's current dtypes); with `strict`, any persistent parameter or
-    buffer left without a view is an error. `unexpected=False` skips listing the views nothing used.
+    buffer left without a view is an error. `unexpected=False` skips listing the views nothing used. Names in
+    `skip` (parameters bound otherwise, such as DTensor shards) are left as they are.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     fusions = functools.cache(lambda: fusions_for(model_type))
@@ -90,6 +91,8 @@ def restore(model: nn.Module, views, strict: bool = True, dtypes: dict[str, torc
                     if t is not None and attr not in module._non_persistent_buffers_set]
         for attr, current, is_param in members:
             name = prefix + attr
+            if name in skip:
+                continue
             source = _resolve(name, current, views, fusions)
             if source is None:
                 result.missing.append(name)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from .errors import ProtocolError
+from .partition import ExpertBlock, ExpertParallel
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
@@ -48,9 +49,10 @@ class TensorEntry:
     sources: list[str] | ExpertSources = field(default_factory=list)
     base: str | None = None
     checksum: str | None = None  # "xxh3_64:<hex>" of the bytes, or "xxh3_64x<n>:" of n parts (combined_checksum)
+    experts: ExpertBlock | None = None  # a fused expert tensor of a partitioned daemon: which experts it holds
 
 
-_ENTRY_FIELDS = [f.name for f in fields(TensorEntry)]
+_ENTRY_FIELDS = [f.name for f in fields(TensorEntry) if f.name != "experts"]
 
 
 @dataclass
@@ -65,6 +67,7 @@ class TensorIndex:
     views: list[TensorEntry] | None  # None: derived from the fused tensors on first use (the wire form)
     schema: int = SCHEMA_VERSION
     shm_dir: str = DEFAULT_SHM_DIR  # the folder the segments' files are in (a tmpfs or hugetlbfs mount)
+    expert_parallel: ExpertParallel | None = None  # set when the daemon serves only some EP ranks' experts
 
     def view_count(self) -> int:
         """How many per-expert views `all_views` gives, without making them."""
@@ -85,10 +88,15 @@ class TensorIndex:
         for t in self.tensors:
             entry = {f: getattr(t, f) for f in _ENTRY_FIELDS}
             entry["shape"], entry["sources"] = list(t.shape), encode_sources(t.sources)
+            if t.experts is not None:  # only on a partitioned daemon's expert blocks: other indexes stay as they were
+                entry["experts"] = t.experts.to_dict()
             tensors.append(entry)
-        return {"schema": SCHEMA_VERSION, "generation": self.generation, "namespace": self.namespace,
-                "model_type": self.model_type, "layout": self.layout, "config": self.config,
-                "segments": [asdict(s) for s in self.segments], "tensors": tensors, "shm_dir": self.shm_dir}
+        out = {"schema": SCHEMA_VERSION, "generation": self.generation, "namespace": self.namespace,
+               "model_type": self.model_type, "layout": self.layout, "config": self.config,
+               "segments": [asdict(s) for s in self.segments], "tensors": tensors, "shm_dir": self.shm_dir}
+        if self.expert_parallel is not None:
+            out["expert_parallel"] = self.expert_parallel.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "TensorIndex":
@@ -103,6 +111,7 @@ class TensorIndex:
             for t in data["tensors"]:
                 t = dict(t)
                 t["sources"] = decode_sources(t.get("sources", []))
+                t["experts"] = ExpertBlock.from_dict(t.get("experts"))
                 tensors.append(TensorEntry(**t))
             index = cls(
                 schema=SCHEMA_VERSION,
@@ -115,6 +124,7 @@ class TensorIndex:
                 tensors=tensors,
                 views=[TensorEntry(**t) for t in data["views"]] if data.get("views") is not None else None,
                 shm_dir=str(data.get("shm_dir", DEFAULT_SHM_DIR)),  # indexes written before shm_dir: /dev/shm
+                expert_parallel=ExpertParallel.from_dict(data.get("expert_parallel")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"malformed tensor index: {exc}") from exc

@@ -81,6 +81,12 @@ def cmd_status(args) -> int:
     print(f"  shm_dir     {status.get('shm_dir', '/dev/shm')}")
     for dtype, n in sorted(status["bytes"].items()):
         print(f"  bytes       {dtype:<16} {n:>16,}")
+    ep = status.get("expert_parallel")
+    if ep:
+        blocks = sorted({(b["total"], tuple(map(tuple, b["ranges"]))) for b in ep["experts"].values()})
+        ranges = "; ".join(f"{', '.join(f'[{a}, {a + n})' for a, n in r)} of {total}" for total, r in blocks)
+        print(f"  experts     EP size {ep['size']}, ranks {ep['ranks']}: experts {ranges} "
+              f"in {len(ep['experts'])} fused tensor(s)")
     print(f"  clients     {len(status['leases'])}")
     for lease in status["leases"]:
         print(f"    {lease['client']:<8} pid {lease['pid']:<8} generation {lease['generation']}  "
@@ -99,6 +105,8 @@ def _job_line(job: dict) -> str:
         return f"{job['kind']} of generation {job['generation']} failed: {job['error']}: {job['message']}"
     written = f": {job['tensors_written']} tensor(s), {job['bytes_written']:,} bytes written in {job['seconds']:.2f}s" \
         if "bytes_written" in job else ""
+    if job.get("bytes_read"):
+        written += f", {job['bytes_read']:,} checkpoint bytes read"
     return f"{job['kind']} of generation {job['generation']} {job['state']}{written}"
 
 

@@ -11,6 +11,7 @@ import yaml
 
 from expertd.errors import ConfigError
 from expertd.index import DEFAULT_SHM_DIR
+from expertd.partition import ExpertParallel, PartitionError
 from expertd.protocol import DEFAULT_ENDPOINT, ipc_path, tcp_host
 from expertd.units import parse_duration
 
@@ -36,6 +37,7 @@ class DaemonConfig:
     metrics_port: int | None = None  # serve Prometheus metrics on http://metrics_host:metrics_port/metrics; None: off
     metrics_host: str = "127.0.0.1"
     shm_dir: str = DEFAULT_SHM_DIR  # the tmpfs (or hugetlbfs) folder segments go in, e.g. one mounted huge=always
+    expert_parallel: ExpertParallel | None = None  # {size, ranks}: serve only these EP ranks' experts; None: all
 
     @property
     def index_path(self) -> str:
@@ -82,6 +84,11 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         values["run_dir"] = _resolve(str(values["run_dir"]), base_dir)
     if "endpoint" in values:
         values["endpoint"] = resolve_endpoint(str(values["endpoint"]), base_dir, f"config {source}")
+    if values.get("expert_parallel") is not None:
+        try:
+            values["expert_parallel"] = ExpertParallel.from_config(values["expert_parallel"])
+        except PartitionError as exc:
+            raise ConfigError(f"config {source}: {exc}") from None
     cfg = DaemonConfig(**values)
     if not isinstance(cfg.namespace, str) or not _NAMESPACE_RE.match(cfg.namespace):
         raise ConfigError(f"config {source}: namespace {cfg.namespace!r} must be 1-64 of [A-Za-z0-9_.-]")

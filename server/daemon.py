@@ -61,7 +61,7 @@ class Daemon:
 
     def _run(self) -> int:
         self._check_endpoint_free()
-        ckpt, plan = prepare(self.cfg.checkpoint)  # raises before anything is created
+        ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel)  # raises before anything is created
         log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
                  self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout)
         self.runstate.reap(self.cfg.shm_dir)
@@ -294,6 +294,7 @@ class Daemon:
             "index_segment": w.gens.latest.index_place["segment"] if index else None,
             "shm_dir": self.cfg.shm_dir,
             "bytes": {"total": sum(by_dtype.values()), **by_dtype},
+            "expert_parallel": expert_parallel_status(index),
             "leases": [
                 {"client": l.client, "pid": l.pid, "generation": l.generation, "age_s": round(now - l.created, 3),
                  "idle_s": round(now - l.seen, 3)}
@@ -303,6 +304,14 @@ class Daemon:
             "job": job.to_dict() if job is not None else None,
             "uptime_s": round(time.time() - self.started, 3),
         }
+
+
+def expert_parallel_status(index) -> dict | None:
+    """The partition a daemon serves: EP size, its ranks, and per fused expert tensor the experts it holds."""
+    if index is None or index.expert_parallel is None:
+        return None
+    return {**index.expert_parallel.to_dict(),
+            "experts": {t.name: t.experts.to_dict() for t in index.tensors if t.experts is not None}}
 
 
 def _endpoint_answers(ctx: zmq.Context, endpoint: str, timeout_ms: int = 500) -> bool:

@@ -52,7 +52,7 @@ class Job:
             out.update(error=self.error, message=self.message)
         if self.built is not None:
             out.update(bytes_written=self.built.bytes_written, tensors_written=self.built.tensors_written,
-                       seconds=round(self.built.seconds, 4))
+                       bytes_read=self.built.bytes_read, seconds=round(self.built.seconds, 4))
         return out
 
 

@@ -14,6 +14,7 @@ from all its sources (`PlannedTensor.computed`) and is no view of them.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +23,7 @@ import torch
 from expertd.dtypes import DEQUANTIZED, FP8
 from expertd.errors import CheckpointError, MissingTensorError, ScaleError, ShapeError, UnsupportedDtypeError
 from expertd.hf import Assembly, checkpoint_assembly, expert_name
+from expertd.partition import ExpertBlock, ExpertParallel
 
 from .reader import Checkpoint, TensorInfo
 
@@ -53,6 +55,7 @@ class PlannedTensor:
     dtype: torch.dtype
     sources: list[Source] = field(default_factory=list)
     computed: Assembly | None = None  # set when transformers' conversion is more than a rename or a stack
+    experts: ExpertBlock | None = None  # an expert stack of which a partitioned daemon serves some experts
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +72,7 @@ class Plan:
     layout: str  # "transformers-fused" when any fusion or computed conversion applies, else "checkpoint"
     block_size: tuple[int, int]
     tensors: list[PlannedTensor]
+    expert_parallel: ExpertParallel | None = None  # None: every expert is served
 
     @property
     def nbytes(self) -> int:
@@ -163,12 +167,14 @@ def check_scales(ckpt: Checkpoint, scales: list[TensorInfo]) -> None:
                 check_scale_values(ckpt, info)
 
 
-def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
+def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: ExpertParallel | None = None) -> Plan:
     """Check the checkpoint against the model its config describes and plan every served tensor.
 
     Which checkpoint tensors make which parameter is read from transformers' own loading rules for the
     model (renames, expert stacks, other ops): each served tensor is exactly what transformers would put
     in the parameter; for renames and stacks each of its checkpoint sources is a contiguous part of it.
+    With `partition`, an expert stack holds only the experts of the partition's ranks (their blocks back
+    to back) and only their checkpoint tensors are sources: the others are never read.
     """
     config = ckpt.config
     model_type = config.get("model_type", "")
@@ -213,17 +219,23 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
             raise ShapeError(f"{experts} experts of {per_expert} part(s) cannot make {param} {list(shape)}",
                              file=ckpt.tensors[how.sources[0]].file, tensor=how.sources[0])
         part = (shape[1] // per_expert, *shape[2:])
-        srcs = [source(n, param, part, f"one expert's part of {param} {list(shape)}:") for n in how.sources]
+        names, share = how.sources, None
+        if partition is not None:
+            partition.check_experts(experts, param)
+            share = ExpertBlock(experts, tuple(partition.ranges(experts)))
+            names = [n for e in share.experts() for n in how.sources[e * per_expert: (e + 1) * per_expert]]
+            shape = (share.count, *shape[1:])
+        srcs = [source(n, param, part, f"one expert's part of {param} {list(shape)}:") for n in names]
         dtypes = {served_dtype(s) for s in srcs}
         if len(dtypes) != 1:
             raise ShapeError(f"experts of {param} mix dtypes {sorted(map(str, dtypes))}", file=srcs[0].info.file, tensor=srcs[0].name)
-        planned.append(PlannedTensor(param, shape, dtypes.pop(), srcs))
+        planned.append(PlannedTensor(param, shape, dtypes.pop(), srcs, experts=share))
 
     check_scale_pairs(ckpt)  # after the model's own tensors, so a missing weight is named as such
 
     # Tensors the model does not use (e.g. DeepSeek-V3's multi-token-prediction layer) are still
-    # served under their checkpoint names, so `tensors()` covers the whole checkpoint.
-    for name in unused:
+    # served under their checkpoint names, so `tensors()` covers the whole checkpoint (of a partition: its experts).
+    for name in unused if partition is None else unused_share(unused, partition):
         info = ckpt.tensors[name]
         src = Source(name, info, attach_scale(ckpt, info, block))
         planned.append(PlannedTensor(name, info.shape, served_dtype(src), [src]))
@@ -231,7 +243,27 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True) -> Plan:
     if check_values:
         check_scales(ckpt, [s.scale for t in planned for s in t.sources if s.scale is not None])
     layout = "transformers-fused" if any(len(t.sources) > 1 or t.computed for t in planned) else "checkpoint"
-    return Plan(model_type, layout, block, planned)
+    return Plan(model_type, layout, block, planned, partition)
+
+
+_EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
+
+
+def unused_share(names: list[str], partition: ExpertParallel) -> list[str]:
+    """Of the tensors the model does not use, those a partition serves: per-expert tensors (`....experts.N....`)
+    of its ranks' experts when their layer's expert count divides into the partition's size; all others."""
+    layers: dict[str, set[int]] = {}
+    for name in names:
+        m = _EXPERT.match(name)
+        if m:
+            layers.setdefault(m.group(1), set()).add(int(m.group(2)))
+    out = []
+    for name in names:
+        m = _EXPERT.match(name)
+        experts = len(layers[m.group(1)]) if m else 0
+        if m is None or experts % partition.size or partition.serves(int(m.group(2)), experts):
+            out.append(name)
+    return out
 
 
 def served_dtype(src: Source) -> torch.dtype:

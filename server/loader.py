@@ -25,6 +25,7 @@ from expertd.errors import ConfigError
 from expertd.index import (
     DEFAULT_SHM_DIR, SegmentEntry, TensorEntry, TensorIndex, combined_checksum, tensor_checksum, write_json_atomic,
 )
+from expertd.partition import ExpertParallel
 from expertd.shm import map_segment, segment_bytes, view
 
 from .arena import Arena
@@ -70,6 +71,7 @@ class Built:
     bytes_written: int = 0
     tensors_written: int = 0
     seconds: float = 0.0
+    bytes_read: int = 0  # checkpoint bytes this build read
 
     def close(self) -> None:
         """Remove the segments this build created (a build that is not published, or a daemon that exits)."""
@@ -95,10 +97,14 @@ class PreviousBytes:
         return flat[k * step: (k + 1) * step]
 
 
-def prepare(checkpoint: str) -> tuple[Checkpoint, Plan]:
-    """Open and fully validate a checkpoint; nothing is written."""
+def prepare(checkpoint: str, partition: ExpertParallel | None = None) -> tuple[Checkpoint, Plan]:
+    """Open and fully validate a checkpoint (planning only `partition`'s experts when given); nothing is written."""
     ckpt = Checkpoint.open(checkpoint)
-    return ckpt, plan_checkpoint(ckpt)
+    try:
+        return ckpt, plan_checkpoint(ckpt, partition=partition)
+    except BaseException:
+        ckpt.close()
+        raise
 
 
 def segments_of(entries: list[TensorEntry], *indexes: TensorIndex, arena: Arena) -> list[SegmentEntry]:
@@ -228,6 +234,7 @@ def build(
             entries.append(TensorEntry(
                 planned.name, where.segment, where.offset, planned.nbytes, list(planned.shape), str(planned.dtype),
                 [] if planned.computed is not None else [s.name for s in planned.sources], checksum=out_checksum,
+                experts=planned.experts,
             ))
             parts[planned.name] = part_digests
             written += planned.nbytes
@@ -245,6 +252,7 @@ def build(
             tensors=entries,
             views=None,  # derived from the fused tensors' sources: one rule for server and client
             shm_dir=shm_dir,
+            expert_parallel=plan.expert_parallel,
         )
     except BaseException:
         pool.close()  # no thread writes any more: then the segments can go
@@ -256,6 +264,7 @@ def build(
         context.clear()
         raise
     finally:
+        bytes_read = ckpt.bytes_read
         ckpt.close()
         if collecting:
             gc.enable()
@@ -264,7 +273,7 @@ def build(
         "built generation %d on %d thread(s): %d of %d tensors written (%.1f MiB) in %.2fs",
         generation, threads, count, len(entries), written / 2**20, elapsed,
     )
-    return Built(arena, index, parts, known, written, count, elapsed)
+    return Built(arena, index, parts, known, written, count, elapsed, bytes_read)
 
 
 # Room the packed index takes per served tensor, for the space check (~280 bytes measured at DeepSeek-V3's

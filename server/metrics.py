@@ -39,6 +39,12 @@ class DaemonMetrics:
         self.builds = Histogram("expertd_build_seconds", "Seconds to build a generation, by kind (load, reload, update)",
                                 ["kind"], buckets=BUILD_BUCKETS, registry=r)
         self.build_failures = Counter("expertd_build_failures", "Builds that failed, by kind", ["kind"], registry=r)
+        self.ep_size = Gauge("expertd_expert_parallel_size",
+                             "EP world size the served experts are partitioned for (1: not partitioned)", registry=r)
+        self.ep_ranks = Gauge("expertd_expert_parallel_ranks", "1 for each EP rank whose experts this daemon serves",
+                              ["rank"], registry=r)
+        self.served_experts = Gauge("expertd_served_experts",
+                                    "Experts served per MoE layer's fused tensors, summed over them", registry=r)
         self._dtypes: set[str] = set()
         self._seen_generation = None
         self._seen_job = 0
@@ -73,6 +79,11 @@ class DaemonMetrics:
                 self.served_bytes.labels(dtype).set(nbytes)
             self._dtypes = set(by_dtype)
             self.tensors.set(len(latest.index.tensors))
+            ep = latest.index.expert_parallel
+            self.ep_size.set(ep.size if ep is not None else 1)
+            for rank in ep.ranks if ep is not None else ():
+                self.ep_ranks.labels(str(rank)).set(1)
+            self.served_experts.set(sum(t.experts.count for t in latest.index.tensors if t.experts is not None))
         done, total = service.build_progress
         self.load_progress.set(done)
         self.load_total.set(total)

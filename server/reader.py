@@ -177,6 +177,7 @@ class Checkpoint:
         self._maps: dict[str, torch.Tensor] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.bytes_read = 0  # tensor bytes read (or mapped for reading) since opened: what a partition saves
 
     @classmethod
     def open(cls, folder: str) -> "Checkpoint":
@@ -254,6 +255,8 @@ class Checkpoint:
         if info.offset + info.nbytes > data.numel():
             raise ShardFormatError(f"data past the end of the {data.numel()}-byte file (truncated since opened?)",
                                    file=info.file, tensor=info.name)
+        with self._lock:
+            self.bytes_read += info.nbytes
         return data[info.offset: info.offset + info.nbytes].view(info.dtype).view(info.shape)
 
     def read_into(self, info: TensorInfo, start: int, buf: memoryview) -> None:
@@ -276,6 +279,8 @@ class Checkpoint:
                 raise ShardFormatError(f"data ends {want - done} bytes early (truncated since opened?)",
                                        file=info.file, tensor=info.name)
             done += got
+        with self._lock:
+            self.bytes_read += want
 
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor into memory through safetensors (mmap-backed)."""

@@ -95,7 +95,7 @@ class WeightService:
         previous, number = self.gens.latest.built, self.gens.latest.number + 1
 
         def work():
-            ckpt, plan = prepare(checkpoint)  # every check `start` does, before anything is created
+            ckpt, plan = prepare(checkpoint, self.cfg.expert_parallel)  # every check `start` does, before anything is created
             return self._build(ckpt, plan, number, previous)
 
         def on_end(job: Job) -> None:

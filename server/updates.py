@@ -192,14 +192,15 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
                     digests[k] = f"{mark}#{k}"
             parts[entry.name] = digests
             entries.append(TensorEntry(entry.name, where.segment, where.offset, entry.nbytes, list(entry.shape),
-                                       entry.dtype, list(entry.sources), checksum=tensor_checksum(out, n)))
+                                       entry.dtype, list(entry.sources), checksum=tensor_checksum(out, n),
+                                       experts=entry.experts))
             written += entry.nbytes
             del out, chunks, dest
         arena.unmap()
         new_index = TensorIndex(generation=generation, namespace=index.namespace, model_type=index.model_type,
                                 layout=index.layout, config=index.config,
                                 segments=segments_of(entries, index, arena=arena), tensors=entries, views=None,
-                                shm_dir=index.shm_dir)
+                                shm_dir=index.shm_dir, expert_parallel=index.expert_parallel)
     except BaseException:
         arena.unlink()
         raise
