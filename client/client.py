@@ -308,8 +308,10 @@ class ExpertClient:
 
         want = loaded_dtypes(model, dtype)
         views = IndexViews(index, self._attach(), want, only)
-        from expertd.hf_distributed import is_dtensor, reset_fsdp_shards
+        from expertd.hf_distributed import is_dtensor, reset_fsdp_shards, reshard
 
+        if getattr(model.config, "distributed_config", None) is not None:
+            reshard(model)  # a refresh after forward passes: FSDP2's root holds gathered parameters until then
         sharded = {name for name, p in model.named_parameters() if is_dtensor(p)}
         if not sharded:
             return restore(model, views, strict=strict, dtypes=want, unexpected=False)

@@ -58,6 +58,13 @@ def from_local_like(local: torch.Tensor, placeholder) -> torch.nn.Parameter:
     return torch.nn.Parameter(dtensor, requires_grad=False)
 
 
+def reshard(model) -> None:
+    """Register FSDP2's sharded parameters again (after a forward its root keeps gathered, unsharded ones)."""
+    for module in model.modules():
+        if hasattr(module, "_get_fsdp_state"):
+            module.reshard()
+
+
 def reset_fsdp_shards(model) -> None:
     """Have FSDP2 take the bound local shards as its sharded storage now (it would at its lazy init): a shard
     whose size needs no padding is used as it is, a padded one is copied by FSDP itself."""

@@ -95,8 +95,8 @@ def main() -> None:
         expected, report["reference_placements"] = reference(args.reference, config)
         report["equal"] = bool(torch.equal(served, expected))
         report["max_diff"] = float((served.float() - expected.float()).abs().max())
+        open(os.path.join(args.out, f"rank{rank}.ready"), "w").close()  # the host may reload its daemon now
         if args.then_refresh:
-            dist.barrier()
             deadline = time.monotonic() + 120
             while client.status()["generation"] <= report["generation"]:
                 if time.monotonic() > deadline:
