@@ -4,10 +4,13 @@ Never imports server code or Triton.
 """
 
 from expertd.errors import DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError, RestoreError
+from expertd.partition import PartitionError
 
 from .capture import capture
 from .client import ExpertClient
+from .push import push_all
 from .restore import RestoreResult, restore
 from .simulate import simulate
 
-__all__ = ["ExpertClient", "capture", "simulate", "restore", "RestoreResult", "ExpertdError", "DaemonError", "DaemonNotRunning", "DaemonTimeout", "RestoreError"]
+__all__ = ["ExpertClient", "capture", "simulate", "restore", "RestoreResult", "push_all", "ExpertdError", "DaemonError",
+           "DaemonNotRunning", "DaemonTimeout", "RestoreError", "PartitionError"]

@@ -1,13 +1,24 @@
-"""Push tensors to the daemon as a new generation: names and shapes over the socket, bytes through shared memory."""
+"""Push tensors to daemons as a new generation: names and shapes over the socket, bytes through shared memory
+(or, to a daemon on another host over tcp://, as frames of their own, sent without a copy).
+
+`push` updates one daemon. `push_all` gives a trainer one call for a whole expert-parallel deployment: it
+splits the state dict into each daemon's share (dense tensors to all, experts to the daemons that serve
+them, a whole fused expert block cut into each daemon's rows), stages and builds everywhere with the
+publication held, and publishes only once every daemon has built its share; any refusal aborts all.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 
+from expertd.connection import Connection
+from expertd.dtypes import SCALE_SUFFIX
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
-from expertd.index import DEFAULT_SHM_DIR, tensor_checksum
+from expertd.index import DEFAULT_SHM_DIR, TensorIndex, tensor_checksum
+from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, STAGE_MESSAGE_BYTES
 from expertd.shm import map_segment, segment_bytes
 
 POLL_S = 0.01
@@ -15,6 +26,13 @@ POLL_S = 0.01
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+
+
+def _checked(slot: dict, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    raw = _raw(tensors[slot["name"]])
+    if raw.numel() != slot["nbytes"]:
+        raise UpdateRejected(f"tensor {slot['name']!r}: {raw.numel()} bytes, the daemon staged {slot['nbytes']}")
+    return raw
 
 
 def _write_staged(staging: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -25,9 +43,7 @@ def _write_staged(staging: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
         data = segment_bytes(mapping)
         sums = []
         for slot in staging["tensors"]:
-            raw = _raw(tensors[slot["name"]])
-            if raw.numel() != slot["nbytes"]:
-                raise UpdateRejected(f"tensor {slot['name']!r}: {raw.numel()} bytes, the daemon staged {slot['nbytes']}")
+            raw = _checked(slot, tensors)
             data[slot["offset"]: slot["offset"] + slot["nbytes"]].copy_(raw)
             sums.append(tensor_checksum(raw))
         del data
@@ -36,31 +52,148 @@ def _write_staged(staging: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
         mapping.close()
 
 
-def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> int:
-    """Stage `tensors`, commit them and wait until the daemon publishes them; returns the generation."""
+def _send_staged(conn, lease: str, staging: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Send the pushed bytes as frames of `stage` requests (no shared memory with a daemon on another host):
+    each request carries up to STAGE_MESSAGE_BYTES of one tensor in frames of at most MAX_MESSAGE_BYTES."""
+    sums = []
+    for k, slot in enumerate(staging["tensors"]):
+        raw = _checked(slot, tensors)
+        data = memoryview(raw.numpy()) if raw.numel() else memoryview(b"")
+        for at in range(0, max(len(data), 1), STAGE_MESSAGE_BYTES):
+            piece = data[at: at + STAGE_MESSAGE_BYTES]
+            frames = [piece[f: f + MAX_MESSAGE_BYTES] for f in range(0, len(piece), MAX_MESSAGE_BYTES)]
+            if frames:
+                conn.request("stage", _frames=frames, client=lease, update=staging["update"], tensor=k, at=at)
+        sums.append(tensor_checksum(raw))
+    return sums
+
+
+def _stage(conn, lease: str, tensors: dict[str, torch.Tensor]) -> tuple[dict, list[str]]:
+    """Ask for a staging area, fill it (shared memory on this host's ipc://, frames over tcp://); on a failure
+    the daemon drops it at once instead of when this lease ends."""
+    spec = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in tensors.items()]
+    staging = conn.request("update", client=lease, tensors=spec)
+    try:
+        if conn.endpoint.startswith("tcp://"):
+            return staging, _send_staged(conn, lease, staging, tensors)
+        return staging, _write_staged(staging, tensors)
+    except BaseException:
+        _abort(conn, lease, staging)
+        raise
+
+
+def _abort(conn, lease: str, staging: dict) -> None:
+    try:
+        conn.request("abort", client=lease, update=staging["update"])
+    except Exception:  # the first failure is the one to report
+        pass
+
+
+def _wait(conn, job: dict, timeout: float, until=("building", "built")) -> dict:
+    deadline = time.monotonic() + max(timeout, 1.0)
+    while job["state"] in until:
+        if time.monotonic() > deadline:
+            raise DaemonTimeout(f"the daemon at {conn.endpoint} did not finish update job {job['job']} within {timeout:.0f}s")
+        time.sleep(POLL_S)
+        job = conn.request("job", job=job["job"])
+    return job
+
+
+def _failed(conn, job: dict) -> DaemonError:
+    cls = UpdateRejected if job.get("error") == "UpdateRejected" else DaemonError
+    return cls(f"the update failed at {conn.endpoint}: {job.get('error')}: {job.get('message')}", job.get("error"))
+
+
+def _check(tensors) -> None:
     if not isinstance(tensors, dict) or not tensors:
         raise UpdateRejected("update() needs a non-empty dict of name -> tensor")
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise UpdateRejected(f"tensor {name!r}: expected a torch.Tensor, got {type(t).__name__}")
-    spec = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in tensors.items()]
-    staging = conn.request("update", client=lease, tensors=spec)
-    try:
-        sums = _write_staged(staging, tensors)
-    except BaseException:
-        try:  # the daemon drops the staged segment at once instead of when this lease ends
-            conn.request("abort", client=lease, update=staging["update"])
-        except Exception:  # the first failure is the one to report
-            pass
-        raise
+
+
+def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> int:
+    """Stage `tensors`, commit them and wait until the daemon publishes them; returns the generation."""
+    _check(tensors)
+    staging, sums = _stage(conn, lease, tensors)
     job = conn.request("commit", client=lease, update=staging["update"], checksums=sums)
-    deadline = time.monotonic() + max(timeout, 1.0)
-    while job["state"] in ("building", "built"):
-        if time.monotonic() > deadline:
-            raise DaemonTimeout(f"the daemon did not publish update {staging['update']} within {timeout:.0f}s")
-        time.sleep(POLL_S)
-        job = conn.request("job", job=job["job"])
+    job = _wait(conn, job, timeout)
     if job["state"] != "published":
-        cls = UpdateRejected if job.get("error") == "UpdateRejected" else DaemonError
-        raise cls(f"the update failed: {job.get('error')}: {job.get('message')}", job.get("error"))
+        raise _failed(conn, job)
     return job["generation"]
+
+
+def share_of(index: TensorIndex, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The part of a pushed state dict that a daemon serving `index` takes: tensors it serves by served or
+    checkpoint name (with their scales), a whole fused expert block cut to the experts it holds."""
+    served = {t.name: t for t in index.tensors}
+    names = index.checkpoint_entries()
+    out = {}
+    for name, t in tensors.items():
+        entry = served.get(name)
+        if entry is not None and entry.experts is not None and list(t.shape) != entry.shape \
+                and t.ndim and t.shape[0] == entry.experts.total:
+            out[name] = torch.cat([t[first: first + count] for first, count in entry.experts.ranges])
+        elif entry is not None or name in names:
+            out[name] = t
+    out.update({n: t for n, t in tensors.items() if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in out})
+    return out
+
+
+def push_all(endpoints: list[str], tensors: dict[str, torch.Tensor], *, token: str | None = None,
+             timeout: float = 60.0) -> dict[str, int]:
+    """Push a state dict to every daemon of a deployment, each taking its own share; returns the generation
+    each published. Nothing is published anywhere unless every daemon accepted and built its share: a name
+    no daemon serves, a daemon that cannot be reached or that refuses, aborts them all."""
+    _check(tensors)
+    if not endpoints:
+        raise UpdateRejected("push_all() needs at least one endpoint")
+    daemons = []  # (connection, lease, its share)
+    try:
+        for endpoint in endpoints:
+            conn = Connection(endpoint, timeout, token=token)
+            daemons.append([conn, None, None])
+            daemons[-1][1] = conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"]
+            index = TensorIndex.from_dict(conn.request("index")["index"])
+            daemons[-1][2] = share_of(index, tensors)
+        taken = {name for _, _, share in daemons for name in share}
+        unserved = [name for name in tensors if name not in taken]
+        if unserved:
+            raise UpdateRejected(f"{len(unserved)} tensor(s) served by none of {', '.join(endpoints)}: "
+                                 f"{', '.join(map(repr, unserved))}; nothing was published")
+        return _publish_everywhere([(c, lease, share) for c, lease, share in daemons if share], timeout)
+    finally:
+        for conn, lease, _ in daemons:
+            if lease is not None:
+                try:
+                    conn.request("release", client=lease)
+                except Exception:  # the daemon is gone: its lease goes with it
+                    pass
+            conn.close()
+
+
+def _publish_everywhere(daemons, timeout: float) -> dict[str, int]:
+    """Stage and build every share with publication held, then publish all; abort all on any failure."""
+    staged, jobs = [], []
+    try:
+        for conn, lease, share in daemons:
+            staging, sums = _stage(conn, lease, share)
+            staged.append((conn, lease, staging))
+            jobs.append(conn.request("commit", client=lease, update=staging["update"], checksums=sums, hold=True))
+        jobs = [_wait(conn, job, timeout, until=("building",)) for (conn, _, _), job in zip(staged, jobs)]
+        for (conn, _, _), job in zip(staged, jobs):
+            if job["state"] != "built":
+                raise _failed(conn, job)
+    except BaseException:
+        for conn, lease, staging in staged:
+            _abort(conn, lease, staging)
+        raise
+    for (conn, lease, _), job in zip(staged, jobs):
+        conn.request("publish", client=lease, job=job["job"])
+    done = {}
+    for (conn, _, _), job in zip(staged, jobs):
+        job = _wait(conn, job, timeout)
+        if job["state"] != "published":
+            raise _failed(conn, job)
+        done[conn.endpoint] = job["generation"]
+    return done

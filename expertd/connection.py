@@ -18,7 +18,8 @@ from expertd.protocol import ipc_path, pack, unpack_reply
 OP_WORDS = {
     "hello": "the handshake", "lease": "attach", "index": "the tensor index", "heartbeat": "a heartbeat",
     "release": "detach", "refresh": "refresh", "status": "status", "stop": "stop", "reload": "reload",
-    "update": "an update", "commit": "an update", "job": "build progress",
+    "update": "an update", "stage": "an update's bytes", "commit": "an update", "publish": "publishing an update",
+    "abort": "dropping an update", "job": "build progress",
 }
 
 
@@ -59,8 +60,9 @@ class Connection:
             self._sock = sock
         return self._sock
 
-    def request(self, op: str, **fields) -> dict:
-        """Send one request and return the reply map; raises DaemonTimeout or the reply's typed DaemonError."""
+    def request(self, op: str, _frames=(), **fields) -> dict:
+        """Send one request and return the reply map; raises DaemonTimeout or the reply's typed DaemonError.
+        `_frames` (buffers) follow the message as frames of their own, sent without a copy (`stage`)."""
         with self._lock:
             if self._sock is None:
                 check_running(self.endpoint)
@@ -69,7 +71,12 @@ class Connection:
                 message = {"op": op, **fields}
                 if self.token is not None:
                     message["token"] = self.token
-                sock.send(pack(message))
+                if _frames:
+                    sock.send(pack(message), zmq.SNDMORE)
+                    for k, buf in enumerate(_frames):
+                        sock.send(buf, zmq.SNDMORE if k + 1 < len(_frames) else 0, copy=False)
+                else:
+                    sock.send(pack(message))
                 frame = sock.recv()
             except zmq.Again as exc:
                 self._reset()

@@ -6,6 +6,8 @@ import torch
 
 from .errors import UnsupportedDtypeError
 
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek's block scale of an FP8 weight `NAME` is stored as `NAME_scale_inv`
+
 # safetensors' dtype tags; the index writes the same dtypes as `str(torch.dtype)`
 SAFETENSORS: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,

@@ -10,7 +10,11 @@ while loading), without it the index inline (for tools).
 Version 3: the index is schema 2 (source patterns, no views) and lease replies carry `index_segment`.
 Every reply is a map with `ok` (bool) and `latest` (the newest generation served); on error
 also `error` (the condition's name, see `ERRORS`) and `message`. Tensor bytes never travel
-here: they stay in shared memory (pushed weights too: they go through a staging segment).
+here: they stay in shared memory (pushed weights too: they go through a staging segment). Over
+`tcp://` (an updater on another host) the pushed bytes travel as extra frames of `stage` requests,
+sent without a copy, never inside msgpack; the daemon writes them into the staging segment itself.
+`commit` with `hold: true` builds without publishing until `publish` (or `abort`): a push to several
+daemons publishes nowhere unless every daemon has built its share.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
 MAX_MESSAGE_BYTES = 1 << 20  # requests larger than this are refused unread
 
 OPS = ("hello", "index", "lease", "release", "heartbeat", "status", "stop", "refresh",
-       "reload", "update", "commit", "abort", "job")
+       "reload", "update", "stage", "commit", "publish", "abort", "job")
+# `stage` is the one request with more frames than its message: the pushed bytes, each frame at most
+# MAX_MESSAGE_BYTES (the socket's per-frame cap), a message at most STAGE_MESSAGE_BYTES of one tensor.
+STAGE_MESSAGE_BYTES = 64 << 20
 
 # Conditions a client handles by type, mapped by name in one place (as pyzmq maps errno to classes);
 # any other error name arrives as a plain DaemonError carrying that name in `kind`.

@@ -46,7 +46,7 @@ class Daemon:
             "hello": self.op_hello, "status": self.op_status, "stop": self.op_stop, "index": self.op_index,
             "lease": self.op_lease, "heartbeat": self.op_heartbeat, "release": self.op_release,
             "refresh": w.op_refresh, "reload": w.op_reload, "update": w.op_update, "commit": w.op_commit, "job": w.op_job,
-            "abort": w.op_abort,
+            "abort": w.op_abort, "stage": w.op_stage, "publish": w.op_publish,
         }
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -183,17 +183,25 @@ class Daemon:
     def _serve_one(self, sock: zmq.Socket) -> bool:
         """Answer one queued request; False when none was queued."""
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)  # pushed bytes (`stage`) stay in zmq's buffers
         except zmq.Again:
             return False
         if len(frames) < 2:
             return True  # no routing identity: nobody to answer
-        identity, payload = frames[0], frames[-1]
+        identity, data = frames[0].bytes, []
         msg = None
         try:
-            if len(frames) > 3 or (len(frames) == 3 and frames[1] != b""):
+            if len(frames) >= 3 and frames[1].bytes == b"":  # REQ envelope: message, then a `stage` request's bytes
+                payload, data = frames[2].bytes, frames[3:]
+            elif len(frames) == 2:
+                payload = frames[1].bytes
+            else:
                 raise ProtocolError("expected one message frame")
             msg = unpack(payload)
+            if data:
+                if msg["op"] != "stage":
+                    raise ProtocolError(f"op {msg['op']!r} takes one message frame; only 'stage' carries bytes")
+                msg["_frames"] = [memoryview(frame) for frame in data]
             reply = self.handle(msg)
             if isinstance(reply, dict):
                 reply["latest"] = self._latest_number()
@@ -205,7 +213,7 @@ class Daemon:
         if self.metrics is not None:
             self.metrics.request(msg.get("op") if isinstance(msg, dict) else None,
                                  reply.get("error") if isinstance(reply, dict) and not reply.get("ok", True) else None)
-        envelope = [identity, b""] if len(frames) == 3 else [identity]
+        envelope = [identity, b""] if len(frames) >= 3 else [identity]
         try:
             sock.send_multipart(envelope + [reply if isinstance(reply, bytes) else pack(reply)], zmq.NOBLOCK)
         except zmq.ZMQError:

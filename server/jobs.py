@@ -45,9 +45,12 @@ class Job:
     exc: BaseException | None = None
     thread: threading.Thread | None = field(default=None, repr=False)
     on_end: object = None  # called on the loop's thread once the job is published or failed
+    hold: bool = False  # built, it waits for `publish` (a push to several daemons) instead of publishing
+    client: str | None = None  # the lease that committed an update
 
     def to_dict(self) -> dict:
-        out = {"job": self.number, "kind": self.kind, "state": self.state, "generation": self.generation}
+        out = {"job": self.number, "kind": self.kind, "state": self.state, "generation": self.generation,
+               "hold": self.hold}
         if self.state == "failed":
             out.update(error=self.error, message=self.message)
         if self.built is not None:
@@ -91,7 +94,7 @@ class Jobs:
     def finished(self) -> Job | None:
         """The current job once its thread has ended (built or failed), else None."""
         job = self.current
-        if job is None or job.thread.is_alive():
+        if job is None or job.thread.is_alive() or (job.hold and job.state == "built"):
             return None
         return job
 

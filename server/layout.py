@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from expertd.dtypes import DEQUANTIZED, FP8
+from expertd.dtypes import DEQUANTIZED, FP8, SCALE_SUFFIX
 from expertd.errors import CheckpointError, MissingTensorError, ScaleError, ShapeError, UnsupportedDtypeError
 from expertd.hf import Assembly, checkpoint_assembly, expert_name
 from expertd.partition import ExpertBlock, ExpertParallel
 
 from .reader import Checkpoint, TensorInfo
 
-SCALE_SUFFIX = "_scale_inv"
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # DeepSeek stores float32, Qwen bf16; used as float32
 
 

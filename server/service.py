@@ -73,6 +73,10 @@ class WeightService:
             if staging.client not in self.gens.leases and not staging.committed:
                 log.info("update %d dropped: its lease %s is gone", number, staging.client)
                 self._drop_staging(number)
+        held = self.jobs.current
+        if held is not None and held.hold and held.state == "built" and held.client not in self.gens.leases:
+            log.info("update %d dropped unpublished: its lease %s is gone", held.number, held.client)
+            self._cancel_held(held, "its updater's lease is gone")
 
     def _build(self, ckpt, plan, number: int, previous):
         self.build_progress = (0, plan.nbytes)
@@ -182,12 +186,42 @@ class WeightService:
         self._write_manifest("serving")
         return {"ok": True, **staging.reply()}
 
-    def op_commit(self, msg: dict) -> dict:
-        """Verify the staged bytes and build the new generation from them (a job: poll it with `job`)."""
+    def _staging_of(self, msg: dict) -> Staging:
         lease = self.lease_of(msg)
         staging = self.staging.get(msg.get("update"))
         if staging is None or staging.client != lease.client:
             raise UpdateRejected(f"no staged update {msg.get('update')!r} of lease {lease.client!r}")
+        return staging
+
+    def op_stage(self, msg: dict) -> dict:
+        """Write pushed bytes that came as frames of this request (an updater on another host) into its staging."""
+        staging = self._staging_of(msg)
+        if staging.committed:
+            raise UpdateRejected(f"update {staging.number} is committed: its bytes can no longer change")
+        return {"ok": True, "written": staging.write(msg.get("tensor"), msg.get("at", 0), msg.get("_frames") or [])}
+
+    def op_publish(self, msg: dict) -> dict:
+        """Publish an update committed with `hold` once it is built (every daemon of a push has built its share)."""
+        lease = self.lease_of(msg)
+        job = self.jobs.get(msg.get("job"))
+        if job is None or not job.hold or job.client != lease.client:
+            raise UpdateRejected(f"no held update job {msg.get('job')!r} of lease {lease.client!r}")
+        if job.state != "built":
+            raise UpdateRejected(f"update job {job.number} is {job.state}, not built: it cannot be published")
+        job.hold = False  # the loop publishes it between this request and the next
+        return {"ok": True, **job.to_dict()}
+
+    def _cancel_held(self, job, why: str) -> None:
+        job.built.close()
+        job.built = None
+        job.state, job.error, job.message = "failed", "Aborted", f"update aborted before publishing: {why}"
+        job.hold = False
+        self._finish(job)
+
+    def op_commit(self, msg: dict) -> dict:
+        """Verify the staged bytes and build the new generation from them (a job: poll it with `job`); with
+        `hold` the built generation waits for `publish` or `abort`."""
+        staging = self._staging_of(msg)
         self.jobs.check_idle()
         previous, number = self.latest().built, self.gens.latest.number + 1
         checksums = msg.get("checksums")
@@ -197,16 +231,19 @@ class WeightService:
             return build_update(previous, staging, staged, generation=number, device=self.device, group=self.cfg.group)
 
         job = self._start_build("update", number, work, on_end=lambda job: self._drop_staging(staging.number))
+        job.hold, job.client = bool(msg.get("hold")), staging.client
         staging.committed = True
         return {"ok": True, **job.to_dict()}
 
     def op_abort(self, msg: dict) -> dict:
-        """Drop a staged update its updater will not commit (it failed after `update`): its segment goes and
-        the next reload or update may start."""
-        lease = self.lease_of(msg)
-        staging = self.staging.get(msg.get("update"))
-        if staging is None or staging.client != lease.client:
-            raise UpdateRejected(f"no staged update {msg.get('update')!r} of lease {lease.client!r}")
+        """Drop a staged update its updater will not commit (it failed after `update`), or a held one that is
+        built but not published (another daemon of the same push failed): its segments go and the next
+        reload or update may start."""
+        staging = self._staging_of(msg)
+        job = self.jobs.current
+        if staging.committed and job is not None and job.hold and job.state == "built" and job.client == staging.client:
+            self._cancel_held(job, "its updater aborted it")
+            return {"ok": True}
         if staging.committed:
             raise UpdateRejected(f"update {staging.number} is committed and building: it can no longer be aborted")
         self._drop_staging(staging.number)

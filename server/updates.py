@@ -70,6 +70,15 @@ def plan_update(index: TensorIndex, items: list) -> list[Push]:
         if name in specs:
             raise UpdateRejected(f"tensor {name!r} is named twice in the update")
         specs[name] = (shape, dtype)
+    unserved = [n for n in specs if n not in served and n not in views
+                 and not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in specs)]
+    if unserved:
+        share = ""
+        if index.expert_parallel is not None:
+            share = (f"; this daemon serves the experts of EP ranks {list(index.expert_parallel.ranks)} of "
+                     f"{index.expert_parallel.size} (push to every host with expertd.client.push_all)")
+        raise UpdateRejected(f"{len(unserved)} tensor(s) not served here (neither a served nor a checkpoint name): "
+                             f"{', '.join(map(repr, unserved))}{share}")
     pushes, claimed = [], {}
     for name, (shape, dtype) in specs.items():
         if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in specs:
@@ -154,6 +163,25 @@ class Staging:
             if got != want:
                 raise UpdateRejected(f"staged bytes of {t.name!r} do not match the updater's checksum ({got} != {want})")
         return staged
+
+    def write(self, tensor: int, at: int, frames: list) -> int:
+        """Write pushed bytes that came as frames (an updater on another host) into staged tensor `tensor`
+        from its byte `at`; returns the bytes written."""
+        if not isinstance(tensor, int) or not 0 <= tensor < len(self.tensors):
+            raise UpdateRejected(f"update {self.number} stages {len(self.tensors)} tensors, not tensor {tensor!r}")
+        slot = self.tensors[tensor]
+        nbytes = sum(len(f) for f in frames)
+        if not isinstance(at, int) or at < 0 or at + nbytes > slot.nbytes:
+            raise UpdateRejected(f"{nbytes} bytes at {at!r} do not fit staged tensor {slot.name!r} ({slot.nbytes} bytes)")
+        mapping = map_segment(self.segment.name, self.segment.nbytes, shared_write=True, shm_dir=self.arena.shm_dir)
+        try:
+            place = slot.offset + at
+            for frame in frames:
+                mapping[place: place + len(frame)] = frame
+                place += len(frame)
+        finally:
+            mapping.close()
+        return nbytes
 
     def close(self) -> None:
         self.arena.unlink()

@@ -277,3 +277,110 @@ def test_two_hosts_each_serve_half_and_workers_refresh_after_a_reload(dsv3, tmp_
         assert report["refreshed_generation"] == report["generation"] + 1
         assert all(report["shm"].values()) and all(report["refreshed_shm"].values())
         assert any(".experts." in n for n in report["rebound"])  # this rank's changed expert block was rebound
+
+
+# --- pushing weights to a partitioned deployment ---------------------------------------------------
+
+TOKEN = "push-token-0123456789abcdef"
+
+
+@pytest.fixture
+def two_tcp_daemons(dsv3, tmp_path, namespace):
+    """Two daemons on tcp://127.0.0.1 with an auth token, serving EP ranks [0] and [1] of 2."""
+    from helpers.daemon import DaemonProcess
+
+    folder, _ = dsv3
+    started = []
+    try:
+        for rank in (0, 1):
+            started.append(DaemonProcess.launch(tmp_path / f"host{rank}", folder, f"{namespace}h{rank}",
+                                                endpoint=f"tcp://127.0.0.1:{free_port()}", auth_token=TOKEN,
+                                                expert_parallel={"size": 2, "ranks": [rank]}))
+        for d in started:
+            d.wait_serving()
+        yield started
+    finally:
+        for d in started:
+            d.stop()
+
+
+def served(d) -> dict[str, torch.Tensor]:
+    from expertd.client import ExpertClient
+
+    with ExpertClient(d.endpoint, token=TOKEN) as client:
+        return {k: v.clone() for k, v in client.served_tensors().items()}
+
+
+def test_push_all_over_tcp_gives_each_daemon_its_share(two_tcp_daemons, dsv3):
+    """One call pushes a state dict to both hosts over tcp (bytes in ZeroMQ frames): dense tensors reach both,
+    a whole fused expert block is cut into each daemon's rows, FP8 expert weights go with their scales to
+    the daemon that serves them; both publish generation 2."""
+    from expertd.client import push_all
+
+    folder, _ = dsv3
+    a, b = two_tcp_daemons
+    before = [served(d) for d in (a, b)]
+    total = experts_of(folder)
+    fused = f"{EXPERT}down_proj"
+    block = torch.randn(total, *before[0][fused].shape[1:]).to(torch.bfloat16)
+    norm = torch.randn(before[0]["model.norm.weight"].shape).to(torch.bfloat16)
+    done = push_all([a.endpoint, b.endpoint], {fused: block, "model.norm.weight": norm}, token=TOKEN)
+    assert done == {a.endpoint: 2, b.endpoint: 2}
+    after = [served(d) for d in (a, b)]
+    half = total // 2
+    assert torch.equal(after[0][fused], block[:half]) and torch.equal(after[1][fused], block[half:])
+    assert all(torch.equal(s["model.norm.weight"], norm) for s in after)
+    unchanged = [n for n in before[0] if n not in (fused, "model.norm.weight")]
+    assert all(torch.equal(after[0][n], before[0][n]) for n in unchanged)
+    for d in (a, b):
+        status = d.status()
+        assert status["generation"] == 2 and status["job"]["kind"] == "update"
+
+
+def test_push_all_publishes_nowhere_when_one_daemon_refuses(two_tcp_daemons, dsv3):
+    from expertd.client import push_all
+    from expertd.errors import AuthError, DaemonError, UpdateRejected
+
+    folder, _ = dsv3
+    a, b = two_tcp_daemons
+    total = experts_of(folder)
+    norm = served(a)["model.norm.weight"]
+    # a tensor nobody serves: refused before anything is staged
+    nobody = f"{EXPERT}{total + 3}.down_proj.weight"
+    with pytest.raises(UpdateRejected, match=f"served by none of .*{nobody}"):
+        push_all([a.endpoint, b.endpoint], {"model.norm.weight": norm, nobody: torch.zeros(2, 2)}, token=TOKEN)
+    # the second daemon refuses its share (a wrong shape for an expert only it serves) after the first staged
+    theirs = f"{EXPERT}{total - 1}.down_proj.weight"
+    with pytest.raises(UpdateRejected, match="does not match the served"):
+        push_all([a.endpoint, b.endpoint], {"model.norm.weight": norm, theirs: torch.zeros(3, 3, dtype=torch.bfloat16)},
+                 token=TOKEN)
+    # a daemon that is not running
+    from expertd.errors import DaemonNotRunning
+
+    with pytest.raises(DaemonNotRunning):
+        push_all([a.endpoint, "ipc:///tmp/expertd-no-such-daemon/expertd.sock"], {"model.norm.weight": norm}, token=TOKEN)
+    # a wrong token
+    with pytest.raises(DaemonError) as err:
+        push_all([a.endpoint, b.endpoint], {"model.norm.weight": norm}, token="wrong-token-0123456789")
+    assert err.value.kind == AuthError.__name__
+    for d in (a, b):
+        assert d.status()["generation"] == 1
+    # nothing held or staged was left behind: the next push goes through at once
+    assert push_all([a.endpoint, b.endpoint], {"model.norm.weight": norm * 2}, token=TOKEN) == {a.endpoint: 2, b.endpoint: 2}
+
+
+def test_update_on_a_partitioned_daemon_names_every_tensor_it_does_not_serve(dsv3, start_daemon):
+    from expertd.client import ExpertClient
+    from expertd.errors import UpdateRejected
+
+    folder, _ = dsv3
+    d = start_daemon(folder, expert_parallel={"size": 2, "ranks": [0]})
+    total = experts_of(folder)
+    theirs = [f"{EXPERT}{e}.down_proj.weight" for e in (total - 2, total - 1)]
+    with ExpertClient(d.endpoint) as client:
+        mine = client.tensors()[f"{EXPERT}0.down_proj.weight"]
+        with pytest.raises(UpdateRejected) as err:
+            client.update({name: mine.clone() for name in theirs})
+    message = str(err.value)
+    assert all(repr(name) in message for name in theirs) and "EP ranks [0] of 2" in message
+    assert d.status()["generation"] == 1
