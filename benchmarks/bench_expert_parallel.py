@@ -1,0 +1,218 @@
+"""Expert parallelism: what a host serving one EP rank's share costs, against the whole model, in one run.
+
+    python benchmarks/bench_expert_parallel.py [--workdir /tmp/expertd-bench] [--checkpoint DIR] [--size 4]
+        [--reps 2] [--push-gib 1.0] [--only E1 E2 E3]
+
+E1  per host with `expert_parallel: {size: S, ranks: [r]}` vs the whole model (real `expertd start`, the
+    same checkpoint, page cache warm, runs alternated, best of --reps): served bytes ratio (goal <= dense/total
+    + 1/S + 1 %), start-to-serving ratio (goal <= 0.35 for S = 4), checkpoint bytes read ratio.
+E2  attach: `load_model(distributed_config=DistributedConfig(ep_size=2, fsdp_size=2))` in each of two torchrun
+    ranks on a daemon serving both ranks' experts, vs plain `load_model()` in one process on the whole model
+    (goal <= 1.5x). Both measured after a first attach in the same process (imports paid).
+E3  cross-host `update()` over tcp://127.0.0.1 (bytes in ZeroMQ frames; CURVE not implemented yet) of about
+    --push-gib GiB of bf16 tensors: GB/s from the first staged byte to publication / GB/s of a raw pyzmq tcp
+    send of the same bytes in frames of the same size on the same loopback (goal >= 0.8), and the seconds
+    from the last byte staged to publication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from bench_loader import warm  # noqa: E402
+from helpers.daemon import DaemonProcess  # noqa: E402
+from run_all import ensure_checkpoints, machine  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(workdir: str, name: str, checkpoint: str, **extra) -> tuple[DaemonProcess, float, dict]:
+    """A real daemon; (it, seconds from process start to serving, its status)."""
+    t0 = time.perf_counter()
+    d = DaemonProcess.launch(os.path.join(workdir, name), checkpoint, f"benchep{name}{os.getpid()}",
+                             stdout=subprocess.DEVNULL, **extra)
+    status = d.wait_serving(timeout=900)
+    return d, time.perf_counter() - t0, status
+
+
+def e1_share(workdir: str, checkpoint: str, size: int, reps: int) -> dict:
+    """Whole model vs one rank of `size`: start-to-serving, served bytes, bytes read."""
+    runs = {"whole": [], "share": []}
+    for rep in range(reps):
+        for kind in (("whole", "share") if rep % 2 == 0 else ("share", "whole")):
+            extra = {} if kind == "whole" else {"expert_parallel": {"size": size, "ranks": [0]}}
+            d, seconds, status = start(workdir, f"e1{kind}{rep}", checkpoint, **extra)
+            d.stop()
+            runs[kind].append((seconds, status["bytes"]["total"], status["job"]["bytes_read"]))
+    whole, share = min(runs["whole"]), min(runs["share"])
+    from expertd.server.loader import prepare
+
+    ckpt, plan = prepare(checkpoint)
+    ckpt.close()
+    dense = sum(t.nbytes for t in plan.tensors if ".experts." not in t.name)
+    return {"size": size, "start_whole_s": whole[0], "start_share_s": share[0], "start_ratio": share[0] / whole[0],
+            "bytes_whole": whole[1], "bytes_share": share[1], "bytes_ratio": share[1] / whole[1],
+            "bytes_goal": dense / plan.nbytes + 1 / size + 0.01, "dense_fraction": dense / plan.nbytes,
+            "read_whole": whole[2], "read_share": share[2], "read_ratio": share[2] / whole[2]}
+
+
+EP_ATTACH = r"""
+import json, os, sys, time, torch, torch.distributed as dist
+from transformers.distributed import DistributedConfig
+from expertd.client import ExpertClient
+dist.init_process_group("gloo")
+config = DistributedConfig(ep_size=dist.get_world_size(), fsdp_size=dist.get_world_size())
+times = []
+for _ in range(int(sys.argv[2]) + 1):
+    dist.barrier()
+    t0 = time.perf_counter()
+    with ExpertClient(heartbeat=False) as client:
+        model = client.load_model(distributed_config=config)
+    times.append(time.perf_counter() - t0)
+    del model
+if dist.get_rank() == 0:
+    json.dump(times[1:], open(sys.argv[1], "w"))
+dist.destroy_process_group()
+"""
+
+
+def e2_attach(workdir: str, checkpoint: str, reps: int) -> dict:
+    from expertd.client import ExpertClient
+
+    ep, _, _ = start(workdir, "e2ep", checkpoint, expert_parallel={"size": 2})
+    whole, _, _ = start(workdir, "e2whole", checkpoint)
+    try:
+        script, out = os.path.join(workdir, "ep_attach.py"), os.path.join(workdir, "ep_attach.json")
+        with open(script, "w") as f:
+            f.write(EP_ATTACH)
+        single = []
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            with ExpertClient(whole.endpoint, heartbeat=False) as client:
+                client.load_model()
+            if rep:
+                single.append(time.perf_counter() - t0)
+        env = {**os.environ, "EXPERTD_ENDPOINT": ep.endpoint, "OMP_NUM_THREADS": "1"}
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                        "127.0.0.1", "--master_port", str(free_port()), script, out, str(reps)], env=env, check=True,
+                       capture_output=True)
+        with open(out) as f:
+            ranked = json.load(f)
+    finally:
+        ep.stop()
+        whole.stop()
+    return {"single_ms": min(single) * 1e3, "ep_ms": min(ranked) * 1e3, "ratio": min(ranked) / min(single)}
+
+
+def raw_send(frames: list[memoryview], nbytes: int) -> float:
+    """Seconds to send `frames` over loopback tcp with pyzmq (no copy) and have them all received."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    got = []
+
+    def receive():
+        total = 0
+        while total < nbytes:
+            total += len(pull.recv(copy=False))
+        got.append(total)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    t0 = time.perf_counter()
+    for frame in frames:
+        push.send(frame, copy=False)
+    t.join()
+    seconds = time.perf_counter() - t0
+    push.close(0), pull.close(0)
+    ctx.term()
+    return seconds
+
+
+def e3_push(workdir: str, checkpoint: str, gib: float, reps: int) -> dict:
+    from expertd.client import ExpertClient, push_all
+    from expertd.protocol import MAX_MESSAGE_BYTES
+
+    token = "bench-token-0123456789abcdef"
+    d, _, _ = start(workdir, "e3", checkpoint, endpoint=f"tcp://127.0.0.1:{free_port()}", auth_token=token,
+                    max_generations=2 + reps)
+    try:
+        with ExpertClient(d.endpoint, token=token, heartbeat=False) as client:
+            served = client.served_tensors()
+            tensors, total = {}, 0
+            for name, t in sorted(served.items(), key=lambda kv: -kv[1].nbytes):
+                if total >= gib * 2**30:
+                    break
+                tensors[name] = t.clone().add_(1) if t.is_floating_point() else t.clone()
+                total += t.nbytes
+        flat = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors.values()]
+        frames = [f[k: k + MAX_MESSAGE_BYTES] for f in flat for k in range(0, len(f), MAX_MESSAGE_BYTES)]
+        pushes, raws, tails = [], [], []
+        for _ in range(reps):
+            raws.append(raw_send(frames, total))
+            t0 = time.perf_counter()
+            push_all([d.endpoint], tensors, token=token)
+            pushes.append(time.perf_counter() - t0)
+            job = d.status()["job"]
+            tails.append(job["seconds"])  # the build after the last byte: verify, copy, checksum (publish follows)
+            for t in tensors.values():
+                if t.is_floating_point():
+                    t.add_(1)
+    finally:
+        d.stop()
+    push_s, raw_s = min(pushes), min(raws)
+    return {"bytes": total, "push_gbps": total / push_s / 1e9, "raw_gbps": total / raw_s / 1e9,
+            "ratio": raw_s / push_s, "build_after_last_byte_s": min(tails)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="/tmp/expertd-bench")
+    ap.add_argument("--checkpoint", help="a checkpoint of your own (default: the ~1 GB bench checkpoint)")
+    ap.add_argument("--size", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--push-gib", type=float, default=1.0)
+    ap.add_argument("--only", nargs="*", default=["E1", "E2", "E3"])
+    args = ap.parse_args()
+    checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else ensure_checkpoints(args.workdir)["big"]
+    warm(checkpoint)
+    print(f"machine: {machine()}\ncheckpoint: {checkpoint}\n")
+    if "E1" in args.only:
+        r = e1_share(args.workdir, checkpoint, args.size, args.reps)
+        print(f"| E1 | size {r['size']}, rank 0 vs whole | served bytes {r['bytes_share']:,} / {r['bytes_whole']:,} = "
+              f"{r['bytes_ratio']:.3f} (goal <= {r['bytes_goal']:.3f}: dense {r['dense_fraction']:.3f} + 1/{r['size']} + 0.01) | "
+              f"start-to-serving {r['start_share_s']:.2f}s / {r['start_whole_s']:.2f}s = {r['start_ratio']:.2f} | "
+              f"bytes read {r['read_share']:,} / {r['read_whole']:,} = {r['read_ratio']:.3f} |", flush=True)
+    if "E2" in args.only:
+        r = e2_attach(args.workdir, checkpoint, args.reps)
+        print(f"| E2 | attach | EP rank (ep_size 2, torchrun) {r['ep_ms']:.1f} ms / single process {r['single_ms']:.1f} ms "
+              f"= {r['ratio']:.2f} (goal <= 1.5) |", flush=True)
+    if "E3" in args.only:
+        r = e3_push(args.workdir, checkpoint, args.push_gib, args.reps)
+        print(f"| E3 | tcp update of {r['bytes'] / 2**30:.2f} GiB | {r['push_gbps']:.2f} GB/s / raw pyzmq {r['raw_gbps']:.2f} "
+              f"GB/s = {r['ratio']:.2f} (goal >= 0.8) | build after the last byte {r['build_after_last_byte_s']:.2f}s |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
