@@ -78,6 +78,22 @@ class ExpertParallel:
             raise ProtocolError(f"malformed expert_parallel in the tensor index: {exc}") from exc
 
 
+def parse_ranks(text: str) -> list[int]:
+    """EP ranks written as `0,1`, `0-3` (inclusive) or `0.1` (dots: what a Kubernetes label value may hold)."""
+    text = text.strip()
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-"))
+            ranks = list(range(lo, hi + 1))
+        else:
+            ranks = [int(x) for x in text.replace(".", ",").split(",") if x.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks:
+        raise PartitionError(f"EP ranks {text!r}: write them as 0,1 or 0-3 (a range) or 0.1 (a label value)")
+    return ranks
+
+
 @dataclass(frozen=True)
 class ExpertBlock:
     """The experts a served fused tensor holds: `total` in the model's parameter, and the served

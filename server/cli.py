@@ -37,7 +37,28 @@ def cmd_start(args) -> int:
     cfg = load_config(args.config)
     if args.no_progress:
         cfg.progress = False
+    if args.ep_ranks:
+        cfg.expert_parallel = ep_ranks_override(cfg, args.ep_ranks)
     return Daemon(cfg).run()
+
+
+def ep_ranks_override(cfg, value: str):
+    """`--ep-ranks 0,1` (or `@FILE` holding them, e.g. a node label an init container wrote) over the config's
+    `expert_parallel.ranks`: one config for every host of a deployment."""
+    from expertd.partition import ExpertParallel, PartitionError, parse_ranks
+
+    if cfg.expert_parallel is None:
+        raise ConfigError("--ep-ranks needs `expert_parallel: {size: N}` in the config (the EP world size)")
+    if value.startswith("@"):
+        try:
+            with open(value[1:]) as f:
+                value = f.read()
+        except OSError as exc:
+            raise ConfigError(f"--ep-ranks {value}: cannot read {value[1:]}: {exc.strerror}") from None
+    try:
+        return ExpertParallel.from_config({"size": cfg.expert_parallel.size, "ranks": parse_ranks(value)}, "--ep-ranks")
+    except PartitionError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _wait_status(args) -> dict:
@@ -244,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("start", "load a checkpoint into shared memory and serve it (foreground)")
     p.add_argument("--config", required=True, help="the daemon's YAML config file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (same as `progress: false`)")
+    p.add_argument("--ep-ranks", metavar="RANKS",
+                   help="the EP ranks this host serves (0,1 or 0-3, or @FILE holding them), over expert_parallel.ranks")
     p.set_defaults(func=cmd_start)
 
     for name, func, help_ in (

@@ -3,9 +3,11 @@
 No Docker engine or cluster runs here, so the files are parsed and checked offline.
 """
 
+import contextlib
 import glob
 import os
 import re
+import tempfile
 
 import pytest
 import yaml
@@ -61,12 +63,20 @@ def test_compose_gpu_variant_and_images():
     assert {".git", "**/__pycache__"} <= set(ignored)
 
 
-def kubernetes_documents() -> list[tuple[str, dict]]:
+def kubernetes_documents(folder: str = "kubernetes") -> list[tuple[str, dict]]:
+    """The API objects of a manifest folder (kustomization.yaml is kustomize's, not the API's)."""
     docs = []
-    for path in sorted(glob.glob(os.path.join(DOCKER, "kubernetes", "*.yaml"))):
+    for path in sorted(glob.glob(os.path.join(DOCKER, folder, "*.yaml"))):
+        if os.path.basename(path) == "kustomization.yaml":
+            continue
         with open(path) as f:
             docs += [(os.path.basename(path), d) for d in yaml.safe_load_all(f) if d]
     return docs
+
+
+def containers(doc: dict) -> list[dict]:
+    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+    return spec.get("initContainers", []) + spec.get("containers", [])
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -74,8 +84,24 @@ def test_kubernetes_manifests_validate_against_the_schemas(version):
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     docs = kubernetes_documents()
     assert {d["kind"] for _, d in docs} >= {"DaemonSet", "Deployment", "ConfigMap"}
-    for name, doc in docs:
+    multinode = kubernetes_documents("kubernetes/multinode")
+    assert {d["kind"] for _, d in multinode} >= {"DaemonSet", "Secret", "ServiceAccount", "ClusterRole",
+                                                 "ClusterRoleBinding"}
+    for name, doc in docs + multinode:
         kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError naming the field
+
+
+@pytest.mark.parametrize("folder", ["kubernetes", "kubernetes/multinode"])
+def test_kustomization_lists_every_manifest_and_names_the_image(folder):
+    """Every container runs the `expertd` image that kustomization.yaml points at a registry (a local tag
+    like `expertd:cpu` is nothing a node can pull), and every manifest of the folder is a resource."""
+    kustomization = load(os.path.join(DOCKER, folder, "kustomization.yaml"))
+    files = {os.path.basename(p) for p in glob.glob(os.path.join(DOCKER, folder, "*.yaml"))} - {"kustomization.yaml"}
+    assert set(kustomization["resources"]) == files
+    (image,) = kustomization["images"]
+    assert image["name"] == "expertd" and "/" in image["newName"] and image["newTag"]
+    docs = kubernetes_documents(folder)
+    assert {c["image"] for _, d in docs for c in containers(d)} == {"expertd"}
 
 
 def test_kubernetes_daemonset_and_workers_share_socket_and_shm():
@@ -93,14 +119,23 @@ def test_kubernetes_daemonset_and_workers_share_socket_and_shm():
     worker_run = {v["name"]: v["hostPath"]["path"] for v in worker["volumes"] if "hostPath" in v}
     mount = next(m for m in daemon["volumeMounts"] if m["mountPath"] == socket_folder)
     assert host_run[mount["name"]] in worker_run.values()
-    checkpoint = next(m for m in daemon["volumeMounts"] if m["mountPath"] == cfg["checkpoint"])
-    assert checkpoint["readOnly"] is True
+    # the example serves the tiny checkpoint the image holds (docker/Dockerfile copies checkpoints/tiny), sized so
+    assert cfg["checkpoint"] == "/opt/expertd/checkpoints/tiny"
+    assert not any(m["mountPath"] == cfg["checkpoint"] for m in daemon["volumeMounts"])
+    with open(os.path.join(DOCKER, "Dockerfile")) as f:
+        assert "WORKDIR /opt/expertd" in f.read()
+    with open(os.path.join(ROOT, ".dockerignore")) as f:
+        assert "!checkpoints/tiny" in f.read().split()
     config_volume = next(v for v in ds["volumes"] if "configMap" in v)
     assert config_volume["configMap"]["name"] == cm["metadata"]["name"]
     env = {e["name"]: e["value"] for e in worker["containers"][0]["env"]}
     assert env["EXPERTD_ENDPOINT"] == cfg["endpoint"]
     wait = worker["initContainers"][0]["command"]
     assert wait[:2] == ["expertd", "status"] and "--wait" in wait and cfg["endpoint"] in wait
+    # the worker stays up (a worker that exits would crash-loop the Deployment) and says when it is ready
+    serve = worker["containers"][0]
+    assert serve["command"][:2] == ["python", "examples/serve.py"] and os.path.exists(os.path.join(ROOT, serve["command"][1]))
+    assert serve["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert daemon["ports"][0]["containerPort"] == cfg["metrics_port"]
 
 
@@ -117,3 +152,50 @@ def test_compose_hugepages_override_shares_one_huge_tmpfs_at_the_configs_shm_dir
     assert cfg["shm_dir"] == shm[0].split(":")[1]
     base = load(os.path.join(DOCKER, "expertd.yaml"))
     assert {k: v for k, v in cfg.items() if k != "shm_dir"} == base
+
+
+def test_multinode_daemons_take_their_ranks_from_the_node_label():
+    """Each node's daemon serves the EP ranks of its node's `expertd.io/ep-ranks` label: an init container
+    writes the label (read with the pod's service account, which may get nodes) to a file the daemon reads
+    with --ep-ranks @FILE; the workers take their torchrun node rank from the same label and reach their
+    node's daemon on the host network with the token from the same Secret."""
+    from expertd.server.cli import ep_ranks_override
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for _, d in kubernetes_documents("kubernetes/multinode")}
+    secret = docs[("Secret", "expertd-ep-config")]["stringData"]
+    cfg = config_from_dict(yaml.safe_load(secret["expertd.yaml"]))
+    assert cfg.expert_parallel is not None and cfg.auth_token == secret["token"]
+    compile(secret["node-ranks.py"], "node-ranks.py", "exec")
+    role = docs[("ClusterRole", "expertd-ep-read-nodes")]["rules"]
+    assert role == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
+    daemon, workers = docs[("DaemonSet", "expertd-ep")], docs[("DaemonSet", "expertd-ep-workers")]
+    for ds in (daemon, workers):
+        spec = ds["spec"]["template"]["spec"]
+        assert spec["hostIPC"] is True and spec["hostNetwork"] is True and spec["serviceAccountName"] == "expertd-ep"
+        term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert term == [{"matchExpressions": [{"key": "expertd.io/ep-ranks", "operator": "Exists"}]}]
+        init = spec["initContainers"][0]
+        assert init["command"][:2] == ["python", "/etc/expertd/node-ranks.py"]
+        assert init["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    args = daemon["spec"]["template"]["spec"]["containers"][0]["args"]
+    ranks_file = daemon["spec"]["template"]["spec"]["initContainers"][0]["command"][2]
+    assert args[args.index("--ep-ranks") + 1] == "@" + ranks_file
+    for label, ranks in (("1", [1]), ("0-1", [0, 1]), ("0.1", [0, 1])):
+        with _ranks_file(label) as path:
+            assert list(ep_ranks_override(cfg, "@" + path).ranks) == ranks
+    worker = workers["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    port = cfg.endpoint.rsplit(":", 1)[1]
+    assert env["EXPERTD_ENDPOINT"] == f"tcp://127.0.0.1:{port}"
+    token = next(e for e in worker["env"] if e["name"] == "EXPERTD_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert token == {"name": "expertd-ep-config", "key": "token"}
+    assert "torchrun" in worker["args"][0] and "examples/ep_worker.py" in worker["args"][0]
+    assert os.path.exists(os.path.join(ROOT, "examples", "ep_worker.py"))
+
+
+@contextlib.contextmanager
+def _ranks_file(text: str):
+    with tempfile.NamedTemporaryFile("w", suffix=".ranks") as f:
+        f.write(text)
+        f.flush()
+        yield f.name

@@ -1,0 +1,65 @@
+"""An expert-parallel worker that stays up, launched by torchrun on every host of a deployment:
+
+    torchrun --nnodes 2 --nproc_per_node 1 --node_rank R --master_addr HOST0 --master_port 29500 \
+        examples/ep_worker.py [--ep-size 2] [--poll 5] [--ready-file /tmp/ready]
+
+Each rank attaches to its own host's daemon ($EXPERTD_ENDPOINT; the daemon must serve this rank's
+experts: `expert_parallel` in its config) and builds the model transformers' own expert parallelism
+gives (`DistributedConfig(ep_size=world, fsdp_size=world)` by default), every local shard a view of the
+host's shared memory. It runs one forward pass, writes --ready-file, then waits: every --poll seconds
+rank 0 shares the newest generation it has seen, and when one is newer every rank refreshes the same
+model together (a collective forward needs all ranks on one generation). SIGTERM ends all ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> int:
+    from transformers.distributed import DistributedConfig
+
+    from expertd.client import ExpertClient
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ep-size", type=int, default=None, help="EP world size (default: the torchrun world size)")
+    ap.add_argument("--poll", type=float, default=5.0)
+    ap.add_argument("--ready-file", default=None)
+    ap.add_argument("--wait", type=float, default=1800.0, help="seconds to wait for this host's daemon to serve")
+    args = ap.parse_args()
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with ExpertClient(timeout=args.wait) as client:
+        config = DistributedConfig(ep_size=args.ep_size or world, fsdp_size=world)
+        model = client.load_model(distributed_config=config)
+        probe = torch.arange(8).reshape(1, 8) % model.config.vocab_size
+        with torch.no_grad():
+            model(probe)
+        print(f"rank {rank}/{world}: serving generation {client.generation} from {client.endpoint}", flush=True)
+        if args.ready_file and rank == 0:
+            open(args.ready_file, "w").close()
+        while True:
+            state = torch.tensor([client.latest_generation, int(stop.is_set())])
+            dist.broadcast(state, src=0)  # rank 0 decides for all: same generation, same time to stop
+            if state[1]:
+                break
+            if state[0] > client.generation:
+                client.refresh(model)
+                with torch.no_grad():
+                    model(probe)
+                print(f"rank {rank}: refreshed to generation {client.generation}", flush=True)
+            stop.wait(args.poll)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
