@@ -17,6 +17,7 @@ from expertd import index_segment
 from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, LeaseExpired, NotReady
 from expertd.index import TensorIndex
 from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
+from expertd.security import Credentials
 
 from expertd.connection import Connection
 from .parallel import bind_sharded, check_partition
@@ -97,16 +98,19 @@ class ExpertClient:
     """
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = 30.0, heartbeat: bool = True,
-                 copy_on_write: bool = False, token: str | None = None, on_update=None):
+                 copy_on_write: bool = False, token: str | None = None, on_update=None, push_token: str | None = None,
+                 server_key: str | bytes | None = None, client_key: str | None = None, credentials=None):
         self.endpoint = endpoint or os.environ.get("EXPERTD_ENDPOINT", DEFAULT_ENDPOINT)
         self.timeout = timeout
         self.copy_on_write = copy_on_write
-        self.token = token
+        # what this client presents (arguments, else $EXPERTD_TOKEN, _PUSH_TOKEN, _SERVER_KEY, _CLIENT_KEY)
+        self.credentials = credentials or Credentials.resolve(token, push_token, server_key, client_key)
+        self.token = self.credentials.token
         self.on_update = on_update  # called with the new number, on the heartbeat thread, when a newer generation appears
         self.generation: int | None = None  # the generation this client's lease reads
         self.latest_generation = 0  # the newest generation the daemon serves, from its last reply
         self._announced = 0
-        self._conn = Connection(self.endpoint, timeout, token=token)
+        self._conn = Connection(self.endpoint, timeout, credentials=self.credentials)
         self._conn.on_reply = self._note_latest
         self._index: TensorIndex | None = None
         self._segments: dict[str, torch.Tensor] | None = None
@@ -358,7 +362,7 @@ class ExpertClient:
                 if conn is None or conn.timeout_ms != int(min(self.timeout, timeout_s) * 1000):
                     if conn is not None:
                         conn.close()
-                    conn = Connection(self.endpoint, timeout=min(self.timeout, timeout_s), token=self.token)
+                    conn = Connection(self.endpoint, timeout=min(self.timeout, timeout_s), credentials=self.credentials)
                 if self._closed.wait(max(0.05, timeout_s / 3)):
                     return
                 try:

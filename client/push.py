@@ -19,6 +19,7 @@ from expertd.dtypes import SCALE_SUFFIX
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorIndex, tensor_checksum
 from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, STAGE_MESSAGE_BYTES
+from expertd.security import Credentials
 from expertd.shm import map_segment, segment_bytes
 
 POLL_S = 0.01
@@ -141,17 +142,20 @@ def share_of(index: TensorIndex, tensors: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def push_all(endpoints: list[str], tensors: dict[str, torch.Tensor], *, token: str | None = None,
+             push_token: str | None = None, server_key: str | bytes | None = None, client_key: str | None = None,
              timeout: float = 60.0) -> dict[str, int]:
     """Push a state dict to every daemon of a deployment, each taking its own share; returns the generation
     each published. Nothing is published anywhere unless every daemon accepted and built its share: a name
-    no daemon serves, a daemon that cannot be reached or that refuses, aborts them all."""
+    no daemon serves, a daemon that cannot be reached or that refuses, aborts them all. Credentials as for
+    `ExpertClient` (a push needs the daemons' `push_token`, or under CURVE a client key they allow to push)."""
     _check(tensors)
+    credentials = Credentials.resolve(token, push_token, server_key, client_key)
     if not endpoints:
         raise UpdateRejected("push_all() needs at least one endpoint")
     daemons = []  # (connection, lease, its share)
     try:
         for endpoint in endpoints:
-            conn = Connection(endpoint, timeout, token=token)
+            conn = Connection(endpoint, timeout, credentials=credentials)
             daemons.append([conn, None, None])
             daemons[-1][1] = conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"]
             index = TensorIndex.from_dict(conn.request("index")["index"])

@@ -13,6 +13,7 @@ import zmq
 
 from expertd.errors import DaemonNotRunning, DaemonTimeout
 from expertd.protocol import ipc_path, pack, unpack_reply
+from expertd.security import PUSH_OPS, Credentials
 
 # What each request is, in the user's words (errors name these, never the op on the wire).
 OP_WORDS = {
@@ -41,9 +42,10 @@ class Connection:
     """One REQ socket; after a timeout the socket is rebuilt (a REQ socket that missed a reply is stuck)."""
 
     def __init__(self, endpoint: str, timeout: float = 10.0, context: zmq.Context | None = None,
-                 token: str | None = None):
+                 token: str | None = None, credentials: Credentials | None = None):
         self.endpoint = endpoint
-        self.token = token if token is not None else os.environ.get("EXPERTD_TOKEN")
+        self.credentials = credentials or Credentials.resolve(token=token)
+        self.token = self.credentials.token
         self.timeout_ms = max(1, int(timeout * 1000))
         self._ctx = context or zmq.Context.instance()
         self._lock = threading.Lock()
@@ -56,6 +58,7 @@ class Connection:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
             sock.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+            self.credentials.secure(sock)
             sock.connect(self.endpoint)
             self._sock = sock
         return self._sock
@@ -71,6 +74,8 @@ class Connection:
                 message = {"op": op, **fields}
                 if self.token is not None:
                     message["token"] = self.token
+                if self.credentials.push_token is not None and op in PUSH_OPS:
+                    message["push_token"] = self.credentials.push_token
                 if _frames:
                     sock.send(pack(message), zmq.SNDMORE)
                     for k, buf in enumerate(_frames):
@@ -82,7 +87,7 @@ class Connection:
                 self._reset()
                 raise DaemonTimeout(
                     f"the daemon at {self.endpoint} did not answer {op_words(op)} within {self.timeout_ms / 1000:.1f}s "
-                    "(its socket exists: is it stuck, or is --timeout too short?)"
+                    f"({self._silence()})"
                 ) from exc
             except BaseException:
                 self._reset()  # a REQ socket interrupted between send and recv can never send again
@@ -91,6 +96,17 @@ class Connection:
         if self.on_reply is not None:
             self.on_reply(reply)
         return reply
+
+    def _silence(self) -> str:
+        """Why a daemon may not answer, as far as this side can tell."""
+        if ipc_path(self.endpoint) is not None:
+            return "its socket exists: is it stuck, or is --timeout too short?"
+        if self.credentials.server_key is not None:
+            return ("with CURVE a daemon never answers a client whose server key is not its public key, nor a client "
+                    "key it does not allow: check EXPERTD_SERVER_KEY / server_key= and EXPERTD_CLIENT_KEY; or it is "
+                    "not running there, or --timeout is too short")
+        return ("is it running there? A daemon with CURVE never answers a client without its public key: give it "
+                "with EXPERTD_SERVER_KEY / server_key= (or --server-key)")
 
     def _reset(self) -> None:
         if self._sock is not None:

@@ -94,6 +94,10 @@ class GenerationLimit(DaemonError):
     """A new generation would exceed `max_generations` while leases pin the old ones."""
 
 
+class PushDenied(DaemonError, PermissionError):
+    """A request that would change the served weights came with a credential that may only read."""
+
+
 class UpdateRejected(DaemonError):
     """An update names unknown tensors, or its shapes, dtypes or staged bytes do not fit."""
 

@@ -40,6 +40,7 @@ STAGE_MESSAGE_BYTES = 64 << 20
 # any other error name arrives as a plain DaemonError carrying that name in `kind`.
 ERRORS = {cls.__name__: cls for cls in (
     errors.NotReady, errors.LeaseExpired, errors.Busy, errors.GenerationLimit, errors.UpdateRejected,
+    errors.PushDenied,
 )}
 
 

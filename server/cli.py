@@ -20,14 +20,15 @@ EXIT_LOADING = 3  # `status --wait`: the daemon answers but is still loading its
 def _target(args):
     from .config import resolve_target
 
-    return resolve_target(getattr(args, "endpoint", None), getattr(args, "config", None), getattr(args, "token", None))
+    return resolve_target(getattr(args, "endpoint", None), getattr(args, "config", None), getattr(args, "token", None),
+                          getattr(args, "server_key", None))
 
 
 def _connection(args):
     from expertd.connection import Connection
 
     target = _target(args)
-    return Connection(target.daemon_endpoint, timeout=args.timeout, token=target.token)
+    return Connection(target.daemon_endpoint, timeout=args.timeout, credentials=target.credentials)
 
 
 def cmd_start(args) -> int:
@@ -72,7 +73,7 @@ def _wait_status(args) -> dict:
     while True:
         left = deadline - time.monotonic()
         conn = Connection(target.daemon_endpoint, timeout=max(0.1, min(args.timeout, left)) if args.wait else args.timeout,
-                          token=target.token)
+                          credentials=target.credentials)
         try:
             status = conn.request("status")
             if status["state"] == "serving" or time.monotonic() >= deadline:
@@ -177,11 +178,22 @@ def cmd_stop(args) -> int:
     return 0
 
 
+def cmd_keys(args) -> int:
+    """Write a CURVE key pair (ZeroMQ's certificate files) for a daemon or a client."""
+    from expertd.security import create_keys
+
+    public, secret = create_keys(args.folder, args.name)
+    print(f"public key  {public}  (hand it out: clients' server key, or a daemon's curve_client_keys / curve_push_keys)")
+    print(f"secret key  {secret}  (0600; keep it: the daemon's curve_secret_key or a client's EXPERTD_CLIENT_KEY)")
+    return 0
+
+
 def cmd_verify(args) -> int:
     from expertd.client import ExpertClient
 
     target = _target(args)
-    with ExpertClient(target.daemon_endpoint, timeout=args.timeout, heartbeat=False, token=target.token) as client:
+    with ExpertClient(target.daemon_endpoint, timeout=args.timeout, heartbeat=False,
+                      credentials=target.credentials) as client:
         index = client.index()
         bad = client.verify()
     for name in bad:
@@ -269,6 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the EP ranks this host serves (0,1 or 0-3, or @FILE holding them), over expert_parallel.ranks")
     p.set_defaults(func=cmd_start)
 
+    p = add("keys", "write a CURVE key pair for tcp:// encryption (NAME.key public, NAME.key_secret secret)")
+    p.add_argument("folder", help="folder to write them into (made 0700 if missing)")
+    p.add_argument("--name", default="expertd", help="file name stem")
+    p.set_defaults(func=cmd_keys)
+
     for name, func, help_ in (
         ("status", cmd_status, "show what a daemon serves (exit 0 when it answers)"),
         ("stop", cmd_stop, "stop a daemon and say which one stopped"),
@@ -284,6 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=_duration, default=5.0 if name != "verify" else 60.0,
                        help="seconds to wait for each answer")
         p.add_argument("--token", help="auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
+        p.add_argument("--server-key", help="a CURVE daemon's public key (z85 or its NAME.key file; default: from "
+                                            "--config on the daemon's host, then $EXPERTD_SERVER_KEY)")
         if name == "status":
             p.add_argument("--json", action="store_true", help="print one JSON object")
             p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",

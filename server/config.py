@@ -38,6 +38,11 @@ class DaemonConfig:
     metrics_host: str = "127.0.0.1"
     shm_dir: str = DEFAULT_SHM_DIR  # the tmpfs (or hugetlbfs) folder segments go in, e.g. one mounted huge=always
     expert_parallel: ExpertParallel | None = None  # {size, ranks}: serve only these EP ranks' experts; None: all
+    push_token: str | None = None  # when set, pushing weights (update) needs it: auth_token alone may only read
+    curve_secret_key: str | None = None  # tcp:// with CURVE: this daemon's NAME.key_secret (`expertd keys`)
+    curve_client_keys: str | None = None  # folder of client public keys that may connect (default: any with ours)
+    curve_push_keys: str | None = None  # folder of client public keys that may push weights (default: none)
+    insecure_tcp: bool = False  # allow a tcp bind beyond 127.0.0.1 without CURVE (token and bytes in clear)
 
     @property
     def index_path(self) -> str:
@@ -84,6 +89,9 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         values["run_dir"] = _resolve(str(values["run_dir"]), base_dir)
     if "endpoint" in values:
         values["endpoint"] = resolve_endpoint(str(values["endpoint"]), base_dir, f"config {source}")
+    for key in ("curve_secret_key", "curve_client_keys", "curve_push_keys"):
+        if values.get(key) is not None:
+            values[key] = _resolve(str(values[key]), base_dir)
     if values.get("expert_parallel") is not None:
         try:
             values["expert_parallel"] = ExpertParallel.from_config(values["expert_parallel"])
@@ -113,6 +121,7 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(
             f"config {source}: endpoint {cfg.endpoint} binds beyond this host; set auth_token (or bind 127.0.0.1)"
         )
+    check_security(cfg, source, host)
     if cfg.group is not None:
         try:
             grp.getgrnam(str(cfg.group))
@@ -123,6 +132,33 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
     if not (cfg.device in ("auto", "cpu", "cuda") or re.match(r"^cuda:\d+$", str(cfg.device))):
         raise ConfigError(f"config {source}: device must be auto, cpu, cuda or cuda:N, got {cfg.device!r}")
     return cfg
+
+
+def check_security(cfg: DaemonConfig, source: str, host: str | None) -> None:
+    """CURVE keys readable and only on tcp://; no clear-text tcp beyond this host unless asked for; a push token
+    apart from the auth token."""
+    from expertd.security import key_pair
+
+    if cfg.push_token is not None and (not isinstance(cfg.push_token, str) or len(cfg.push_token) < 16
+                                       or cfg.push_token == cfg.auth_token):
+        raise ConfigError(f"config {source}: push_token must be a string of at least 16 characters, not the auth_token")
+    if not isinstance(cfg.insecure_tcp, bool):
+        raise ConfigError(f"config {source}: insecure_tcp must be true or false")
+    curve = [k for k in ("curve_secret_key", "curve_client_keys", "curve_push_keys") if getattr(cfg, k) is not None]
+    if curve and host is None:
+        raise ConfigError(f"config {source}: {', '.join(curve)} apply to tcp:// endpoints (ipc:// stays on this host)")
+    if curve and cfg.curve_secret_key is None:
+        raise ConfigError(f"config {source}: {', '.join(curve)} need curve_secret_key (this daemon's key pair)")
+    if cfg.curve_secret_key is not None:
+        key_pair(cfg.curve_secret_key, f"config {source}: curve_secret_key")
+        for key in ("curve_client_keys", "curve_push_keys"):
+            if getattr(cfg, key) is not None and not os.path.isdir(getattr(cfg, key)):
+                raise ConfigError(f"config {source}: {key} {getattr(cfg, key)} must be a folder of NAME.key files")
+    elif host is not None and host not in LOCAL_HOSTS and not cfg.insecure_tcp:
+        raise ConfigError(
+            f"config {source}: endpoint {cfg.endpoint} binds beyond this host without encryption; set curve_secret_key "
+            "(make keys with `expertd keys DIR`), or insecure_tcp: true to send the token and weights in clear"
+        )
 
 
 def resolve_endpoint(endpoint: str, base_dir: str = ".", where: str = "--endpoint") -> str:
@@ -148,6 +184,18 @@ class Target:
     endpoint: str | None  # None: nothing named one
     token: str | None
     config: DaemonConfig | None = None
+    server_key: str | None = None  # --server-key
+
+    @property
+    def credentials(self):
+        """What the CLI presents: the token, and on the daemon's own host (its config read) the daemon's own CURVE
+        key pair, which the daemon always accepts; else $EXPERTD_SERVER_KEY / $EXPERTD_CLIENT_KEY."""
+        from expertd.security import Credentials, key_pair
+
+        if self.server_key is None and self.config is not None and self.config.curve_secret_key is not None:
+            public, secret = key_pair(self.config.curve_secret_key)
+            return Credentials(self.token, self.config.push_token, public, public, secret)
+        return Credentials.resolve(token=self.token, server_key=self.server_key)
 
     @property
     def checkpoint(self) -> str | None:
@@ -158,7 +206,8 @@ class Target:
         return self.endpoint or DEFAULT_ENDPOINT
 
 
-def resolve_target(endpoint: str | None = None, config: str | None = None, token: str | None = None) -> Target:
+def resolve_target(endpoint: str | None = None, config: str | None = None, token: str | None = None,
+                   server_key: str | None = None) -> Target:
     """One precedence for every command: flags, then the daemon's config file, then the environment
     (EXPERTD_ENDPOINT, EXPERTD_TOKEN); the config is read once."""
     cfg = load_config(config) if config else None
@@ -169,7 +218,7 @@ def resolve_target(endpoint: str | None = None, config: str | None = None, token
     elif os.environ.get("EXPERTD_ENDPOINT"):
         endpoint = resolve_endpoint(os.environ["EXPERTD_ENDPOINT"], where="$EXPERTD_ENDPOINT")
     token = token or (cfg.auth_token if cfg is not None else None) or os.environ.get("EXPERTD_TOKEN") or None
-    return Target(endpoint, token, cfg)
+    return Target(endpoint, token, cfg, server_key)
 
 
 def _resolve(path: str, base_dir: str) -> str:

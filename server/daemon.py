@@ -19,10 +19,13 @@ import time
 
 import zmq
 
-from expertd.errors import AuthError, ExpertdError, NotReady, ProtocolError
+from expertd.errors import AuthError, ExpertdError, NotReady, ProtocolError, PushDenied
 from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, check_version, error_reply, ipc_path, pack, unpack
 
+from expertd.security import PUSH_OPS
+
 from .config import DaemonConfig
+from .curve import Curve
 from .loader import Cancelled, prepare, resolve_device
 from .runstate import EndpointBusy, RunState
 from .service import WeightService
@@ -42,6 +45,7 @@ class Daemon:
         self.weights = WeightService(cfg, self.runstate, resolve_device(cfg.device), self._stop.is_set)
         w = self.weights
         self.metrics = None  # DaemonMetrics from the socket bind on (load progress included), when metrics_port is set
+        self.curve = None  # the CURVE authenticator of a tcp:// endpoint with curve_secret_key
         self.OPS = {
             "hello": self.op_hello, "status": self.op_status, "stop": self.op_stop, "index": self.op_index,
             "lease": self.op_lease, "heartbeat": self.op_heartbeat, "release": self.op_release,
@@ -102,6 +106,8 @@ class Daemon:
             if self.metrics is not None:
                 self.metrics.close()
             sock.close(linger=0)
+            if self.curve is not None:
+                self.curve.stop()
             ctx.term()
             self.weights.close()
             if ipc_path(self.cfg.endpoint) is not None:
@@ -143,9 +149,12 @@ class Daemon:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         try:
+            self.curve = Curve.serve(ctx, sock, self.cfg) if self.cfg.curve_secret_key else None
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
+            if self.curve is not None:
+                self.curve.stop()
             raise ExpertdError(f"cannot bind control socket {endpoint}: {exc}") from exc
         try:
             if path is not None:
@@ -198,10 +207,11 @@ class Daemon:
             else:
                 raise ProtocolError("expected one message frame")
             msg = unpack(payload)
-            if data:
-                if msg["op"] != "stage":
-                    raise ProtocolError(f"op {msg['op']!r} takes one message frame; only 'stage' carries bytes")
-                msg["_frames"] = [memoryview(frame) for frame in data]
+            # set here, whatever the message said: who sent it (under CURVE) and the bytes that came with it
+            msg["_client_key"] = frames[-1].get("User-Id") if self.curve is not None else None
+            if data and msg["op"] != "stage":
+                raise ProtocolError(f"op {msg['op']!r} takes one message frame; only 'stage' carries bytes")
+            msg["_frames"] = [memoryview(frame) for frame in data]
             reply = self.handle(msg)
             if isinstance(reply, dict):
                 reply["latest"] = self._latest_number()
@@ -228,10 +238,28 @@ class Daemon:
             token = msg.get("token")
             if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.cfg.auth_token.encode()):
                 raise AuthError("request lacks the daemon's auth token or carries a wrong one")
+        if msg["op"] in PUSH_OPS:
+            self._check_push(msg)
         try:
             return self.OPS[msg["op"]](msg)
         except ExpertdError as exc:
             return error_reply(exc)
+
+    def _check_push(self, msg: dict) -> None:
+        """Pushing weights is a permission apart: the push_token, or under CURVE a client key on curve_push_keys."""
+        push_token = msg.get("push_token")
+        if self.cfg.push_token is not None and isinstance(push_token, str) and \
+                hmac.compare_digest(push_token.encode(), self.cfg.push_token.encode()):
+            return
+        if self.curve is not None:
+            if self.curve.may_push(msg.get("_client_key")):
+                return
+            raise PushDenied(f"this client's CURVE key may only read: pushing weights needs a key in curve_push_keys "
+                             f"({self.cfg.curve_push_keys or 'not set: no client may push'})"
+                             + (" or the push_token" if self.cfg.push_token else ""))
+        if self.cfg.push_token is not None:
+            raise PushDenied("this credential may only read: pushing weights needs the daemon's push_token "
+                             "(ExpertClient(push_token=...) or $EXPERTD_PUSH_TOKEN)")
 
     def op_hello(self, msg: dict) -> dict:
         check_version(msg.get("protocol"))

@@ -1,0 +1,98 @@
+"""What a client presents to a daemon: its auth token, its push token, and ZeroMQ CURVE keys over tcp://.
+
+CURVE (ZeroMQ's elliptic-curve encryption, libsodium inside pyzmq) encrypts every frame and authenticates
+both ends: a client must know the daemon's public key, and the daemon sees each client's public key. Key
+files are ZeroMQ's own certificate format (`expertd keys` writes them with `zmq.auth.create_certificates`):
+`NAME.key` holds the public key, `NAME.key_secret` both. Pushing weights is a permission of its own: a
+`push_token` (any transport) or, under CURVE, a client key on the daemon's push allow-list.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+PUSH_OPS = ("update", "stage", "commit", "publish", "abort")  # the requests that change what is served
+Z85_KEY_CHARS = 40
+
+
+def public_key(value: str, where: str = "server key") -> bytes:
+    """A CURVE public key: its 40 z85 characters, or a key file (`NAME.key` / `NAME.key_secret`) holding it."""
+    value = value.strip()
+    if len(value) == Z85_KEY_CHARS and not os.path.exists(value):
+        return value.encode("ascii")
+    public, _ = _load(value, where)
+    return public
+
+
+def key_pair(path: str, where: str = "client key") -> tuple[bytes, bytes]:
+    """(public, secret) from a `NAME.key_secret` file."""
+    public, secret = _load(path, where)
+    if secret is None:
+        raise ConfigError(f"{where} {path}: holds no secret key; use the NAME.key_secret file `expertd keys` wrote")
+    return public, secret
+
+
+def _load(path: str, where: str) -> tuple[bytes, bytes | None]:
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{where} {path}: not a readable ZeroMQ key file ({exc}); make one with `expertd keys`") from None
+    if public is None:
+        raise ConfigError(f"{where} {path}: holds no public key")
+    return public, secret
+
+
+def create_keys(folder: str, name: str) -> tuple[str, str]:
+    """Write NAME.key (public, to hand out) and NAME.key_secret (0600, to keep) into `folder`."""
+    import zmq.auth
+
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    for suffix in (".key", ".key_secret"):
+        if os.path.exists(os.path.join(folder, name + suffix)):
+            raise ConfigError(f"{os.path.join(folder, name + suffix)} exists; choose another name or folder")
+    public, secret = zmq.auth.create_certificates(folder, name)
+    os.chmod(secret, 0o600)
+    return public, secret
+
+
+@dataclass(frozen=True)
+class Credentials:
+    token: str | None = None  # the daemon's auth_token: any request
+    push_token: str | None = None  # the daemon's push_token: updates
+    server_key: bytes | None = None  # the daemon's CURVE public key (z85): tcp:// with CURVE
+    client_public: bytes | None = None  # this client's CURVE key pair; an ephemeral one when not given
+    client_secret: bytes | None = None
+
+    @classmethod
+    def resolve(cls, token: str | None = None, push_token: str | None = None, server_key: str | bytes | None = None,
+                client_key: str | None = None) -> "Credentials":
+        """Arguments first, then $EXPERTD_TOKEN, $EXPERTD_PUSH_TOKEN, $EXPERTD_SERVER_KEY (z85 or a key file) and
+        $EXPERTD_CLIENT_KEY (a NAME.key_secret file)."""
+        token = token if token is not None else os.environ.get("EXPERTD_TOKEN") or None
+        push_token = push_token if push_token is not None else os.environ.get("EXPERTD_PUSH_TOKEN") or None
+        server_key = server_key if server_key is not None else os.environ.get("EXPERTD_SERVER_KEY") or None
+        client_key = client_key if client_key is not None else os.environ.get("EXPERTD_CLIENT_KEY") or None
+        if isinstance(server_key, str):
+            server_key = public_key(server_key)
+        public = secret = None
+        if client_key is not None:
+            public, secret = key_pair(client_key)
+        return cls(token, push_token, server_key, public, secret)
+
+    def secure(self, sock) -> None:
+        """Make `sock` a CURVE client of the daemon (when a server key is known)."""
+        if self.server_key is None:
+            return
+        import zmq
+
+        public, secret = self.client_public, self.client_secret
+        if public is None:
+            public, secret = zmq.curve_keypair()
+        sock.curve_serverkey = self.server_key
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret

@@ -1,0 +1,52 @@
+"""CURVE on the daemon's tcp:// control socket: encryption, which clients may connect, which may push.
+
+pyzmq's ZAP authenticator (a thread of the daemon) checks each connecting client's public key: any client
+that knows the daemon's public key, or only those in `curve_client_keys`; it stamps each request with the
+client's key (`User-Id`), which the daemon compares with `curve_push_keys` before a push. The daemon's own
+key pair (what `expertd status --config` on its host presents) is always allowed, to connect and to push.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from expertd.security import key_pair
+
+log = logging.getLogger("expertd.daemon")
+
+
+def _keys(folder: str | None) -> set[str]:
+    import zmq.auth
+
+    return {k.decode("ascii") for k in zmq.auth.load_certificates(folder)} if folder else set()
+
+
+class Curve:
+    def __init__(self, authenticator, own: str, clients: set[str] | None, pushers: set[str]):
+        self.authenticator, self.own, self.clients, self.pushers = authenticator, own, clients, pushers
+
+    @classmethod
+    def serve(cls, ctx, sock, cfg) -> "Curve":
+        """Make `sock` a CURVE server with the config's keys, its authenticator running."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        public, secret = key_pair(cfg.curve_secret_key, "curve_secret_key")
+        own = public.decode("ascii")
+        clients = _keys(cfg.curve_client_keys) | {own} if cfg.curve_client_keys else None
+        curve = cls(ThreadAuthenticator(ctx, log=log.getChild("zap")), own, clients, _keys(cfg.curve_push_keys) | {own})
+        curve.authenticator.start()
+        curve.authenticator.configure_curve_callback("*", curve)
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
+        log.info("CURVE on: %s client key(s) may connect, %d may push", "any" if clients is None else len(clients),
+                 len(curve.pushers))
+        return curve
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP: may this client key connect at all?"""
+        return self.clients is None or key.decode("ascii") in self.clients
+
+    def may_push(self, key: str | None) -> bool:
+        return key is not None and key in self.pushers
+
+    def stop(self) -> None:
+        self.authenticator.stop()
