@@ -116,12 +116,7 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: metrics_host must be a host name or address, e.g. 127.0.0.1 or 0.0.0.0")
     if cfg.auth_token is not None and (not isinstance(cfg.auth_token, str) or len(cfg.auth_token) < 16):
         raise ConfigError(f"config {source}: auth_token must be a string of at least 16 characters")
-    host = tcp_host(cfg.endpoint)
-    if host is not None and host not in LOCAL_HOSTS and cfg.auth_token is None:
-        raise ConfigError(
-            f"config {source}: endpoint {cfg.endpoint} binds beyond this host; set auth_token (or bind 127.0.0.1)"
-        )
-    check_security(cfg, source, host)
+    check_security(cfg, source, tcp_host(cfg.endpoint))
     if cfg.group is not None:
         try:
             grp.getgrnam(str(cfg.group))
@@ -159,6 +154,9 @@ def check_security(cfg: DaemonConfig, source: str, host: str | None) -> None:
             f"config {source}: endpoint {cfg.endpoint} binds beyond this host without encryption; set curve_secret_key "
             "(make keys with `expertd keys DIR`), or insecure_tcp: true to send the token and weights in clear"
         )
+    elif host is not None and host not in LOCAL_HOSTS and cfg.auth_token is None:
+        raise ConfigError(f"config {source}: endpoint {cfg.endpoint} binds beyond this host in clear (insecure_tcp); "
+                          "set auth_token too (or bind 127.0.0.1)")
 
 
 def resolve_endpoint(endpoint: str, base_dir: str = ".", where: str = "--endpoint") -> str:

@@ -154,21 +154,34 @@ def test_compose_hugepages_override_shares_one_huge_tmpfs_at_the_configs_shm_dir
     assert {k: v for k, v in cfg.items() if k != "shm_dir"} == base
 
 
-def test_multinode_daemons_take_their_ranks_from_the_node_label():
+def test_multinode_daemons_take_their_ranks_from_the_node_label(tmp_path):
     """Each node's daemon serves the EP ranks of its node's `expertd.io/ep-ranks` label: an init container
     writes the label (read with the pod's service account, which may get nodes) to a file the daemon reads
     with --ep-ranks @FILE; the workers take their torchrun node rank from the same label and reach their
-    node's daemon on the host network with the token from the same Secret."""
+    node's daemon on the host network over CURVE, with the daemon's public key from the keys' Secret, which
+    also puts the trainer's key on the daemon's push allow-list."""
+    from expertd.security import create_keys
     from expertd.server.cli import ep_ranks_override
 
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in kubernetes_documents("kubernetes/multinode")}
     secret = docs[("Secret", "expertd-ep-config")]["stringData"]
-    cfg = config_from_dict(yaml.safe_load(secret["expertd.yaml"]))
-    assert cfg.expert_parallel is not None and cfg.auth_token == secret["token"]
+    raw = yaml.safe_load(secret["expertd.yaml"])
+    daemon, workers = docs[("DaemonSet", "expertd-ep")], docs[("DaemonSet", "expertd-ep-workers")]
+    # the key files the daemon's Secret volume provides, at the paths the config names
+    keys = next(v for v in daemon["spec"]["template"]["spec"]["volumes"] if v["name"] == "keys")["secret"]
+    mount = next(m for m in daemon["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] if m["name"] == "keys")
+    paths = {os.path.join(mount["mountPath"], item["path"]): item["key"] for item in keys["items"]}
+    assert paths[raw["curve_secret_key"]] == "daemon.key_secret"
+    assert os.path.dirname(next(p for p, k in paths.items() if k == "trainer.key")) == raw["curve_push_keys"]
+    local = tmp_path / "keys"  # the same layout with real keys, so the config is checked as the daemon would
+    create_keys(str(local), "daemon")
+    create_keys(str(local / "push"), "trainer")
+    cfg = config_from_dict({**raw, "curve_secret_key": str(local / "daemon.key_secret"),
+                            "curve_push_keys": str(local / "push")})
+    assert cfg.expert_parallel is not None and cfg.endpoint.startswith("tcp://0.0.0.0:") and not cfg.insecure_tcp
     compile(secret["node-ranks.py"], "node-ranks.py", "exec")
     role = docs[("ClusterRole", "expertd-ep-read-nodes")]["rules"]
     assert role == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}]
-    daemon, workers = docs[("DaemonSet", "expertd-ep")], docs[("DaemonSet", "expertd-ep-workers")]
     for ds in (daemon, workers):
         spec = ds["spec"]["template"]["spec"]
         assert spec["hostIPC"] is True and spec["hostNetwork"] is True and spec["serviceAccountName"] == "expertd-ep"
@@ -183,12 +196,16 @@ def test_multinode_daemons_take_their_ranks_from_the_node_label():
     for label, ranks in (("1", [1]), ("0-1", [0, 1]), ("0.1", [0, 1])):
         with _ranks_file(label) as path:
             assert list(ep_ranks_override(cfg, "@" + path).ranks) == ranks
-    worker = workers["spec"]["template"]["spec"]["containers"][0]
+    spec = workers["spec"]["template"]["spec"]
+    worker = spec["containers"][0]
     env = {e["name"]: e.get("value") for e in worker["env"]}
-    port = cfg.endpoint.rsplit(":", 1)[1]
-    assert env["EXPERTD_ENDPOINT"] == f"tcp://127.0.0.1:{port}"
-    token = next(e for e in worker["env"] if e["name"] == "EXPERTD_TOKEN")["valueFrom"]["secretKeyRef"]
-    assert token == {"name": "expertd-ep-config", "key": "token"}
+    assert env["EXPERTD_ENDPOINT"] == f"tcp://127.0.0.1:{cfg.endpoint.rsplit(':', 1)[1]}"
+    worker_keys = next(v for v in spec["volumes"] if v["name"] == "keys")["secret"]
+    worker_mount = next(m for m in worker["volumeMounts"] if m["name"] == "keys")
+    assert worker_keys["secretName"] == keys["secretName"] and worker_keys["items"] == [{"key": "daemon.key", "path": "daemon.key"}]
+    assert env["EXPERTD_SERVER_KEY"] == os.path.join(worker_mount["mountPath"], "daemon.key")
+    wait = spec["initContainers"][1]["command"]
+    assert wait[:2] == ["expertd", "status"] and wait[wait.index("--server-key") + 1] == env["EXPERTD_SERVER_KEY"]
     assert "torchrun" in worker["args"][0] and "examples/ep_worker.py" in worker["args"][0]
     assert os.path.exists(os.path.join(ROOT, "examples", "ep_worker.py"))
 
