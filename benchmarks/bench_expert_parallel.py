@@ -9,10 +9,11 @@ E1  per host with `expert_parallel: {size: S, ranks: [r]}` vs the whole model (r
 E2  attach: `load_model(distributed_config=DistributedConfig(ep_size=2, fsdp_size=2))` in each of two torchrun
     ranks on a daemon serving both ranks' experts, vs plain `load_model()` in one process on the whole model
     (goal <= 1.5x). Both measured after a first attach in the same process (imports paid).
-E3  cross-host `update()` over tcp://127.0.0.1 (bytes in ZeroMQ frames; CURVE not implemented yet) of about
-    --push-gib GiB of bf16 tensors: GB/s from the first staged byte to publication / GB/s of a raw pyzmq tcp
-    send of the same bytes in frames of the same size on the same loopback (goal >= 0.8), and the seconds
-    from the last byte staged to publication.
+E3  cross-host `update()` (`push_all`) over tcp://127.0.0.1 with CURVE on (bytes in ZeroMQ frames) of about
+    --push-gib GiB of bf16 tensors: GB/s from the call to publication / GB/s of a raw pyzmq tcp send of the
+    same bytes in frames of the same size on the same loopback, plain and with CURVE (goal >= 0.8 of the
+    raw send), and the seconds from the last byte staged to publication (the build: checksums verified,
+    the new generation's segments written).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -120,12 +122,17 @@ def e2_attach(workdir: str, checkpoint: str, reps: int) -> dict:
     return {"single_ms": min(single) * 1e3, "ep_ms": min(ranked) * 1e3, "ratio": min(ranked) / min(single)}
 
 
-def raw_send(frames: list[memoryview], nbytes: int) -> float:
+def raw_send(frames: list[memoryview], nbytes: int, curve: bool = False) -> float:
     """Seconds to send `frames` over loopback tcp with pyzmq (no copy) and have them all received."""
     import zmq
 
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    if curve:
+        server_public, server_secret = zmq.curve_keypair()
+        pull.curve_secretkey, pull.curve_publickey, pull.curve_server = server_secret, server_public, True
+        push.curve_serverkey = server_public
+        push.curve_publickey, push.curve_secretkey = zmq.curve_keypair()
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push.connect(f"tcp://127.0.0.1:{port}")
     got = []
@@ -150,13 +157,20 @@ def raw_send(frames: list[memoryview], nbytes: int) -> float:
 
 def e3_push(workdir: str, checkpoint: str, gib: float, reps: int) -> dict:
     from expertd.client import ExpertClient, push_all
-    from expertd.protocol import MAX_MESSAGE_BYTES
+    from expertd.protocol import STAGE_FRAME_BYTES
+    from expertd.security import create_keys
 
-    token = "bench-token-0123456789abcdef"
-    d, _, _ = start(workdir, "e3", checkpoint, endpoint=f"tcp://127.0.0.1:{free_port()}", auth_token=token,
-                    max_generations=2 + reps)
+    keys = os.path.join(workdir, f"e3keys{os.getpid()}")
+    daemon_key = create_keys(keys, "daemon")
+    trainer_key = create_keys(os.path.join(keys, "push"), "trainer")
+    d = DaemonProcess.launch(os.path.join(workdir, "e3"), checkpoint, f"benchepe3{os.getpid()}", stdout=subprocess.DEVNULL,
+                             endpoint=f"tcp://127.0.0.1:{free_port()}", max_generations=2 + reps,
+                             curve_secret_key=daemon_key[1], curve_push_keys=os.path.join(keys, "push"))
+    credentials = {"server_key": daemon_key[0], "client_key": trainer_key[1]}
     try:
-        with ExpertClient(d.endpoint, token=token, heartbeat=False) as client:
+        subprocess.run([sys.executable, "-m", "expertd.server.cli", "status", "--config", d.config, "--wait", "900"],
+                       check=True, capture_output=True)
+        with ExpertClient(d.endpoint, heartbeat=False, **credentials) as client:
             served = client.served_tensors()
             tensors, total = {}, 0
             for name, t in sorted(served.items(), key=lambda kv: -kv[1].nbytes):
@@ -165,23 +179,27 @@ def e3_push(workdir: str, checkpoint: str, gib: float, reps: int) -> dict:
                 tensors[name] = t.clone().add_(1) if t.is_floating_point() else t.clone()
                 total += t.nbytes
         flat = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors.values()]
-        frames = [f[k: k + MAX_MESSAGE_BYTES] for f in flat for k in range(0, len(f), MAX_MESSAGE_BYTES)]
-        pushes, raws, tails = [], [], []
+        frames = [f[k: k + STAGE_FRAME_BYTES] for f in flat for k in range(0, len(f), STAGE_FRAME_BYTES)]
+        pushes, raws, curves, tails = [], [], [], []
         for _ in range(reps):
             raws.append(raw_send(frames, total))
+            curves.append(raw_send(frames, total, curve=True))
             t0 = time.perf_counter()
-            push_all([d.endpoint], tensors, token=token)
+            push_all([d.endpoint], tensors, **credentials)
             pushes.append(time.perf_counter() - t0)
-            job = d.status()["job"]
+            with ExpertClient(d.endpoint, heartbeat=False, **credentials) as client:
+                job = client.status()["job"]
             tails.append(job["seconds"])  # the build after the last byte: verify, copy, checksum (publish follows)
             for t in tensors.values():
                 if t.is_floating_point():
                     t.add_(1)
     finally:
         d.stop()
-    push_s, raw_s = min(pushes), min(raws)
+        shutil.rmtree(keys, ignore_errors=True)
+    push_s, raw_s, curve_s = min(pushes), min(raws), min(curves)
     return {"bytes": total, "push_gbps": total / push_s / 1e9, "raw_gbps": total / raw_s / 1e9,
-            "ratio": raw_s / push_s, "build_after_last_byte_s": min(tails)}
+            "curve_gbps": total / curve_s / 1e9, "ratio": raw_s / push_s, "ratio_curve": curve_s / push_s,
+            "build_after_last_byte_s": min(tails)}
 
 
 def main() -> int:
@@ -208,9 +226,9 @@ def main() -> int:
               f"= {r['ratio']:.2f} (goal <= 1.5) |", flush=True)
     if "E3" in args.only:
         r = e3_push(args.workdir, checkpoint, args.push_gib, args.reps)
-        print(f"| E3 | tcp update of {r['bytes'] / 2**30:.2f} GiB | {r['push_gbps']:.2f} GB/s / raw pyzmq {r['raw_gbps']:.2f} "
-              f"GB/s = {r['ratio']:.2f} (goal >= 0.8) | build after the last byte {r['build_after_last_byte_s']:.2f}s |",
-              flush=True)
+        print(f"| E3 | tcp update (CURVE) of {r['bytes'] / 2**30:.2f} GiB | {r['push_gbps']:.2f} GB/s / raw pyzmq "
+              f"{r['raw_gbps']:.2f} GB/s = {r['ratio']:.2f} (goal >= 0.8); / raw pyzmq with CURVE {r['curve_gbps']:.2f} "
+              f"GB/s = {r['ratio_curve']:.2f} | build after the last byte {r['build_after_last_byte_s']:.2f}s |", flush=True)
     return 0
 
 

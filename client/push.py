@@ -18,7 +18,7 @@ from expertd.connection import Connection
 from expertd.dtypes import SCALE_SUFFIX
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorIndex, tensor_checksum
-from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, STAGE_MESSAGE_BYTES
+from expertd.protocol import STAGE_FRAME_BYTES, PROTOCOL_VERSION, STAGE_MESSAGE_BYTES
 from expertd.security import Credentials
 from expertd.shm import map_segment, segment_bytes
 
@@ -55,14 +55,14 @@ def _write_staged(staging: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
 
 def _send_staged(conn, lease: str, staging: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Send the pushed bytes as frames of `stage` requests (no shared memory with a daemon on another host):
-    each request carries up to STAGE_MESSAGE_BYTES of one tensor in frames of at most MAX_MESSAGE_BYTES."""
+    each request carries up to STAGE_MESSAGE_BYTES of one tensor in frames of at most STAGE_FRAME_BYTES."""
     sums = []
     for k, slot in enumerate(staging["tensors"]):
         raw = _checked(slot, tensors)
         data = memoryview(raw.numpy()) if raw.numel() else memoryview(b"")
         for at in range(0, max(len(data), 1), STAGE_MESSAGE_BYTES):
             piece = data[at: at + STAGE_MESSAGE_BYTES]
-            frames = [piece[f: f + MAX_MESSAGE_BYTES] for f in range(0, len(piece), MAX_MESSAGE_BYTES)]
+            frames = [piece[f: f + STAGE_FRAME_BYTES] for f in range(0, len(piece), STAGE_FRAME_BYTES)]
             if frames:
                 conn.request("stage", _frames=frames, client=lease, update=staging["update"], tensor=k, at=at)
         sums.append(tensor_checksum(raw))

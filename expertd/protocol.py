@@ -33,8 +33,10 @@ MAX_MESSAGE_BYTES = 1 << 20  # requests larger than this are refused unread
 OPS = ("hello", "index", "lease", "release", "heartbeat", "status", "stop", "refresh",
        "reload", "update", "stage", "commit", "publish", "abort", "job")
 # `stage` is the one request with more frames than its message: the pushed bytes, each frame at most
-# MAX_MESSAGE_BYTES (the socket's per-frame cap), a message at most STAGE_MESSAGE_BYTES of one tensor.
-STAGE_MESSAGE_BYTES = 64 << 20
+# STAGE_FRAME_BYTES (under the socket's per-frame cap MAX_MESSAGE_BYTES with room for CURVE's encryption
+# overhead: libzmq checks the cap on the encrypted frame), a message at most STAGE_MESSAGE_BYTES of one tensor.
+STAGE_FRAME_BYTES = MAX_MESSAGE_BYTES - (4 << 10)
+STAGE_MESSAGE_BYTES = 64 * STAGE_FRAME_BYTES
 
 # Conditions a client handles by type, mapped by name in one place (as pyzmq maps errno to classes);
 # any other error name arrives as a plain DaemonError carrying that name in `kind`.

@@ -110,12 +110,16 @@ def test_trainer_key_pushes_over_curve(tiny_checkpoint, start_daemon, keys):
     d = start_daemon(tiny_checkpoint, wait=False, **curve_settings(keys, port))
     done = subprocess.run(expertd_cmd("status", "--config", d.config, "--wait", "120"), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    block = "model.layers.1.mlp.experts.gate_up_proj"
     with ExpertClient(d.endpoint, server_key=keys["daemon"][0]) as reader:  # any client with the server key reads
         norm = reader.tensors()["model.norm.weight"].clone()
-    assert push_all([d.endpoint], {"model.norm.weight": norm * 2}, server_key=keys["daemon"][0],
-                    client_key=keys["trainer"][1]) == {d.endpoint: 2}
+        experts = reader.served_tensors()[block].clone()
+    assert experts.nbytes > 1 << 20  # several frames, each encrypted: under the per-frame cap with CURVE's overhead
+    pushed = {"model.norm.weight": norm * 2, block: experts * 2}
+    assert push_all([d.endpoint], pushed, server_key=keys["daemon"][0], client_key=keys["trainer"][1]) == {d.endpoint: 2}
     with ExpertClient(d.endpoint, server_key=keys["daemon"][0]) as reader:
         assert torch.equal(reader.tensors()["model.norm.weight"], norm * 2)
+        assert torch.equal(reader.served_tensors()[block], experts * 2)
 
 
 # --- what travels on the wire ----------------------------------------------------------------------
