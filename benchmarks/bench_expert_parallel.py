@@ -76,25 +76,33 @@ def e1_share(workdir: str, checkpoint: str, size: int, reps: int) -> dict:
 
 EP_ATTACH = r"""
 import json, os, sys, time, torch, torch.distributed as dist
+from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 from expertd.client import ExpertClient
 dist.init_process_group("gloo")
 config = DistributedConfig(ep_size=dist.get_world_size(), fsdp_size=dist.get_world_size())
-times = []
-for _ in range(int(sys.argv[2]) + 1):
+out, reps, bf16 = sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None
+times, loads = [], []
+for _ in range(reps + 1):  # the first of each is dropped: imports and first-use costs
     dist.barrier()
     t0 = time.perf_counter()
     with ExpertClient(heartbeat=False) as client:
         model = client.load_model(distributed_config=config)
     times.append(time.perf_counter() - t0)
     del model
+    if bf16:
+        dist.barrier()
+        t0 = time.perf_counter()
+        model = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16, distributed_config=config)
+        loads.append(time.perf_counter() - t0)
+        del model
 if dist.get_rank() == 0:
-    json.dump(times[1:], open(sys.argv[1], "w"))
+    json.dump({"attach": times[1:], "from_pretrained": loads[1:]}, open(out, "w"))
 dist.destroy_process_group()
 """
 
 
-def e2_attach(workdir: str, checkpoint: str, reps: int) -> dict:
+def e2_attach(workdir: str, checkpoint: str, reps: int, bf16: str | None) -> dict:
     from expertd.client import ExpertClient
 
     ep, _, _ = start(workdir, "e2ep", checkpoint, expert_parallel={"size": 2})
@@ -112,14 +120,16 @@ def e2_attach(workdir: str, checkpoint: str, reps: int) -> dict:
                 single.append(time.perf_counter() - t0)
         env = {**os.environ, "EXPERTD_ENDPOINT": ep.endpoint, "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                        "127.0.0.1", "--master_port", str(free_port()), script, out, str(reps)], env=env, check=True,
-                       capture_output=True)
+                        "127.0.0.1", "--master_port", str(free_port()), script, out, str(reps), *([bf16] if bf16 else [])],
+                       env=env, check=True, capture_output=True)
         with open(out) as f:
             ranked = json.load(f)
     finally:
         ep.stop()
         whole.stop()
-    return {"single_ms": min(single) * 1e3, "ep_ms": min(ranked) * 1e3, "ratio": min(ranked) / min(single)}
+    ep_s = min(ranked["attach"])
+    return {"single_ms": min(single) * 1e3, "ep_ms": ep_s * 1e3, "ratio": ep_s / min(single),
+            "from_pretrained_ms": min(ranked["from_pretrained"]) * 1e3 if ranked["from_pretrained"] else None}
 
 
 def raw_send(frames: list[memoryview], nbytes: int, curve: bool = False) -> float:
@@ -211,7 +221,11 @@ def main() -> int:
     ap.add_argument("--push-gib", type=float, default=1.0)
     ap.add_argument("--only", nargs="*", default=["E1", "E2", "E3"])
     args = ap.parse_args()
-    checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else ensure_checkpoints(args.workdir)["big"]
+    if args.checkpoint:
+        checkpoint, bf16 = os.path.abspath(args.checkpoint), None
+    else:
+        paths = ensure_checkpoints(args.workdir)
+        checkpoint, bf16 = paths["big"], paths["big_bf16"]
     warm(checkpoint)
     print(f"machine: {machine()}\ncheckpoint: {checkpoint}\n")
     if "E1" in args.only:
@@ -221,9 +235,11 @@ def main() -> int:
               f"start-to-serving {r['start_share_s']:.2f}s / {r['start_whole_s']:.2f}s = {r['start_ratio']:.2f} | "
               f"bytes read {r['read_share']:,} / {r['read_whole']:,} = {r['read_ratio']:.3f} |", flush=True)
     if "E2" in args.only:
-        r = e2_attach(args.workdir, checkpoint, args.reps)
+        r = e2_attach(args.workdir, checkpoint, args.reps, bf16)
+        versus = "" if r["from_pretrained_ms"] is None else \
+            f" | from_pretrained(bf16, same DistributedConfig) {r['from_pretrained_ms']:.0f} ms = {r['from_pretrained_ms'] / r['ep_ms']:.0f}x the EP attach"
         print(f"| E2 | attach | EP rank (ep_size 2, torchrun) {r['ep_ms']:.1f} ms / single process {r['single_ms']:.1f} ms "
-              f"= {r['ratio']:.2f} (goal <= 1.5) |", flush=True)
+              f"= {r['ratio']:.2f} (goal <= 1.5){versus} |", flush=True)
     if "E3" in args.only:
         r = e3_push(args.workdir, checkpoint, args.push_gib, args.reps)
         print(f"| E3 | tcp update (CURVE) of {r['bytes'] / 2**30:.2f} GiB | {r['push_gbps']:.2f} GB/s / raw pyzmq "

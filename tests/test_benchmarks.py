@@ -67,3 +67,14 @@ def test_bench_hugepages_on_a_given_checkpoint():
                 "H3 expert forward, steady state", "H4 loader, first build", "H4 loader, later builds"):
         cells = next(line for line in text.splitlines() if line.startswith(f"| {row}")).strip("|").split("|")
         assert float(cells[1]) >= 0 and float(cells[2]) >= 0 and cells[3].strip().endswith("x"), row
+
+
+def test_bench_expert_parallel_on_a_given_checkpoint(tmp_path):
+    """E1 (one EP rank vs the whole model), E2 (EP attach), E3 (tcp push under CURVE vs raw pyzmq) end to end."""
+    text = run("bench_expert_parallel.py", "--checkpoint", TINY, "--workdir", str(tmp_path / "work"), "--reps", "1",
+               "--push-gib", "0.005", "--size", "2")
+    e1, e2, e3 = (table_rows(text, k) for k in ("E1", "E2", "E3"))
+    assert len(e1) == len(e2) == len(e3) == 1
+    ratio = float(re.search(r"served bytes [\d,]+ / [\d,]+ = ([\d.]+)", e1[0][2]).group(1))
+    assert 0.5 < ratio < 1  # half the experts, every dense tensor
+    assert "goal >= 0.8" in e3[0][2]
