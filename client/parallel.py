@@ -24,7 +24,7 @@ log = logging.getLogger("expertd.client")
 def check_partition(index, endpoint: str, ep_rank: int | None, ep_size: int) -> None:
     """A worker of EP rank `ep_rank` of `ep_size` (None: no expert parallelism) may use this daemon's index."""
     ep = index.expert_parallel
-    if ep is None or (ep.whole and ep_rank is None):
+    if ep is None or ep.whole:  # every expert served: any EP layout finds its rows
         return
     served = f"the daemon at {endpoint} serves EP ranks {list(ep.ranks)} of EP size {ep.size}"
     if ep_rank is None:

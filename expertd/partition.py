@@ -111,13 +111,13 @@ class ExpertBlock:
         return [first + k for first, count in self.ranges for k in range(count)]
 
     def rows_of(self, first: int, count: int) -> int | None:
-        """Where experts [first, first + count) start along dim 0 of the served tensor; None if not all served."""
-        at = 0
-        for lo, n in self.ranges:
-            if lo <= first and first + count <= lo + n:
-                return at + first - lo
-            at += n
-        return None
+        """Where experts [first, first + count) start along dim 0 of the served tensor; None unless all of them
+        are served, back to back in that order."""
+        held = self.experts()
+        if first not in held:
+            return None
+        at = held.index(first)
+        return at if held[at: at + count] == list(range(first, first + count)) else None
 
     def to_dict(self) -> dict:
         return {"total": self.total, "ranges": [list(r) for r in self.ranges]}

@@ -152,12 +152,14 @@ def reports(out, ranks) -> list[dict]:
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in ranks]
 
 
-@pytest.mark.parametrize("family", ["dsv3", "qwen3"])
-def test_one_host_torchrun_logits_equal_transformers_ep(family, request, start_daemon, namespace, tmp_path):
-    """One daemon serving both EP ranks, two torchrun workers: logits torch.equal to from_pretrained of the bf16
-    reference with the same DistributedConfig, same DTensor placements, every local shard in shared memory."""
+@pytest.mark.parametrize("family, partition", [("dsv3", {"size": 2}), ("qwen3", {"size": 2}), ("dsv3", None),
+                                               ("qwen3", {"size": 4, "ranks": [0, 1, 2, 3]})])
+def test_one_host_torchrun_logits_equal_transformers_ep(family, partition, request, start_daemon, namespace, tmp_path):
+    """One daemon serving every expert (EP ranks of the workers' size, of another size, or no partition at all),
+    two torchrun workers: logits torch.equal to from_pretrained of the bf16 reference with the same
+    DistributedConfig, same DTensor placements, every local shard in shared memory."""
     folder, reference = request.getfixturevalue(family)
-    d = start_daemon(folder, expert_parallel={"size": 2})
+    d = start_daemon(folder, **({"expert_parallel": partition} if partition else {}))
     out = tmp_path / "out"
     out.mkdir()
     done = torchrun(out, reference, namespace, d.endpoint)
@@ -193,6 +195,7 @@ def test_worker_of_another_ep_size_or_unserved_rank_gets_a_typed_error(dsv3, sta
 
 
 def test_worker_ep_size_differs_from_the_daemons(dsv3, start_daemon, namespace, tmp_path):
+    """A daemon with part of the experts serves only workers of its EP size (one with all of them serves any)."""
     folder, reference = dsv3
     d = start_daemon(folder, expert_parallel={"size": 4, "ranks": [0, 1]})
     out = tmp_path / "out"
@@ -384,3 +387,12 @@ def test_update_on_a_partitioned_daemon_names_every_tensor_it_does_not_serve(dsv
     message = str(err.value)
     assert all(repr(name) in message for name in theirs) and "EP ranks [0] of 2" in message
     assert d.status()["generation"] == 1
+
+
+def test_expert_block_rows():
+    block = ExpertBlock(8, ((2, 2), (6, 2)))
+    assert block.experts() == [2, 3, 6, 7] and block.count == 4
+    assert block.rows_of(2, 2) == 0 and block.rows_of(6, 2) == 2 and block.rows_of(3, 1) == 1
+    assert block.rows_of(0, 2) is None and block.rows_of(3, 2) is None  # 4 is not served
+    whole = ExpertBlock(8, ((0, 4), (4, 4)))
+    assert whole.rows_of(0, 8) == 0 and whole.rows_of(2, 4) == 2  # consecutive ranges hold any run
