@@ -10,7 +10,10 @@ with their `*_scale_inv` are dequantized exactly as at load); everything else is
 
 from __future__ import annotations
 
+import errno
 import math
+import mmap
+import os
 import time
 from dataclasses import dataclass
 
@@ -18,7 +21,7 @@ import torch
 
 from expertd.errors import UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_checksum
-from expertd.shm import DTYPES, map_segment, segment_bytes
+from expertd.shm import DTYPES, map_segment, segment_bytes, segment_path
 
 from .arena import Arena, placed_size
 from .layout import SCALE_DTYPES, SCALE_SUFFIX, block_size_of
@@ -173,18 +176,41 @@ class Staging:
         nbytes = sum(len(f) for f in frames)
         if not isinstance(at, int) or at < 0 or at + nbytes > slot.nbytes:
             raise UpdateRejected(f"{nbytes} bytes at {at!r} do not fit staged tensor {slot.name!r} ({slot.nbytes} bytes)")
-        mapping = map_segment(self.segment.name, self.segment.nbytes, shared_write=True, shm_dir=self.arena.shm_dir)
+        # one pwritev of the request's frames into the segment's file: no mapping, and tmpfs takes the fresh
+        # pages without zeroing them first (a write through a mapping has them zeroed, then written);
+        # hugetlbfs has no write(): there they go through a mapping
+        place = slot.offset + at
+        fd = os.open(segment_path(self.segment.name, self.arena.shm_dir), os.O_RDWR | os.O_CLOEXEC)
         try:
-            place = slot.offset + at
+            done = 0
+            while done < nbytes:
+                done += os.pwritev(fd, _rest(frames, done), place + done)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            mapping = mmap.mmap(fd, self.segment.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             for frame in frames:
                 mapping[place: place + len(frame)] = frame
                 place += len(frame)
-        finally:
             mapping.close()
+        finally:
+            os.close(fd)
         return nbytes
 
     def close(self) -> None:
         self.arena.unlink()
+
+
+def _rest(frames: list, skip: int) -> list:
+    """The buffers of `frames` after their first `skip` bytes (what a short pwritev left)."""
+    out = []
+    for frame in frames:
+        if skip >= len(frame):
+            skip -= len(frame)
+            continue
+        out.append(frame[skip:] if skip else frame)
+        skip = 0
+    return out[:1024]  # IOV_MAX
 
 
 def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tensor], *, generation: int,
@@ -207,8 +233,10 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
                 continue
             where = arena.add(entry.nbytes)
             out = arena.tensor(where, tuple(entry.shape), DTYPES[entry.dtype])
-            out.view(-1).view(torch.uint8).copy_(old.part(entry, 0, 1))
             n = len(entry.sources)
+            covered = {k for p in pushes for k in (range(max(n, 1)) if p.part is None else (p.part,))}
+            if len(covered) < max(n, 1):  # some parts keep their old bytes (a whole push overwrites all of them)
+                out.view(-1).view(torch.uint8).copy_(old.part(entry, 0, 1))
             chunks = out.view(-1).view(n, -1)
             digests = list(parts.get(entry.name) or [""] * n)
             for p in pushes:
