@@ -88,3 +88,20 @@ def test_metrics_port_in_use_is_a_config_error(start_daemon, tiny_checkpoint):
         assert daemon.proc.wait(120) == 2
         err = daemon.proc.stderr.read()
     assert "metrics_port" in err and "choose a free port" in err and "Traceback" not in err
+
+
+def test_metrics_show_the_expert_parallel_partition(start_daemon, tiny_checkpoint):
+    port = free_port()
+    daemon = start_daemon(tiny_checkpoint, metrics_port=port, expert_parallel={"size": 4, "ranks": [1, 2]})
+    status = daemon.status()
+    blocks = status["expert_parallel"]["experts"]
+
+    def partition():
+        m = scrape(port)
+        assert m[("expertd_expert_parallel_size", ())] == 4
+        assert m[("expertd_expert_parallel_ranks", (("rank", "1"),))] == 1
+        assert m[("expertd_expert_parallel_ranks", (("rank", "2"),))] == 1
+        assert ("expertd_expert_parallel_ranks", (("rank", "0"),)) not in m
+        assert m[("expertd_served_experts", ())] == sum(sum(n for _, n in b["ranges"]) for b in blocks.values())
+
+    eventually(partition)

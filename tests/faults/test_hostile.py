@@ -166,9 +166,13 @@ def test_auth_token_is_required_when_set(tiny_checkpoint, start_daemon):
 
 
 def test_non_local_tcp_bind_needs_a_token(tmp_path, tiny_checkpoint):
+    """Beyond this host: CURVE, or (insecure_tcp) a token at least."""
     from expertd.server.config import load_config
 
     cfg = write_config(tmp_path, tiny_checkpoint, "ns", endpoint="tcp://0.0.0.0:5999")
+    with pytest.raises(ConfigError, match="without encryption; set curve_secret_key .* or insecure_tcp: true"):
+        load_config(cfg)
+    cfg = write_config(tmp_path, tiny_checkpoint, "ns", endpoint="tcp://0.0.0.0:5999", insecure_tcp=True)
     with pytest.raises(ConfigError, match="auth_token"):
         load_config(cfg)
 
