@@ -63,8 +63,13 @@ MISTAKES = [
      ["DaemonNotRunning", "expertd start --config"]),
     ("no-daemon-verify", lambda d, c: ["verify", "--endpoint", f"ipc://{d}/nobody.sock"], ["DaemonNotRunning"]),
     ("no-daemon-stop", lambda d, c: ["stop", "--config", config(d, checkpoint=c)], ["DaemonNotRunning"]),
-    ("tcp-beyond-host-without-token", lambda d, c: ["start", "--config", config(d, checkpoint=c, endpoint="tcp://0.0.0.0:5999")],
+    ("tcp-beyond-host-without-curve", lambda d, c: ["start", "--config", config(d, checkpoint=c, endpoint="tcp://0.0.0.0:5999")],
+     ["without encryption; set curve_secret_key", "insecure_tcp: true"]),
+    ("tcp-beyond-host-in-clear-without-token",
+     lambda d, c: ["start", "--config", config(d, checkpoint=c, endpoint="tcp://0.0.0.0:5999", insecure_tcp=True)],
      ["set auth_token"]),
+    ("ep-size-not-a-number", lambda d, c: ["start", "--config", config(d, checkpoint=c, expert_parallel={"size": "four"})],
+     ["expert_parallel.size must be an integer >= 1"]),
 ]
 
 
