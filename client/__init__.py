@@ -3,7 +3,10 @@
 Never imports server code or Triton.
 """
 
-from expertd.errors import DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError, RestoreError
+from expertd.errors import (
+    Busy, CorruptIndex, DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError, GenerationLimit, LeaseExpired,
+    NotReady, PushDenied, RestoreError, UpdateRejected,
+)
 from expertd.partition import PartitionError
 
 from .capture import capture
@@ -13,4 +16,5 @@ from .restore import RestoreResult, restore
 from .simulate import simulate
 
 __all__ = ["ExpertClient", "capture", "simulate", "restore", "RestoreResult", "push_all", "ExpertdError", "DaemonError",
-           "DaemonNotRunning", "DaemonTimeout", "RestoreError", "PartitionError"]
+           "DaemonNotRunning", "DaemonTimeout", "NotReady", "LeaseExpired", "Busy", "GenerationLimit", "UpdateRejected",
+           "PushDenied", "CorruptIndex", "RestoreError", "PartitionError"]
