@@ -94,9 +94,14 @@ class Jobs:
     def finished(self) -> Job | None:
         """The current job once its thread has ended (built or failed), else None."""
         job = self.current
-        if job is None or job.thread.is_alive() or (job.hold and job.state == "built"):
+        if job is None or job.thread.is_alive() or self.held() is job:
             return None
         return job
+
+    def held(self) -> Job | None:
+        """The current job when it is built and waits for `publish` (a commit with `hold`), else None."""
+        job = self.current
+        return job if job is not None and job.hold and job.state == "built" else None
 
     def close(self, job: Job) -> None:
         """Remember a published or failed job; the next one may start."""

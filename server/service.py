@@ -73,8 +73,8 @@ class WeightService:
             if staging.client not in self.gens.leases and not staging.committed:
                 log.info("update %d dropped: its lease %s is gone", number, staging.client)
                 self._drop_staging(number)
-        held = self.jobs.current
-        if held is not None and held.hold and held.state == "built" and held.client not in self.gens.leases:
+        held = self.jobs.held()
+        if held is not None and held.client not in self.gens.leases:
             log.info("update %d dropped unpublished: its lease %s is gone", held.number, held.client)
             self._cancel_held(held, "its updater's lease is gone")
 
@@ -240,9 +240,9 @@ class WeightService:
         built but not published (another daemon of the same push failed): its segments go and the next
         reload or update may start."""
         staging = self._staging_of(msg)
-        job = self.jobs.current
-        if staging.committed and job is not None and job.hold and job.state == "built" and job.client == staging.client:
-            self._cancel_held(job, "its updater aborted it")
+        held = self.jobs.held()
+        if staging.committed and held is not None and held.client == staging.client:
+            self._cancel_held(held, "its updater aborted it")
             return {"ok": True}
         if staging.committed:
             raise UpdateRejected(f"update {staging.number} is committed and building: it can no longer be aborted")

@@ -396,3 +396,49 @@ def test_expert_block_rows():
     assert block.rows_of(0, 2) is None and block.rows_of(3, 2) is None  # 4 is not served
     whole = ExpertBlock(8, ((0, 4), (4, 4)))
     assert whole.rows_of(0, 8) == 0 and whole.rows_of(2, 4) == 2  # consecutive ranges hold any run
+
+
+def test_a_held_update_publishes_only_on_publish_and_goes_on_abort_or_when_its_lease_ends(dsv3, start_daemon):
+    """The two-phase commit push_all relies on: built with `hold`, nothing is published until `publish`;
+    `abort` (or the updater's lease ending) drops the built generation and the daemon takes the next update."""
+    import time
+
+    from expertd.client import ExpertClient
+    from expertd.client.push import _stage, _wait
+    from expertd.connection import Connection
+    from expertd.protocol import PROTOCOL_VERSION
+
+    folder, _ = dsv3
+    d = start_daemon(folder)
+    with ExpertClient(d.endpoint) as client:
+        norm = client.tensors()["model.norm.weight"].clone()
+    conn = Connection(d.endpoint, 10)
+    try:
+        lease = conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"]
+
+        def held(value, latest):
+            staging, sums = _stage(conn, lease, {"model.norm.weight": torch.full_like(norm, value)})
+            job = conn.request("commit", client=lease, update=staging["update"], checksums=sums, hold=True)
+            job = _wait(conn, job, 30, until=("building",))
+            assert job["state"] == "built" and job["hold"]
+            time.sleep(0.3)  # a few turns of the loop: a held build is not published
+            assert d.status()["generation"] == latest
+            return staging, job
+
+        staging, job = held(2.0, latest=1)
+        assert conn.request("abort", client=lease, update=staging["update"])["ok"]
+        assert conn.request("job", job=job["job"])["error"] == "Aborted" and d.status()["generation"] == 1
+        staging, job = held(3.0, latest=1)
+        conn.request("publish", client=lease, job=job["job"])
+        assert _wait(conn, job, 30)["state"] == "published" and d.status()["generation"] == 2
+        staging, job = held(4.0, latest=2)
+        conn.request("release", client=lease)  # the updater goes away: its held build goes with its lease
+        deadline = time.monotonic() + 10
+        while conn.request("job", job=job["job"])["state"] != "failed" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert conn.request("job", job=job["job"])["error"] == "Aborted" and d.status()["generation"] == 2
+    finally:
+        conn.close()
+    with ExpertClient(d.endpoint) as client:
+        assert torch.equal(client.tensors()["model.norm.weight"], torch.full_like(norm, 3.0))
+        assert client.update({"model.norm.weight": norm}) == 3  # nothing held or staged is in the way
