@@ -14,6 +14,7 @@ from all its sources (`PlannedTensor.computed`) and is no view of them.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from expertd.errors import CheckpointError, MissingTensorError, ScaleError, Shap
 from expertd.hf import Assembly, checkpoint_assembly, expert_name
 from expertd.partition import ExpertBlock, ExpertParallel
 
+from .quantization import quantization_format
 from .reader import Checkpoint, TensorInfo
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # DeepSeek stores float32, Qwen bf16; used as float32
@@ -78,14 +80,9 @@ class Plan:
         return sum(t.nbytes for t in self.tensors)
 
 
-def block_size_of(config: dict) -> tuple[int, int]:
-    qc = config.get("quantization_config") or {}
-    block = qc.get("weight_block_size", [128, 128])
-    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise CheckpointError(f"quantization_config.weight_block_size {block!r} must be [rows, cols] of positive ints")
-    if block[0] != block[1]:
-        raise CheckpointError(f"quantization_config.weight_block_size {block!r}: only square blocks are supported")
-    return block[0], block[1]
+def block_size_of(config: dict, file: str | None = None) -> tuple[int, int]:
+    """The FP8 block size a config declares (its quantization format checked: see `quantization`)."""
+    return quantization_format(config, file).block_size
 
 
 def check_scale_pairs(ckpt: Checkpoint) -> None:
@@ -177,7 +174,7 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: Expe
     """
     config = ckpt.config
     model_type = config.get("model_type", "")
-    block = block_size_of(config)
+    block = block_size_of(config, os.path.join(ckpt.folder, "config.json"))  # refuses formats it cannot serve
     weights = [n for n in ckpt.tensors if not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in ckpt.tensors)]
     assembly, unused, expected = checkpoint_assembly(config, weights)
     planned: list[PlannedTensor] = []

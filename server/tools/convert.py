@@ -111,7 +111,7 @@ class ConvertResult:
 def plan_conversion(ckpt: Checkpoint, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
                     keep_fp8_where_unscaled: bool = False) -> ConversionPlan:
     """Validate every tensor and scale of the source and assign output tensors to shards; reads only scales."""
-    block = block_size_of(ckpt.config)
+    block = block_size_of(ckpt.config, os.path.join(ckpt.folder, "config.json"))
     outputs: list[OutTensor] = []
     kept: list[str] = []
     check_scale_pairs(ckpt)
