@@ -344,13 +344,14 @@ class ExpertClient:
         return self._segments
 
     def _announce(self) -> None:
-        """Call `on_update` once per newer generation seen (on the heartbeat thread)."""
+        """Call `on_update` with each newer generation's number, in order, none skipped (on the heartbeat thread:
+        the daemon's replies name only the latest, so several published between two beats come at once)."""
         latest = self.latest_generation
-        if latest > self._announced:
-            self._announced = latest
+        while self._announced < latest:
+            self._announced += 1
             if self.on_update is not None:
                 try:
-                    self.on_update(latest)
+                    self.on_update(self._announced)
                 except Exception:
                     log.exception("on_update callback failed")
 

@@ -64,7 +64,8 @@ def load_config(path: str) -> DaemonConfig:
         with open(path) as f:
             raw = yaml.safe_load(f)
     except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}; give the path of the daemon's YAML config "
+                          "(configs/tiny.yaml is an example; README \"Config keys\" lists the keys)") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {path} is not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):

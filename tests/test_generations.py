@@ -305,3 +305,17 @@ def test_an_updater_failing_before_commit_aborts_its_staged_update(tiny_checkpoi
                 raw.request("abort", client=lease, update=99)
         finally:
             raw.close()
+
+
+def test_on_update_hears_every_newer_generation_in_order(tiny_checkpoint, start_daemon):
+    """Three updates published between two heartbeats: the callback gets 2, 3 and 4, none skipped."""
+    daemon = start_daemon(tiny_checkpoint, lease_timeout_s=3.0)  # a beat every second
+    heard = []
+    with ExpertClient(daemon.endpoint, on_update=heard.append) as listener, ExpertClient(daemon.endpoint) as updater:
+        norm = updater.tensors()[NORM].clone()
+        for k in range(3):
+            updater.update({NORM: norm * (k + 2)})
+        deadline = time.monotonic() + 10
+        while len(heard) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert heard == [2, 3, 4] and listener.latest_generation == 4
