@@ -30,7 +30,25 @@ def attach(endpoint: str, wait: float, daemon: subprocess.Popen | None = None) -
             time.sleep(0.1)
 
 
+def wait_serving(endpoint: str, wait: float, daemon: subprocess.Popen | None = None) -> None:
+    """Wait until a daemon answers on `endpoint` and serves (what `expertd status --wait` does), so that the
+    attach measured after it is the attach alone."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with ExpertClient(endpoint, heartbeat=False) as probe:
+                if probe.status()["state"] == "serving":
+                    return
+        except DaemonNotRunning:
+            pass
+        if time.monotonic() > deadline or (daemon is not None and daemon.poll() is not None):
+            raise DaemonNotRunning(f"no daemon served at {endpoint} within {wait:.0f}s")
+        time.sleep(0.1)
+
+
 def run_worker(endpoint: str, new_tokens: int, wait: float = 0.0, daemon: subprocess.Popen | None = None) -> None:
+    if wait:
+        wait_serving(endpoint, wait, daemon)  # the daemon's start-up and load are not the attach
     started = time.perf_counter()
     with attach(endpoint, wait, daemon) as client:
         model = client.load_model()
@@ -39,7 +57,8 @@ def run_worker(endpoint: str, new_tokens: int, wait: float = 0.0, daemon: subpro
         with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
         shared = sum(p.numel() * p.element_size() for p in model.parameters())
-        print(f"attached in {attached * 1000:.1f} ms; {shared / 2**20:.1f} MiB of weights in shared memory")
+        print(f"attached in {attached * 1000:.1f} ms (a first attach in this process: imports and the model's "
+              f"construction included); {shared / 2**20:.1f} MiB of weights in shared memory")
         print(f"dtypes: {sorted({str(p.dtype) for p in model.parameters()})}")
         print(f"generated: {out[0].tolist()}")
 
