@@ -179,15 +179,13 @@ class ExpertClient:
         index = self.index()
         with _gc_paused():
             model = empty_model(index.config, dtype)
-            if distributed_config is None:
-                check_partition(index, self.endpoint, None, 1)
-                self._bind(model, index, dtype, strict=True)
-            else:
+            ep_rank, ep_size = None, 1
+            if distributed_config is not None:
                 from expertd.hf_distributed import distribute
 
-                model, _config, ep_rank, ep_size = distribute(model, distributed_config)
-                check_partition(index, self.endpoint, ep_rank, ep_size)
-                self._bind(model, index, dtype, strict=True)
+                model, ep_rank, ep_size = distribute(model, distributed_config)
+            check_partition(index, self.endpoint, ep_rank, ep_size)
+            self._bind(model, index, dtype, strict=True)
             model.eval()
         self._model_dtypes[id(model)] = dtype
         from .capture import capture_from_env  # EXPERTD_CAPTURE_DIR set: capture activations, no code changes

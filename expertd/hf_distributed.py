@@ -18,7 +18,7 @@ import torch
 
 def distribute(model, distributed_config):
     """Apply `distributed_config` to an empty model as `from_pretrained` does before it loads weights;
-    returns (model, resolved DistributedConfig, EP rank of this process, EP size)."""
+    returns (model, EP rank of this process, EP size)."""
     from transformers.distributed import DistributedConfig
 
     cls = type(model)
@@ -27,11 +27,8 @@ def distribute(model, distributed_config):
     config, _device_map, mesh_manager = cls.prepare_distribute_model(distributed_config)
     model.config.distributed_config = config
     model = cls.maybe_distribute_model(model, config, mesh_manager)
-    if config.ep_size > 1:
-        ep_rank = mesh_manager.get_mesh("ep").get_local_rank()
-    else:
-        ep_rank = 0
-    return model, config, ep_rank, config.ep_size
+    ep_rank = mesh_manager.get_mesh("ep").get_local_rank() if config.ep_size > 1 else 0
+    return model, ep_rank, config.ep_size
 
 
 def is_dtensor(t) -> bool:

@@ -21,7 +21,6 @@ import zmq
 
 from expertd.errors import AuthError, ExpertdError, NotReady, ProtocolError, PushDenied
 from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, check_version, error_reply, ipc_path, pack, unpack
-
 from expertd.security import PUSH_OPS
 
 from .config import DaemonConfig

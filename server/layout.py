@@ -248,14 +248,13 @@ _EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")
 def unused_share(names: list[str], partition: ExpertParallel) -> list[str]:
     """Of the tensors the model does not use, those a partition serves: per-expert tensors (`....experts.N....`)
     of its ranks' experts when their layer's expert count divides into the partition's size; all others."""
+    matches = [(name, _EXPERT.match(name)) for name in names]
     layers: dict[str, set[int]] = {}
-    for name in names:
-        m = _EXPERT.match(name)
+    for _, m in matches:
         if m:
             layers.setdefault(m.group(1), set()).add(int(m.group(2)))
     out = []
-    for name in names:
-        m = _EXPERT.match(name)
+    for name, m in matches:
         experts = len(layers[m.group(1)]) if m else 0
         if m is None or experts % partition.size or partition.serves(int(m.group(2)), experts):
             out.append(name)
