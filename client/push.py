@@ -15,7 +15,7 @@ import time
 import torch
 
 from expertd.connection import Connection
-from expertd.dtypes import SCALE_SUFFIX
+from expertd.dtypes import PACKED_SUFFIXES, SCALE_SUFFIXES
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorIndex, tensor_checksum
 from expertd.protocol import STAGE_FRAME_BYTES, PROTOCOL_VERSION, STAGE_MESSAGE_BYTES
@@ -126,7 +126,8 @@ def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> 
 
 def share_of(index: TensorIndex, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The part of a pushed state dict that a daemon serving `index` takes: tensors it serves by served or
-    checkpoint name (with their scales), a whole fused expert block cut to the experts it holds."""
+    checkpoint name (FP8 ones with their scales, MXFP4 as blocks and scales), a whole fused expert block cut
+    to the experts it holds."""
     served = {t.name: t for t in index.tensors}
     names = index.checkpoint_entries()
     out = {}
@@ -135,9 +136,11 @@ def share_of(index: TensorIndex, tensors: dict[str, torch.Tensor]) -> dict[str, 
         if entry is not None and entry.experts is not None and list(t.shape) != entry.shape \
                 and t.ndim and t.shape[0] == entry.experts.total:
             out[name] = torch.cat([t[first: first + count] for first, count in entry.experts.ranges])
-        elif entry is not None or name in names:
-            out[name] = t
-    out.update({n: t for n, t in tensors.items() if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in out})
+        elif entry is not None or name in names or any(
+                name.endswith(suffix) and name[: -len(suffix)] in served for suffix in PACKED_SUFFIXES):
+            out[name] = t  # as served, or quantized in the checkpoint's format (MXFP4 blocks and scales of it)
+    out.update({n: t for n, t in tensors.items() for suffix in SCALE_SUFFIXES
+                if n.endswith(suffix) and n[: -len(suffix)] in out})
     return out
 
 

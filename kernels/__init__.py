@@ -40,7 +40,7 @@ __all__ = [
 def weight_dequant(
     weight: torch.Tensor,
     scale_inv: torch.Tensor,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     name: str | None = None,
@@ -48,6 +48,9 @@ def weight_dequant(
     threads: int | None = None,
 ) -> torch.Tensor:
     """Dequantize on `device` (default: CUDA if available, else CPU) into `out` if given; return the result.
+
+    `block_size` is B for square B x B blocks (DeepSeek) or a (rows, columns) pair: (1, N) is one scale per
+    output channel and (M, N) one per tensor (compressed-tensors' strategies).
 
     On CUDA the inputs are moved to the GPU; a CPU `out` receives a copy of the GPU result. `threads`
     caps the CPU threads one call uses (default: torch's thread count); a loader that runs one call

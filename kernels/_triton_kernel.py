@@ -32,13 +32,14 @@ def _decode_e4m3(b):
 @triton.jit
 def _dequant_kernel(
     x_ptr,  # uint8 [M, N]
-    s_ptr,  # float32 [ceil(M/B), ceil(N/B)]
+    s_ptr,  # float32 [ceil(M/BLOCK_M), ceil(N/BLOCK_N)]
     y_ptr,  # int16 view of bf16/fp16 output, or float32 [M, N]
     M,
     N,
     s_stride,
     nan_bf16,  # bits the bf16 path writes for NaN (what torch's CPU cast writes)
-    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     TILE_M: tl.constexpr,
     TILE_N: tl.constexpr,
     SCALAR_SCALE: tl.constexpr,  # tile lies inside one scale block
@@ -53,9 +54,9 @@ def _dequant_kernel(
     b = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32)
     x = _decode_e4m3(b)
     if SCALAR_SCALE:
-        s = tl.load(s_ptr + (pid_m * TILE_M // BLOCK) * s_stride + (pid_n * TILE_N // BLOCK))
+        s = tl.load(s_ptr + (pid_m * TILE_M // BLOCK_M) * s_stride + (pid_n * TILE_N // BLOCK_N))
     else:
-        s = tl.load(s_ptr + (rm // BLOCK)[:, None] * s_stride + (rn // BLOCK)[None, :], mask=mask, other=1.0)
+        s = tl.load(s_ptr + (rm // BLOCK_M)[:, None] * s_stride + (rn // BLOCK_N)[None, :], mask=mask, other=1.0)
     y = x * s
     if OUT_KIND == 0:
         u = y.to(tl.uint32, bitcast=True)

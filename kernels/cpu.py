@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import native
-from .reference import checked_entry, nan_bits
+from .reference import as_block, checked_entry, nan_bits
 
 # Elements per chunk: 2M (4 MiB of fp16 bits + 8 MiB of float32 scratch) stays in L3 between the six
 # passes while amortizing each torch op's fixed cost (thread fork/join); measured flat from 512K to 2M
@@ -30,7 +30,8 @@ _LANE_MASK = 0xBF80BF80BF80BF80 - (1 << 64)
 
 
 def _row_chunks(m: int, n: int, block_size: int, target: int):
-    """(r0, r1) row ranges: whole block rows when one fits in `target`, else slices of one block row."""
+    """(r0, r1) row ranges: whole block rows (`block_size` rows each) when one fits in `target`, else
+    slices of one block row."""
     if block_size * n <= target:
         step = (target // (block_size * n)) * block_size
         for r0 in range(0, m, step):
@@ -44,7 +45,7 @@ def _row_chunks(m: int, n: int, block_size: int, target: int):
 
 
 def _scale_rows(f: torch.Tensor, srep: torch.Tensor, r0: int, r1: int, block_size: int) -> None:
-    """f (rows r0..r1) *= the per-column scale row of each row's block row, in place."""
+    """f (rows r0..r1) *= the per-column scale row of each row's block row (`block_size` rows each), in place."""
     rb = r0 // block_size
     if r1 <= (rb + 1) * block_size:  # one block row
         f.mul_(srep[rb])
@@ -65,7 +66,7 @@ def _patch_nans(oc: torch.Tensor, xc_u8: torch.Tensor, out_dtype: torch.dtype) -
 
 
 def _dequant_cpu(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int, out: torch.Tensor | None, out_dtype: torch.dtype,
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size, out: torch.Tensor | None, out_dtype: torch.dtype,
     m: int, n: int, threads: int | None = None,
 ) -> torch.Tensor:
     """`weight_dequant_cpu` on arguments `check_dequant_call` has passed; only the devices are checked here.
@@ -80,22 +81,23 @@ def _dequant_cpu(
         return out
 
     x_u8 = weight.contiguous().view(torch.uint8)
+    rows, cols = as_block(block_size)
     if native.available():
-        return native.dequant_lut(x_u8, scale_inv.contiguous(), block_size, out, threads)
+        return native.dequant_lut(x_u8, scale_inv.contiguous(), (rows, cols), out, threads)
     x_i8 = x_u8.view(torch.int8)
     scale = scale_inv.contiguous()
     s256 = scale * 256.0
     # |s| >= 2**120: s * 256 overflows, so multiply the decoded value back to x first (exact) instead.
     refold = bool((torch.isinf(s256) & torch.isfinite(scale)).any())
-    srep = (scale if refold else s256).repeat_interleave(block_size, dim=1)[:, :n].contiguous()
+    srep = (scale if refold else s256).repeat_interleave(cols, dim=1)[:, :n].contiguous()
     # NaN bytes are 0x7f (the int8 maximum) and 0xff (the uint8 maximum): two cheap reductions tell
     # whether any chunk needs patching at all.
     maybe_nan = int(torch.amax(x_i8)) == 0x7F or int(torch.amax(x_u8)) == 0xFF
 
-    chunks = list(_row_chunks(m, n, block_size, CHUNK_ELEMS))
-    rows = max(r1 - r0 for r0, r1 in chunks)
-    bits = torch.empty((rows * n + 3) // 4 * 4, dtype=torch.int16)  # int64 lanes need whole groups of 4
-    f32 = None if out_dtype == torch.float32 else torch.empty(rows * n, dtype=torch.float32)
+    chunks = list(_row_chunks(m, n, rows, CHUNK_ELEMS))
+    most = max(r1 - r0 for r0, r1 in chunks)
+    bits = torch.empty((most * n + 3) // 4 * 4, dtype=torch.int16)  # int64 lanes need whole groups of 4
+    f32 = None if out_dtype == torch.float32 else torch.empty(most * n, dtype=torch.float32)
 
     for r0, r1 in chunks:
         k = (r1 - r0) * n
@@ -109,7 +111,7 @@ def _dequant_cpu(
         f.copy_(h.view(torch.float16))  # == x * 2**-8, exactly
         if refold:
             f.mul_(256.0)
-        _scale_rows(f, srep, r0, r1, block_size)
+        _scale_rows(f, srep, r0, r1, rows)
         if f32 is not None:
             oc.copy_(f)
         if maybe_nan:

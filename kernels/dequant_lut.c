@@ -2,7 +2,8 @@
  * result, so the caller computes the 256 results of each block with torch (bit for bit the
  * reference's float32(x) * s, rounded by torch's own cast) and this loop only gathers.
  *
- * y[r, c] = lut[((r / B) * nbc + c / B) * 256 + x[r, c]] for rows [r0, r1) of an M x N matrix.
+ * y[r, c] = lut[((r / BR) * nbc + c / BC) * 256 + x[r, c]] for rows [r0, r1) of an M x N matrix, one scale
+ * per BR x BC block (DeepSeek: 128 x 128; compressed-tensors: 1 x N per channel, M x N per tensor).
  *
  * The 16-bit loop reads 8 bytes at a time and stores 4 results per 64-bit write (little-endian
  * hosts): ~1.3x the one-element loop; the tail of each block goes one by one.
@@ -11,17 +12,17 @@
 #include <string.h>
 
 #define DEQUANT_LUT(NAME, T)                                                                    \
-    void NAME(const uint8_t *x, const T *lut, T *y, int64_t n, int64_t block, int64_t r0,       \
-              int64_t r1) {                                                                     \
-        int64_t nbc = (n + block - 1) / block;                                                  \
+    void NAME(const uint8_t *x, const T *lut, T *y, int64_t n, int64_t brow, int64_t bcol,      \
+              int64_t r0, int64_t r1) {                                                         \
+        int64_t nbc = (n + bcol - 1) / bcol;                                                    \
         for (int64_t r = r0; r < r1; r++) {                                                     \
-            const T *lrow = lut + (r / block) * nbc * 256;                                      \
+            const T *lrow = lut + (r / brow) * nbc * 256;                                       \
             const uint8_t *xr = x + r * n;                                                      \
             T *yr = y + r * n;                                                                  \
             for (int64_t cb = 0; cb < nbc; cb++) {                                              \
                 const T *l = lrow + cb * 256;                                                   \
-                int64_t c = cb * block;                                                         \
-                int64_t c1 = (cb + 1) * block < n ? (cb + 1) * block : n;                       \
+                int64_t c = cb * bcol;                                                          \
+                int64_t c1 = (cb + 1) * bcol < n ? (cb + 1) * bcol : n;                         \
                 c = WIDE(xr, l, yr, c, c1);                                                     \
                 for (; c < c1; c++) yr[c] = l[xr[c]];                                           \
             }                                                                                   \
@@ -74,18 +75,18 @@ DEQUANT_LUT(dequant_lut32, uint32_t)
                                    _mm512_cvtepi16_epi8(_mm512_srli_epi16(b, 8)), 1);                \
     } while (0)
 
-VBMI static void dequant_lut16_vbmi(const uint8_t *x, const uint16_t *lut, uint16_t *y, int64_t n, int64_t block,
-                                    int64_t r0, int64_t r1) {
-    int64_t nbc = (n + block - 1) / block;
+VBMI static void dequant_lut16_vbmi(const uint8_t *x, const uint16_t *lut, uint16_t *y, int64_t n, int64_t brow,
+                                    int64_t bcol, int64_t r0, int64_t r1) {
+    int64_t nbc = (n + bcol - 1) / bcol;
     /* after unpacking within 128-bit lanes: words 0-31 are qwords {0,1} {8,9} {2,3} {10,11} of (u0, u1) */
     const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
     const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-    for (int64_t rb = r0 / block; rb * block < r1; rb++) {
-        int64_t ra = rb * block > r0 ? rb * block : r0;
-        int64_t rz = (rb + 1) * block < r1 ? (rb + 1) * block : r1;
+    for (int64_t rb = r0 / brow; rb * brow < r1; rb++) {
+        int64_t ra = rb * brow > r0 ? rb * brow : r0;
+        int64_t rz = (rb + 1) * brow < r1 ? (rb + 1) * brow : r1;
         for (int64_t cb = 0; cb < nbc; cb++) {
             const uint16_t *l = lut + (rb * nbc + cb) * 256;
-            int64_t c0 = cb * block, c1 = (cb + 1) * block < n ? (cb + 1) * block : n;
+            int64_t c0 = cb * bcol, c1 = (cb + 1) * bcol < n ? (cb + 1) * bcol : n;
             __m512i lo0, lo1, lo2, lo3, hi0, hi1, hi2, hi3;
             lo0 = lo1 = lo2 = lo3 = hi0 = hi1 = hi2 = hi3 = _mm512_setzero_si512();
             if (c1 - c0 >= 64) {
@@ -134,33 +135,33 @@ int dequant_lut_simd(int enable) {
     return simd;
 }
 
-void dequant_lut16(const uint8_t *x, const uint16_t *lut, uint16_t *y, int64_t n, int64_t block, int64_t r0,
-                   int64_t r1) {
+void dequant_lut16(const uint8_t *x, const uint16_t *lut, uint16_t *y, int64_t n, int64_t brow, int64_t bcol,
+                   int64_t r0, int64_t r1) {
 #if defined(__x86_64__) && defined(__GNUC__)
     if (simd < 0) dequant_lut_simd(1);
     if (simd) {
-        dequant_lut16_vbmi(x, lut, y, n, block, r0, r1);
+        dequant_lut16_vbmi(x, lut, y, n, brow, bcol, r0, r1);
         return;
     }
 #endif
-    dequant_lut16_scalar(x, lut, y, n, block, r0, r1);
+    dequant_lut16_scalar(x, lut, y, n, brow, bcol, r0, r1);
 }
 
 /* Many small parts in one call (the caller's Python drops the GIL for it): part i is described by
- * desc[5i..5i+4] = fp8 bytes x, result y, rows m, columns n, its first block's row of the table.
+ * desc[7i..7i+6] = fp8 bytes x, result y, rows m, columns n, its first block's row of the table, and the
+ * rows and columns one of its scales covers.
  * y = the table lookup of x, and both are hashed: hashes[2i] = hash(x), hashes[2i+1] = hash(y).
  * `hash` is XXH3_64bits of the xxhash library the daemon already loads. */
 typedef uint64_t (*hash64_fn)(const void *, size_t);
 
-void fill_parts16(int64_t count, const int64_t *desc, const uint16_t *lut, int64_t block, hash64_fn hash,
-                  uint64_t *hashes) {
+void fill_parts16(int64_t count, const int64_t *desc, const uint16_t *lut, hash64_fn hash, uint64_t *hashes) {
     for (int64_t i = 0; i < count; i++) {
-        const int64_t *d = desc + 5 * i;
+        const int64_t *d = desc + 7 * i;
         const uint8_t *x = (const uint8_t *)(intptr_t)d[0];
         uint16_t *y = (uint16_t *)(intptr_t)d[1];
         int64_t m = d[2], n = d[3];
         hashes[2 * i] = hash(x, (size_t)(m * n));
-        dequant_lut16(x, lut + d[4] * 256, y, n, block, 0, m);
+        dequant_lut16(x, lut + d[4] * 256, y, n, d[5], d[6], 0, m);
         hashes[2 * i + 1] = hash(y, (size_t)(m * n) * 2);
     }
 }

@@ -24,6 +24,8 @@ import xxhash
 log = logging.getLogger("expertd.kernels")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dequant_lut.c")
+MXFP4_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mxfp4.c")
+SOURCES = (SOURCE, MXFP4_SOURCE)  # compiled together into one cached library
 _lock = threading.Lock()
 _lib = None
 _tried = False
@@ -37,15 +39,18 @@ def _cache_dir() -> str:
 
 
 def _build() -> ctypes.CDLL | None:
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    h = hashlib.sha256()
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+    digest = h.hexdigest()[:16]
     target = os.path.join(_cache_dir(), f"dequant_lut-{digest}.so")
     if not os.path.exists(target):
         compiler = os.environ.get("CC", "cc")
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
         os.close(fd)
         try:
-            subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-o", tmp, SOURCE], check=True, capture_output=True,
+            subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-o", tmp, *SOURCES], check=True, capture_output=True,
                            timeout=120)
             os.replace(tmp, target)  # atomic: concurrent builders never load half a file
         finally:
@@ -53,16 +58,22 @@ def _build() -> ctypes.CDLL | None:
                 os.unlink(tmp)
     lib = ctypes.CDLL(target)
     for fn in (lib.dequant_lut16, lib.dequant_lut32):
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5
         fn.restype = None
-    lib.fill_parts16.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                 ctypes.c_void_p]
+    lib.fill_parts16.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.fill_parts16.restype = None
     lib.copy_hash.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     lib.copy_hash.restype = None
     lib.dequant_lut_simd.argtypes = [ctypes.c_int]
     lib.dequant_lut_simd.restype = ctypes.c_int
     lib.dequant_lut_simd(0 if os.environ.get("EXPERTD_NATIVE_SIMD", "1") == "0" else 1)
+    lib.mxfp4_dequant16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
+    lib.mxfp4_dequant16.restype = None
+    lib.mxfp4_simd.argtypes = [ctypes.c_int]
+    lib.mxfp4_simd.restype = ctypes.c_int
+    lib.mxfp4_simd(0 if os.environ.get("EXPERTD_NATIVE_SIMD", "1") == "0" else 1)
+    lib.mxfp4_stream_min.argtypes = [ctypes.c_int64]
+    lib.mxfp4_stream_min.restype = ctypes.c_int64
     return lib
 
 
@@ -109,14 +120,14 @@ def copy_hash(desc: torch.Tensor, hashes: torch.Tensor) -> bool:
     return True
 
 
-def fill_parts(desc: torch.Tensor, lut_ptr: int, block_size: int, hashes: torch.Tensor) -> bool:
-    """Small parts at once, with the GIL dropped: `desc` int64 [k, 5] (fp8 address, result address, rows,
-    columns, first table row), `hashes` uint64-sized int64 [k, 2] (source, result). False where the xxhash
-    library does not export XXH3_64bits: the caller then goes part by part."""
+def fill_parts(desc: torch.Tensor, lut_ptr: int, hashes: torch.Tensor) -> bool:
+    """Small parts at once, with the GIL dropped: `desc` int64 [k, 7] (fp8 address, result address, rows,
+    columns, first table row, rows and columns a scale covers), `hashes` uint64-sized int64 [k, 2] (source,
+    result). False where the xxhash library does not export XXH3_64bits: the caller then goes part by part."""
     hash_fn = _hash_address()
     if hash_fn is None:
         return False
-    _lib.fill_parts16(desc.shape[0], desc.data_ptr(), lut_ptr, block_size, hash_fn, hashes.data_ptr())
+    _lib.fill_parts16(desc.shape[0], desc.data_ptr(), lut_ptr, hash_fn, hashes.data_ptr())
     return True
 
 
@@ -145,15 +156,16 @@ def block_luts(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (scales.reshape(-1, 1).float() * _CODES).to(dtype).contiguous()
 
 
-def gather(x_ptr: int, lut_ptr: int, out_ptr: int, n: int, block_size: int, r0: int, r1: int,
+def gather(x_ptr: int, lut_ptr: int, out_ptr: int, n: int, block: tuple[int, int], r0: int, r1: int,
            itemsize: int = 2) -> None:
-    """Rows [r0, r1) of out[M, n] from fp8 bytes x[M, n] and a [blocks, 256] table, by address (a loader's
-    small parts: no tensor is made per part). The caller keeps the three buffers alive and correctly sized."""
+    """Rows [r0, r1) of out[M, n] from fp8 bytes x[M, n] and a [blocks, 256] table of (rows, columns) `block`s,
+    by address (a loader's small parts: no tensor is made per part). The caller keeps the three buffers alive
+    and correctly sized."""
     fn = _lib.dequant_lut32 if itemsize == 4 else _lib.dequant_lut16
-    fn(x_ptr, lut_ptr, out_ptr, n, block_size, r0, r1)
+    fn(x_ptr, lut_ptr, out_ptr, n, block[0], block[1], r0, r1)
 
 
-def dequant_lut(x_u8: torch.Tensor, scale: torch.Tensor, block_size: int, out: torch.Tensor,
+def dequant_lut(x_u8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out: torch.Tensor,
                 threads: int | None = None) -> torch.Tensor:
     """out[M, N] = lut of each block at x, rows split over up to `threads` threads (default: torch's
     thread count); arguments already checked by the caller."""
@@ -162,7 +174,7 @@ def dequant_lut(x_u8: torch.Tensor, scale: torch.Tensor, block_size: int, out: t
     lut = block_luts(scale, out.dtype)
     fn = _lib.dequant_lut32 if out.element_size() == 4 else _lib.dequant_lut16
     threads = max(1, min(threads or torch.get_num_threads(), m // 64))
-    args = (x_u8.data_ptr(), lut.data_ptr(), out.data_ptr(), n, block_size)
+    args = (x_u8.data_ptr(), lut.data_ptr(), out.data_ptr(), n, block[0], block[1])
     if threads == 1:
         fn(*args, 0, m)
         return out
@@ -171,5 +183,66 @@ def dequant_lut(x_u8: torch.Tensor, scale: torch.Tensor, block_size: int, out: t
     step = -(-m // threads)
     futures = [_pool.submit(fn, *args, r0, min(m, r0 + step)) for r0 in range(0, m, step)]
     for fut in futures:  # ctypes drops the GIL during each call: the rows run in parallel
+        fut.result()
+    return out
+
+
+# MXFP4 (kernels/mxfp4.c; the table and the checks are mxfp4.py's)
+
+
+def mxfp4_simd(enable: bool | None = None) -> bool:
+    """Whether the MXFP4 gather runs on SSSE3 / AVX2 (8 / 16 columns per step; the CPU is asked at run
+    time). `enable` switches it (on only where the CPU has it; EXPERTD_NATIVE_SIMD=0 starts it off); the
+    same bits either way."""
+    if not available():
+        return False
+    return bool(_lib.mxfp4_simd(-1 if enable is None else int(enable)))
+
+
+def mxfp4_stream_min(nbytes: int | None = None) -> int:
+    """The result size (bytes per call of the compiled loop) from which the MXFP4 gather writes with
+    non-temporal stores (AVX2 only; results nobody reads soon); `nbytes` sets it. The same bits either way."""
+    if not available():
+        return 0
+    return int(_lib.mxfp4_stream_min(-1 if nbytes is None else nbytes))
+
+
+def mxfp4_gather(x_ptr: int, s_ptr: int, table_ptr: int, out_ptr: int, experts: int, rows: int, groups: int,
+                 g0: int, g1: int) -> None:
+    """Groups [g0, g1) of `experts` consecutive experts (blocks uint8 [rows, groups, 16], scales uint8
+    [rows, groups] each) into out bf16 [experts, (g1-g0)*32, rows], by address, the GIL dropped. The
+    caller keeps the buffers (and the uint16 [256, 16] table) alive and correctly sized."""
+    _lib.mxfp4_dequant16(x_ptr, s_ptr, table_ptr, out_ptr, experts, rows, groups, g0, g1)
+
+
+def mxfp4_dequant(x: torch.Tensor, s: torch.Tensor, table: torch.Tensor, out: torch.Tensor, g0: int, g1: int,
+                  threads: int | None = None) -> torch.Tensor:
+    """out[E, (g1-g0)*32, R] from contiguous blocks x [E, R, G, 16] and scales s [E, R, G], split over up to
+    `threads` threads (default: torch's): by experts when there are enough of them, else by groups."""
+    global _pool
+    e, r, g = s.shape
+    threads = max(1, min(threads or torch.get_num_threads(), max(e, g1 - g0)))
+    args = (x.data_ptr(), s.data_ptr(), table.data_ptr(), out.data_ptr())
+    if threads == 1 or r == 0:
+        mxfp4_gather(*args, e, r, g, g0, g1)
+        return out
+    if _pool is None:
+        _pool = ThreadPoolExecutor(os.cpu_count() or 2, thread_name_prefix="expertd-dequant")
+    xb, sb, ob = x.element_size() * r * g * 16, s.element_size() * r * g, out.element_size() * (g1 - g0) * 32 * r
+    jobs = []
+    if e >= threads:  # whole experts per thread
+        step = -(-e // threads)
+        for e0 in range(0, e, step):
+            n = min(e, e0 + step) - e0
+            jobs.append((args[0] + e0 * xb, args[1] + e0 * sb, args[2], args[3] + e0 * ob, n, r, g, g0, g1))
+    else:  # each expert's groups split over the threads: disjoint row ranges of its result
+        step = -(-(g1 - g0) // -(-threads // e))
+        for i in range(e):
+            for a in range(g0, g1, step):
+                b = min(g1, a + step)
+                jobs.append((args[0] + i * xb, args[1] + i * sb, args[2], args[3] + i * ob + (a - g0) * 32 * r * 2,
+                             1, r, g, a, b))
+    futures = [_pool.submit(mxfp4_gather, *job) for job in jobs]
+    for fut in futures:  # ctypes drops the GIL during each call: the parts run in parallel
         fut.result()
     return out

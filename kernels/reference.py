@@ -1,9 +1,11 @@
 """Argument checks shared by every dequant path, and the plain-torch reference they must match bit for bit.
 
-Numerics are DeepSeek-V3's `weight_dequant`: y[i, j] = out_dtype(float32(x[i, j]) * s[i // B, j // B]),
+Numerics are DeepSeek-V3's `weight_dequant`: y[i, j] = out_dtype(float32(x[i, j]) * s[i // BM, j // BN]),
 one float32 multiply and one round-to-nearest-even cast, where x is float8_e4m3fn [M, N] and s
-(`*_scale_inv`) is float32 [ceil(M/B), ceil(N/B)], the last block row/column partial when B does not
-divide M or N.
+(`*_scale_inv`) is float32 [ceil(M/BM), ceil(N/BN)], the last block row/column partial when a block
+dimension does not divide M or N. DeepSeek's blocks are square (`block_size` an int B: BM = BN = B);
+compressed-tensors' per-channel scales are blocks (1, N) and its per-tensor scale one block (M, N), so
+every FP8 format expertd serves is this one rule with `block_size` a pair (BM, BN).
 """
 
 from __future__ import annotations
@@ -26,17 +28,27 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def scale_shape(m: int, n: int, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[int, int]:
-    """Shape of the `scale_inv` that goes with an [m, n] weight quantized in block_size x block_size blocks."""
-    return ceil_div(m, block_size), ceil_div(n, block_size)
+def as_block(block_size, name: str | None = None) -> tuple[int, int]:
+    """(rows, columns) of one scale block: an int B is a square B x B block, a pair is taken as it is."""
+    pair = (block_size, block_size) if isinstance(block_size, int) else block_size
+    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+            or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in pair)):
+        raise ScaleError(f"block_size must be a positive int or a (rows, columns) pair of them, got {block_size!r}",
+                         tensor=name)
+    return pair[0], pair[1]
+
+
+def scale_shape(m: int, n: int, block_size=DEFAULT_BLOCK_SIZE) -> tuple[int, int]:
+    """Shape of the `scale_inv` that goes with an [m, n] weight quantized in blocks of `block_size`."""
+    bm, bn = as_block(block_size)
+    return ceil_div(m, bm), ceil_div(n, bn)
 
 
 def check_dequant_args(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE, name: str | None = None
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size=DEFAULT_BLOCK_SIZE, name: str | None = None
 ) -> tuple[int, int]:
     """Validate a (weight, scale_inv, block_size) triple; return (M, N). Errors name the tensor."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ScaleError(f"block_size must be a positive int, got {block_size!r}", tensor=name)
+    as_block(block_size, name)
     if not isinstance(weight, torch.Tensor):
         raise UnsupportedDtypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}", tensor=name)
     if weight.dtype != FP8_DTYPE:
@@ -79,7 +91,7 @@ def check_out(out: torch.Tensor, m: int, n: int, out_dtype: torch.dtype, name: s
 def check_dequant_call(
     weight: torch.Tensor,
     scale_inv: torch.Tensor,
-    block_size: int,
+    block_size,
     out: torch.Tensor | None,
     out_dtype: torch.dtype,
     name: str | None = None,
@@ -99,7 +111,7 @@ def checked_entry(impl, name: str, doc: str):
     checks once and calls the `impl`s directly.
     """
 
-    def entry(weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int = DEFAULT_BLOCK_SIZE,
+    def entry(weight: torch.Tensor, scale_inv: torch.Tensor, block_size=DEFAULT_BLOCK_SIZE,
               out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
               name: str | None = None) -> torch.Tensor:
         m, n = check_dequant_call(weight, scale_inv, block_size, out, out_dtype, name)
@@ -110,15 +122,16 @@ def checked_entry(impl, name: str, doc: str):
     return entry
 
 
-def expand_scale(scale_inv: torch.Tensor, m: int, n: int, block_size: int) -> torch.Tensor:
+def expand_scale(scale_inv: torch.Tensor, m: int, n: int, block_size) -> torch.Tensor:
     """Per-element [m, n] scale: each scale entry repeated over its block, edge blocks cropped."""
-    return scale_inv.repeat_interleave(block_size, dim=0)[:m].repeat_interleave(block_size, dim=1)[:, :n]
+    bm, bn = as_block(block_size)
+    return scale_inv.repeat_interleave(bm, dim=0)[:m].repeat_interleave(bn, dim=1)[:, :n]
 
 
 def weight_dequant_reference(
     weight: torch.Tensor,
     scale_inv: torch.Tensor,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size=DEFAULT_BLOCK_SIZE,
     out_dtype: torch.dtype = torch.bfloat16,
     name: str | None = None,
 ) -> torch.Tensor:

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .reference import checked_entry, nan_bits
+from .reference import as_block, checked_entry, nan_bits
 
 TILE_M = 32  # divides 128
 
@@ -21,17 +21,22 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _tiles(block_size: int) -> tuple[int, int, bool]:
-    """(TILE_M, TILE_N, scalar_scale): tiles inside one scale block when B is a multiple of 128 or a power of 2."""
-    if block_size % 128 == 0:
-        return TILE_M, 128, True
-    if block_size >= 16 and block_size & (block_size - 1) == 0:
-        return min(TILE_M, block_size), block_size, True
-    return TILE_M, 64, False  # odd block sizes: per-element scale gather
+def _tiles(rows: int, cols: int) -> tuple[int, int, bool]:
+    """(TILE_M, TILE_N, scalar_scale): tiles inside one scale block when each block side is a multiple of
+    its tile side (128 columns, or a power of 2 from 16); else a per-element scale gather."""
+    def side(b: int, tile: int) -> int | None:
+        if b % tile == 0:
+            return tile
+        return b if 16 <= b < tile and b & (b - 1) == 0 else None
+
+    tile_m, tile_n = side(rows, TILE_M), side(cols, 128)
+    if tile_m and tile_n:
+        return tile_m, tile_n, True
+    return TILE_M, 64, False  # odd block sizes, one-row (per-channel) blocks: per-element scale gather
 
 
 def _dequant_triton(
-    weight: torch.Tensor, scale_inv: torch.Tensor, block_size: int, out: torch.Tensor | None, out_dtype: torch.dtype,
+    weight: torch.Tensor, scale_inv: torch.Tensor, block_size, out: torch.Tensor | None, out_dtype: torch.dtype,
     m: int, n: int,
 ) -> torch.Tensor:
     """`weight_dequant_triton` on arguments `check_dequant_call` has passed; only the devices are checked here."""
@@ -51,7 +56,8 @@ def _dequant_triton(
     kind = {torch.bfloat16: K.OUT_BF16, torch.float16: K.OUT_FP16, torch.float32: K.OUT_FP32}[out_dtype]
     y = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
     scale = scale_inv.contiguous()
-    tile_m, tile_n, scalar_scale = _tiles(block_size)
+    rows, cols = as_block(block_size)
+    tile_m, tile_n, scalar_scale = _tiles(rows, cols)
     grid = (-(-m // tile_m), -(-n // tile_n))
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         K._dequant_kernel[grid](
@@ -62,7 +68,8 @@ def _dequant_triton(
             n,
             scale.stride(0),
             nan_bits(torch.bfloat16)[0],
-            BLOCK=block_size,
+            BLOCK_M=rows,
+            BLOCK_N=cols,
             TILE_M=tile_m,
             TILE_N=tile_n,
             SCALAR_SCALE=scalar_scale,

@@ -15,13 +15,14 @@ from expertd.hf import convert
 from .layout import PlannedTensor
 
 
-def source_tensor(data: torch.Tensor, scale: torch.Tensor | None, info, dtype: torch.dtype, write_part,
+def source_tensor(data: torch.Tensor, scale: torch.Tensor | None, src, dtype: torch.dtype, write_part,
                   **options) -> torch.Tensor:
-    """One source as transformers' ops would see it: FP8 dequantized (into a temporary of the served dtype) or as stored."""
+    """One source as transformers' ops would see it: dequantized by its format (into a temporary of the served
+    dtype) or as stored."""
     if scale is None:
-        return data.view(info.shape)
-    out = torch.empty(info.shape, dtype=dtype)
-    write_part(out, data, scale, name=info.name, **options)
+        return data.view(src.info.shape)
+    out = torch.empty(src.shape, dtype=dtype)
+    write_part(out, data, scale, name=src.info.name, block=src.block, kind=src.kind, **options)
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import os
 import threading
 from collections import deque
@@ -43,16 +44,54 @@ def default_threads() -> int:
 
 
 def write_part(out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None, *, name: str,
-               block_size: int, device: torch.device, threads: int | None = None) -> None:
-    """One source part into its place: FP8 dequantized (bit-exact reference rounding), anything else copied."""
-    if scale is not None:
-        from expertd.kernels import weight_dequant  # the daemon needs kernels; the client never imports them
-
-        # bf16 / fp16 scales (Qwen's FP8 releases) widen to float32 exactly: y = bf16(float32(x) * float32(s))
-        weight_dequant(data, scale.float(), block_size, out=out, out_dtype=out.dtype, name=name, device=device,
-                       threads=threads)
-    else:
+               block: tuple[int, int] | None, device: torch.device, threads: int | None = None,
+               kind: str | None = None) -> None:
+    """One source part into its place: dequantized by its format (`kind`: "fp8" when a scale is given and no
+    kind; "mxfp4"), bit-exact to the format's definition; plain bytes copied."""
+    kind = kind or ("fp8" if scale is not None else "plain")
+    if kind == "plain":
         out.copy_(data.view(out.shape))
+        return
+    from expertd import kernels  # the daemon needs kernels; the client never imports them
+
+    if kind == "mxfp4":
+        kernels.dequant_mxfp4(data, scale, out=out, name=name, device=device, threads=threads)
+        return
+    # bf16 / fp16 scales (Qwen's and llmcompressor's FP8) widen to float32 exactly: y = bf16(float32(x) * float32(s))
+    m, n = data.shape
+    grid = scale.float().reshape(-(-m // block[0]), -(-n // block[1]))  # a per-tensor scale may be stored as [1]
+    kernels.weight_dequant(data, grid, block, out=out, out_dtype=out.dtype, name=name, device=device, threads=threads)
+
+
+def dequantized(ckpt: Checkpoint, src: Source, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One source read whole, as the daemon serves it: dequantized by its format, or as stored (tools: convert,
+    inspect, evaluate)."""
+    data = ckpt.read(src.info.name)
+    if src.scale is None:
+        return data
+    out = torch.empty(src.shape, dtype=torch.bfloat16)
+    write_part(out, data, ckpt.read(src.scale.name), name=src.info.name, block=src.block, kind=src.kind,
+               device=torch.device(device))
+    return out
+
+
+def row_pieces(m: int, row_bytes: int, block_rows: int, cuda: bool):
+    """(r0, r1, rows one scale covers) row ranges of an [m, ...] FP8 weight dequantized a piece at a time:
+    whole block rows about CHUNK_BYTES of results each (one block row when that is up to BATCH_BYTES), else
+    slices of one block row (a per-tensor scale over a large tensor). On CUDA: the whole tensor."""
+    if cuda or m == 0:
+        yield 0, m, block_rows
+        return
+    target = max(1, CHUNK_BYTES // max(1, row_bytes))
+    if block_rows <= target or block_rows * row_bytes <= BATCH_BYTES:
+        step = max(1, target // block_rows) * block_rows
+        for r0 in range(0, m, step):
+            yield r0, min(m, r0 + step), block_rows
+        return
+    for b0 in range(0, m, block_rows):
+        b1 = min(m, b0 + block_rows)
+        for r0 in range(b0, b1, target):
+            yield r0, min(b1, r0 + target), min(b1, r0 + target) - r0
 
 
 _local = threading.local()
@@ -121,10 +160,11 @@ class Output:
         self.where, self.used = None, 0
 
 
-def stream_part(part: Part, output: Output, ckpt: Checkpoint, info, scale: torch.Tensor | None, *,
-                block_size: int, device: torch.device) -> tuple[str, str]:
+def stream_part(part: Part, output: Output, ckpt: Checkpoint, src: Source, scale: torch.Tensor | None, *,
+                device: torch.device) -> tuple[str, str]:
     """Write one part chunk by chunk: read (`preadv`), hash the source chunk, dequantize or copy it,
     hash the result while it is in cache: (checksum of the source bytes, checksum of the written bytes)."""
+    info = src.info
     src_hash = xxhash.xxh3_64()
     if scale is None:  # stored bytes: read straight into place; source and result are the same bytes
         for b0 in range(0, info.nbytes, CHUNK_BYTES):
@@ -134,19 +174,52 @@ def stream_part(part: Part, output: Output, ckpt: Checkpoint, info, scale: torch
             src_hash.update(into)
         digest = "xxh3_64:" + src_hash.hexdigest()
         return digest, digest
+    if src.kind == "mxfp4":
+        return _stream_mxfp4(part, output, ckpt, src, scale, device)
     out_hash = xxhash.xxh3_64()
-    m, n = info.shape  # FP8 [M, N], as the plan checked: whole 128-row blocks at a time
+    m, n = info.shape  # FP8 [M, N], as the plan checked
     item = part.out.element_size()
-    rows = m if device.type == "cuda" else max(1, CHUNK_BYTES // max(1, n * item * block_size)) * block_size
-    for r0 in range(0, m, max(1, rows)):
-        r1 = min(m, r0 + rows)
+    rows_per_scale, cols_per_scale = src.block
+    grid = scale.float().reshape(-(-m // rows_per_scale), -(-n // cols_per_scale))
+    for r0, r1, rows in row_pieces(m, n * item, rows_per_scale, device.type == "cuda"):
         piece = _buffer((r1 - r0) * n) if device.type != "cuda" else torch.empty((r1 - r0) * n, dtype=torch.uint8)
         ckpt.read_into(info, r0 * n, tensor_bytes(piece))
         src_hash.update(tensor_bytes(piece))
         dst = output.tensor(part, r0 * n * item, (r1 - r0) * n * item, part.out.dtype, (r1 - r0, n))
-        write_part(dst, piece.view(info.dtype).view(r1 - r0, n), scale[r0 // block_size: -(-r1 // block_size)],
-                   name=info.name, block_size=block_size, device=device, threads=1)
+        write_part(dst, piece.view(info.dtype).view(r1 - r0, n), grid[r0 // rows_per_scale: -(-r1 // rows_per_scale)],
+                   name=info.name, block=(rows, cols_per_scale), device=device, threads=1)
         out_hash.update(tensor_bytes(dst))
+    return "xxh3_64:" + src_hash.hexdigest(), "xxh3_64:" + out_hash.hexdigest()
+
+
+def _stream_mxfp4(part: Part, output: Output, ckpt: Checkpoint, src: Source, scales: torch.Tensor,
+                  device: torch.device) -> tuple[str, str]:
+    """MXFP4 blocks [..., R, G, 16] decoded a matrix at a time (an expert: its blocks read whole, a quarter of
+    its result's bytes), its [G*32, R] result written about CHUNK_BYTES of rows (whole groups) at a time."""
+    from expertd.kernels import dequant_mxfp4, dequant_mxfp4_groups
+
+    info = src.info
+    *lead, rows, groups, width = info.shape
+    matrices = math.prod(lead)
+    per_matrix = rows * groups * width
+    scales = scales.reshape(matrices, rows, groups)
+    out_rows = groups * 32
+    step = max(1, CHUNK_BYTES // max(1, 32 * rows * 2)) if device.type != "cuda" else groups
+    src_hash, out_hash = xxhash.xxh3_64(), xxhash.xxh3_64()
+    for e in range(matrices):
+        blocks = _buffer(per_matrix) if device.type != "cuda" else torch.empty(per_matrix, dtype=torch.uint8)
+        ckpt.read_into(info, e * per_matrix, tensor_bytes(blocks))
+        src_hash.update(tensor_bytes(blocks))
+        blocks = blocks.view(rows, groups, width)
+        for g0 in range(0, groups, step):
+            g1 = min(groups, g0 + step)
+            offset = (e * out_rows + g0 * 32) * rows * 2
+            dst = output.tensor(part, offset, (g1 - g0) * 32 * rows * 2, torch.bfloat16, ((g1 - g0) * 32, rows))
+            if device.type == "cuda":
+                dst.copy_(dequant_mxfp4(blocks, scales[e], device=device)[g0 * 32: g1 * 32])
+            else:
+                dequant_mxfp4_groups(blocks, scales[e], g0, g1, dst, threads=1)
+            out_hash.update(tensor_bytes(dst))
     return "xxh3_64:" + src_hash.hexdigest(), "xxh3_64:" + out_hash.hexdigest()
 
 
@@ -181,8 +254,7 @@ class Part:
         return self.block[self.k]
 
 
-def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, block_size: int,
-         device: torch.device) -> list[tuple[str, dict, str]]:
+def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device) -> list[tuple[str, dict, str]]:
     """Fill each part; per part (source digest, identities learned, checksum of the written bytes).
 
     Small FP8 parts on the CPU go through `_fill_small` together (what DeepSeek-V3's tens of thousands
@@ -197,12 +269,12 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, block_size: int,
             data = tensor_bytes(part.old)
             output.copy(part, data)
             results[i] = (part.digest, {}, checksum(data))
-        elif native and part.src.scale is not None and part.src.info.nbytes <= CHUNK_BYTES:
+        elif native and part.src.kind == "fp8" and part.src.info.nbytes <= CHUNK_BYTES:
             small.append(i)
         else:
-            results[i] = _fill_one(part, output, ckpt, block_size, device)
+            results[i] = _fill_one(part, output, ckpt, device)
     if small:
-        for i, result in zip(small, _fill_small([parts[i] for i in small], output, ckpt, block_size)):
+        for i, result in zip(small, _fill_small([parts[i] for i in small], output, ckpt)):
             results[i] = result
     output.flush()
     return results
@@ -229,11 +301,10 @@ def _native(device: torch.device) -> bool:
     return native.available()
 
 
-def _fill_one(part: Part, output: Output, ckpt: Checkpoint, block_size: int,
-              device: torch.device) -> tuple[str, dict, str]:
+def _fill_one(part: Part, output: Output, ckpt: Checkpoint, device: torch.device) -> tuple[str, dict, str]:
     src = part.src
     scale = ckpt.view(src.scale) if src.scale is not None else None
-    digest, out_digest = stream_part(part, output, ckpt, src.info, scale, block_size=block_size, device=device)
+    digest, out_digest = stream_part(part, output, ckpt, src, scale, device=device)
     ids = {ckpt.identity(src.info): digest}
     if scale is not None:
         scale_digest = tensor_checksum(scale)
@@ -294,7 +365,7 @@ class _SpanReader:
         return _memory(self.at[info.file, info.offset], info.nbytes)
 
 
-def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint, block_size: int) -> list[tuple[str, dict, str]]:
+def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tuple[str, dict, str]]:
     """Small FP8 parts at once: every source read into a few buffers, every scale copied into one, one table
     of block results for all of them; then the parts that fit in L2 in one compiled call (gather and both
     hashes, without the GIL), each larger one piece by piece."""
@@ -302,7 +373,7 @@ def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint, block_size:
 
     scale_dtype = parts[0].src.scale.dtype
     if any(p.src.scale.dtype != scale_dtype for p in parts):  # mixed scale dtypes: one kind of table at a time
-        return [r for p in parts for r in _fill_small([p], output, ckpt, block_size)]
+        return [r for p in parts for r in _fill_small([p], output, ckpt)]
     sizes = [p.src.scale.nbytes for p in parts]
     source = _SpanReader(ckpt, [info for p in parts for info in (p.src.info, p.src.scale)])
     scale_buf = torch.empty(sum(sizes), dtype=torch.uint8)
@@ -320,10 +391,10 @@ def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint, block_size:
     scales = scale_buf.view(scale_dtype).float()
     bad = ~(torch.isfinite(scales) & (scales > 0))
     if bool(bad.any()):  # name the first part with a bad scale, as planning would
-        first, at = int(bad.nonzero()[0]), 0
+        bad_at, at = int(bad.nonzero()[0]), 0
         for p, size in zip(parts, sizes):
             at += size // scale_dtype.itemsize
-            if first < at:
+            if bad_at < at:
                 check_scale_values(ckpt, p.src.scale)
     lut = native.block_luts(scales, torch.bfloat16)
     lut_ptr, row = lut.data_ptr(), 256 * lut.element_size()
@@ -336,33 +407,33 @@ def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint, block_size:
             return
         desc = torch.tensor([d for _, d in pending], dtype=torch.int64)
         hashes = torch.empty(len(pending), 2, dtype=torch.int64)
-        if native.fill_parts(desc, lut_ptr, block_size, hashes):
+        if native.fill_parts(desc, lut_ptr, hashes):
             for (i, _), (h_in, h_out) in zip(pending, hashes.view(torch.uint64).tolist()):
                 digests[i] = (checksum_text(h_in), checksum_text(h_out))
         else:
-            for i, (x, y, m, n, first_block) in pending:
-                native.gather(x, lut_ptr + first_block * row, y, n, block_size, 0, m)
+            for i, (x, y, m, n, first_block, rows, cols) in pending:
+                native.gather(x, lut_ptr + first_block * row, y, n, (rows, cols), 0, m)
                 digests[i] = (checksum(_memory(x, m * n)), checksum(_memory(y, 2 * m * n)))
         pending.clear()
 
     output.before_flush = run
     try:
-        block = 0
+        first = 0  # the part's first table row
         for i, p in enumerate(parts):
             info = p.src.info
             m, n = info.shape
             weight_ptr = source.address(info)
             if p.nbytes <= HASH_BYTES:
-                pending.append((i, [weight_ptr, output.at(p, 0, p.nbytes), m, n, block]))
+                pending.append((i, [weight_ptr, output.at(p, 0, p.nbytes), m, n, first, *p.src.block]))
             else:
                 out_hash, rows = xxhash.xxh3_64(), max(1, HASH_BYTES // max(1, 2 * n))
                 for r0 in range(0, m, rows):  # each piece hashed while it is in L2
                     r1 = min(m, r0 + rows)
                     out_ptr = output.at(p, r0 * n * 2, (r1 - r0) * n * 2)
-                    native.gather(weight_ptr, lut_ptr + block * row, out_ptr - r0 * n * 2, n, block_size, r0, r1)
+                    native.gather(weight_ptr, lut_ptr + first * row, out_ptr - r0 * n * 2, n, p.src.block, r0, r1)
                     out_hash.update(_memory(out_ptr, (r1 - r0) * n * 2))
                 digests[i] = (checksum(source.bytes(info)), "xxh3_64:" + out_hash.hexdigest())
-            block += sizes[i] // scale_dtype.itemsize
+            first += sizes[i] // scale_dtype.itemsize
         run()
     finally:
         output.before_flush = None

@@ -4,8 +4,8 @@ With transformers 5.x, MoE experts are fused: `mlp.experts.gate_up_proj` is [E, 
 expert's gate rows, then its up rows) and `mlp.experts.down_proj` is [E, H, I]. The plan reads
 these fusions from transformers' own conversion mapping for the model type, builds the model
 skeleton on the meta device to learn every expected name and shape, and checks the checkpoint
-against it: every tensor present, every FP8 weight with a well-formed scale, expert shapes
-consistent. Each served tensor is the concatenation of its checkpoint sources in order, so each
+against it: every tensor present, every quantized weight with well-formed aux tensors (the checkpoint's
+format is a codec from `quantization`), expert shapes consistent. Each served tensor is the concatenation of its checkpoint sources in order, so each
 per-expert checkpoint tensor stays addressable as a contiguous view of its fused block; a parameter
 that transformers converts with any other op (transpose, chunk, interleave, ...) is computed at load
 from all its sources (`PlannedTensor.computed`) and is no view of them.
@@ -21,16 +21,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from expertd.dtypes import DEQUANTIZED, FP8, SCALE_SUFFIX
-from expertd.errors import CheckpointError, MissingTensorError, ScaleError, ShapeError, UnsupportedDtypeError
+from expertd.dtypes import DEQUANTIZED, FP8
+from expertd.errors import MissingTensorError, ScaleError, ShapeError, UnsupportedDtypeError
 from expertd.hf import Assembly, checkpoint_assembly, expert_name
 from expertd.partition import ExpertBlock, ExpertParallel
 
-from .quantization import quantization_format
+from .quantization import SCALE_DTYPES, Codec, Mxfp4, UnsupportedQuantization, quantization_format
 from .reader import Checkpoint, TensorInfo
-
-SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # DeepSeek stores float32, Qwen bf16; used as float32
-
 
 def is_fp8_weight(name: str, shape: tuple[int, ...]) -> bool:
     """DeepSeek-V3 stores every linear weight inside the layers as FP8, except the router."""
@@ -42,11 +39,20 @@ def is_fp8_weight(name: str, shape: tuple[int, ...]) -> bool:
 
 @dataclass
 class Source:
-    """One checkpoint tensor feeding a served tensor; `scale` is set for FP8 weights."""
+    """One checkpoint tensor feeding a served tensor. A quantized weight has its aux tensor in `scale` (an FP8
+    weight's scale, MXFP4 blocks' scales) and the codec's `kind`; `shape` is what it serves as."""
 
     name: str
     info: TensorInfo
     scale: TensorInfo | None = None
+    kind: str = "plain"  # "plain" (bytes as stored), "fp8" (scaled e4m3), "mxfp4" (blocks + scales)
+    block: tuple[int, int] | None = None  # fp8: the (rows, columns) one scale covers
+    served_shape: tuple[int, ...] | None = None  # mxfp4: the decoded shape; else the stored one
+    scheme: str = ""  # how it is quantized, in words (inspect, doctor); "" for plain
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.served_shape or self.info.shape
 
 
 @dataclass
@@ -64,14 +70,14 @@ class PlannedTensor:
 
     @property
     def source_shape(self) -> tuple[int, ...]:
-        return self.sources[0].info.shape
+        return self.sources[0].shape
 
 
 @dataclass
 class Plan:
     model_type: str
     layout: str  # "transformers-fused" when any fusion or computed conversion applies, else "checkpoint"
-    block_size: tuple[int, int]
+    codec: Codec  # the checkpoint's quantization format
     tensors: list[PlannedTensor]
     expert_parallel: ExpertParallel | None = None  # None: every expert is served
 
@@ -80,57 +86,91 @@ class Plan:
         return sum(t.nbytes for t in self.tensors)
 
 
-def block_size_of(config: dict, file: str | None = None) -> tuple[int, int]:
-    """The FP8 block size a config declares (its quantization format checked: see `quantization`)."""
-    return quantization_format(config, file).block_size
+def check_aux(ckpt: Checkpoint, codec: Codec) -> None:
+    """Every aux tensor belongs to a quantized weight of its format, and no tensor is of a kind the format
+    leaves out: a scale beside a bf16 weight (or none), MXFP4 scales without blocks, a compressed-tensors
+    activation scale or zero point mean the checkpoint is not what its config claims, and dropping or
+    serving them would be silently wrong."""
+    names = ckpt.tensors
+    for name, info in names.items():
+        if codec.kind == "mxfp4":
+            if name.endswith(codec.scales_suffix) and name[: -len(codec.scales_suffix)] + codec.blocks_suffix not in names:
+                raise ScaleError(f"MXFP4 scales have no {name[: -len(codec.scales_suffix)] + codec.blocks_suffix!r}",
+                                 file=info.file, tensor=name)
+        elif codec.is_aux(name, names):
+            weight = names[name[: -len(codec.suffix)]]
+            if weight.dtype not in FP8:
+                raise ScaleError(f"scale belongs to a {weight.dtype} weight, not an FP8 one", file=info.file, tensor=name)
+        elif codec.method == "compressed-tensors" and name.rsplit(".", 1)[-1] in FOREIGN_AUX:
+            raise UnsupportedQuantization(
+                f"{name.rsplit('.', 1)[-1]} tensors are not served (quantization_config declares FP8 weights with "
+                f"dynamic activations; a static scale or zero point would change the numerics)",
+                file=info.file, tensor=name)
 
 
-def check_scale_pairs(ckpt: Checkpoint) -> None:
-    """Every `*_scale_inv` must belong to an FP8 weight: a scale beside a bf16 weight (or none) means
-    the checkpoint is not what it claims, and dropping the scale would serve wrong values silently."""
-    for name, info in ckpt.tensors.items():
-        if name.endswith(SCALE_SUFFIX):
-            weight = ckpt.tensors.get(name[: -len(SCALE_SUFFIX)])
-            if weight is None or weight.dtype not in FP8:
-                what = "no weight" if weight is None else f"a {weight.dtype} weight"
-                raise ScaleError(f"scale belongs to {what}, not an FP8 one", file=info.file, tensor=name)
+# compressed-tensors' other per-module tensors: static activation scales, zero points, group indices
+FOREIGN_AUX = ("input_scale", "output_scale", "weight_zero_point", "input_zero_point", "weight_g_idx", "k_scale",
+               "v_scale")
 
 
-def attach_scale(ckpt: Checkpoint, info: TensorInfo, block: tuple[int, int]) -> TensorInfo | None:
-    """The scale of an FP8 weight, checked; None for a weight that is not FP8."""
+def make_source(ckpt: Checkpoint, codec: Codec, name: str, stored: str, aux: str | None) -> Source:
+    """The source serving `name` from checkpoint tensor `stored` (and its aux), checked against the codec."""
+    info = ckpt.tensors[stored]
+    if codec.kind == "mxfp4" and stored != name:
+        return _mxfp4_source(ckpt, codec, name, info, aux)
     if info.dtype not in FP8:
-        return None
+        return Source(name, info)
     if info.dtype != DEQUANTIZED:
-        raise UnsupportedDtypeError(
-            f"{info.dtype} weights cannot be dequantized (DeepSeek-V3 block scales are for float8_e4m3fn)",
+        raise UnsupportedDtypeError(f"{info.dtype} weights cannot be dequantized (FP8 scales are for float8_e4m3fn)",
+                                    file=info.file, tensor=info.name)
+    if aux is None:
+        raise ScaleError(
+            f"FP8 weight has no {codec.aux_name(name)!r}; refusing to serve FP8 bytes as if they were bf16",
             file=info.file, tensor=info.name,
         )
-    scale = ckpt.tensors.get(info.name + SCALE_SUFFIX)
-    if scale is None:
-        raise ScaleError(
-            f"FP8 weight has no {info.name + SCALE_SUFFIX!r}; refusing to serve FP8 bytes as if they were bf16",
-            file=info.file,
-            tensor=info.name,
-        )
+    scale = ckpt.tensors[aux]
     if len(info.shape) != 2:
-        raise ShapeError(f"FP8 weight must be 2-D for block dequant, has shape {list(info.shape)}", file=info.file, tensor=info.name)
-    want = (math.ceil(info.shape[0] / block[0]), math.ceil(info.shape[1] / block[1]))
-    if scale.shape != want:
-        raise ScaleError(
-            f"scale shape {list(scale.shape)} does not fit weight {list(info.shape)} with {block[0]}x{block[1]} blocks; "
-            f"expected {list(want)}",
-            file=scale.file,
-            tensor=scale.name,
-        )
+        raise ShapeError(f"FP8 weight must be 2-D for block dequant, has shape {list(info.shape)}", file=info.file,
+                         tensor=info.name)
+    try:
+        block = codec.block_for(info.shape, scale.shape)
+    except ValueError:
+        want = " or ".join(f"{list(s)} ({strategy})" for strategy, s in codec.expected_scale(info.shape))
+        raise ScaleError(f"scale shape {list(scale.shape)} does not fit weight {list(info.shape)}; expected {want}",
+                         file=scale.file, tensor=scale.name) from None
     if scale.dtype not in SCALE_DTYPES:
         raise ScaleError(f"scale dtype {scale.dtype} is not one of {', '.join(map(str, SCALE_DTYPES))}",
                          file=scale.file, tensor=scale.name)
-    return scale
+    return Source(name, info, scale, "fp8", block, scheme=codec.scheme(info.shape, scale.shape))
+
+
+def _mxfp4_source(ckpt: Checkpoint, codec: Mxfp4, name: str, blocks: TensorInfo, aux: str | None) -> Source:
+    if aux is None:
+        raise ScaleError(f"MXFP4 blocks have no {name + codec.scales_suffix!r}; refusing to serve packed e2m1 codes",
+                         file=blocks.file, tensor=blocks.name)
+    scales = ckpt.tensors[aux]
+    if blocks.dtype != torch.uint8 or len(blocks.shape) < 3 or blocks.shape[-1] != codec.BYTES:
+        raise ShapeError(f"MXFP4 blocks must be uint8 [..., rows, groups, {codec.BYTES}] ({codec.GROUP} e2m1 values a "
+                         f"group, two a byte); found {blocks.dtype} {list(blocks.shape)}",
+                         file=blocks.file, tensor=blocks.name)
+    if scales.dtype != torch.uint8 or scales.shape != blocks.shape[:-1]:
+        raise ScaleError(f"MXFP4 scales must be uint8 {list(blocks.shape[:-1])} (one e8m0 a group of "
+                         f"{blocks.name}); found {scales.dtype} {list(scales.shape)}", file=scales.file, tensor=scales.name)
+    return Source(name, blocks, scales, "mxfp4", served_shape=codec.served_shape(blocks.shape),
+                  scheme=codec.scheme(blocks.shape, scales.shape))
 
 
 def check_scale_values(ckpt: Checkpoint, scale: TensorInfo) -> None:
-    """Scales must be finite and positive: a NaN or zero scale silently ruins a whole block."""
+    """Scales must be finite and positive: a NaN or zero scale silently ruins a whole block (an MXFP4 e8m0
+    scale byte 0xff is its NaN)."""
     values = ckpt.view(scale)
+    if values.dtype == torch.uint8:
+        bad = values == 0xFF
+        if bool(bad.any()):
+            where = [int(i) for i in bad.nonzero()[0]]
+            raise ScaleError(f"e8m0 scale byte 0xff (NaN) at group {where}: the group's 32 values would be NaN",
+                             file=scale.file, tensor=scale.name)
+        return
     flat = values.reshape(-1).float().numpy()  # bf16 / fp16 scales are used as float32: exact
     if flat.size and bool(((flat > 0) & (flat < np.inf)).all()):  # NaN fails both, -inf and 0 the first
         return
@@ -157,8 +197,12 @@ def check_scales(ckpt: Checkpoint, scales: list[TensorInfo]) -> None:
         for info in infos:
             ckpt.read_into(info, 0, mem[at: at + info.nbytes])
             at += info.nbytes
-        values = torch.frombuffer(buf, dtype=dtype).float().numpy() if buf else np.zeros(0, np.float32)
-        if not bool(((values > 0) & (values < np.inf)).all()):  # NaN fails both, -inf and 0 the first
+        if dtype == torch.uint8:  # MXFP4's e8m0: every byte but 0xff is a power of two
+            ok = not buf or int(np.frombuffer(buf, np.uint8).max()) != 0xFF
+        else:
+            values = torch.frombuffer(buf, dtype=dtype).float().numpy() if buf else np.zeros(0, np.float32)
+            ok = bool(((values > 0) & (values < np.inf)).all())  # NaN fails both, -inf and 0 the first
+        if not ok:
             for info in infos:
                 check_scale_values(ckpt, info)
 
@@ -174,17 +218,20 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: Expe
     """
     config = ckpt.config
     model_type = config.get("model_type", "")
-    block = block_size_of(config, os.path.join(ckpt.folder, "config.json"))  # refuses formats it cannot serve
-    weights = [n for n in ckpt.tensors if not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in ckpt.tensors)]
-    assembly, unused, expected = checkpoint_assembly(config, weights)
+    codec = quantization_format(config, os.path.join(ckpt.folder, "config.json"))  # refuses formats it cannot serve
+    served = codec.logical(ckpt.tensors)  # {name the model sees: (stored tensor, aux tensor)}
+    assembly, unused, expected = checkpoint_assembly(config, list(served))
     planned: list[PlannedTensor] = []
 
-    def source(name: str, param: str, want_shape: tuple[int, ...], what: str) -> Source:
-        """The checkpoint tensor `name` for `param`, shape checked before its scale."""
-        info = ckpt.tensors[name]
-        if info.shape != want_shape:
-            raise ShapeError(f"shape {list(info.shape)} does not match {what} {list(want_shape)}", file=info.file, tensor=name)
-        return Source(name, info, attach_scale(ckpt, info, block))
+    def source(name: str, param: str | None = None, want_shape: tuple[int, ...] | None = None, what: str = "") -> Source:
+        """The source serving checkpoint name `name` (for `param`: shape checked before its aux)."""
+        stored, aux = served[name]
+        info = ckpt.tensors[stored]
+        shape = codec.served_shape(info.shape) if isinstance(codec, Mxfp4) and stored != name else info.shape
+        if want_shape is not None and shape != want_shape:
+            raise ShapeError(f"shape {list(shape)} does not match {what} {list(want_shape)}", file=info.file,
+                             tensor=stored)
+        return make_source(ckpt, codec, name, stored, aux)
 
     for param, (shape, _) in expected.items():
         how = assembly.get(param)
@@ -193,7 +240,7 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: Expe
                 f"checkpoint lacks a tensor the model needs (for parameter {param!r})", file=ckpt.folder, tensor=param
             )
         if how.computed:  # source shapes are the converter's business: the result is checked at load
-            srcs = [Source(n, ckpt.tensors[n], attach_scale(ckpt, ckpt.tensors[n], block)) for n in how.sources]
+            srcs = [source(n) for n in how.sources]
             dtypes = {served_dtype(s) for s in srcs}
             if len(dtypes) != 1:
                 raise ShapeError(f"sources of {param} mix dtypes {sorted(map(str, dtypes))}", file=srcs[0].info.file,
@@ -227,19 +274,18 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: Expe
             raise ShapeError(f"experts of {param} mix dtypes {sorted(map(str, dtypes))}", file=srcs[0].info.file, tensor=srcs[0].name)
         planned.append(PlannedTensor(param, shape, dtypes.pop(), srcs, experts=share))
 
-    check_scale_pairs(ckpt)  # after the model's own tensors, so a missing weight is named as such
+    check_aux(ckpt, codec)  # after the model's own tensors, so a missing weight is named as such
 
     # Tensors the model does not use (e.g. DeepSeek-V3's multi-token-prediction layer) are still
     # served under their checkpoint names, so `tensors()` covers the whole checkpoint (of a partition: its experts).
     for name in unused if partition is None else unused_share(unused, partition):
-        info = ckpt.tensors[name]
-        src = Source(name, info, attach_scale(ckpt, info, block))
-        planned.append(PlannedTensor(name, info.shape, served_dtype(src), [src]))
+        src = source(name)
+        planned.append(PlannedTensor(name, src.shape, served_dtype(src), [src]))
 
     if check_values:
         check_scales(ckpt, [s.scale for t in planned for s in t.sources if s.scale is not None])
     layout = "transformers-fused" if any(len(t.sources) > 1 or t.computed for t in planned) else "checkpoint"
-    return Plan(model_type, layout, block, planned, partition)
+    return Plan(model_type, layout, codec, planned, partition)
 
 
 _EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")

@@ -135,7 +135,6 @@ def build(
     dev = resolve_device(device)
     threads = threads or default_threads()
     arena = Arena(namespace, generation, group=group, shm_dir=shm_dir)
-    block = plan.block_size[0]
     started = time.perf_counter()
     pool = OrderedPool(threads)
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="expertd load", disable=not progress)
@@ -191,7 +190,7 @@ def build(
                     from expertd.hf import model_config
 
                     context["config"] = model_config(ckpt.config)
-                yield (slot, 0, planned.nbytes), _computed, ckpt, planned, out, context["config"], block, dev
+                yield (slot, 0, planned.nbytes), _computed, ckpt, planned, out, context["config"], dev
                 return
             chunks = out.view(n, *planned.source_shape) if n > 1 else out.view(1, *planned.shape)
             step = planned.nbytes // n
@@ -204,7 +203,7 @@ def build(
                         item.old, item.digest = old.part(prev[slot], k, n), digests[slot][k]
             first = 0
             for batch in batches(items, lambda item: item.nbytes):
-                yield (slot, first, sum(item.nbytes for item in batch)), fill, batch, ckpt, arena, block, dev
+                yield (slot, first, sum(item.nbytes for item in batch)), fill, batch, ckpt, arena, dev
                 first += len(batch)
 
         # Threads take turns among TURNS_PER_THREAD x `threads` tensors at a time: each then mostly writes a
@@ -340,16 +339,16 @@ def _unchanged(ckpt: Checkpoint, plan: Plan, previous: Built | None, pool: Order
     return prev, digests
 
 
-def _computed(ckpt: Checkpoint, planned, out: torch.Tensor, config, block: int, dev: torch.device):
+def _computed(ckpt: Checkpoint, planned, out: torch.Tensor, config, dev: torch.device):
     """A computed tensor (transformers converts it with more than a rename or a stack): its sources read
-    whole, FP8 dequantized, converted by transformers' own ops, written; [(source digests, checksum)]."""
+    whole, dequantized, converted by transformers' own ops, written; [(source digests, checksum)]."""
     digests, tensors = [], []
     for src in planned.sources:
         data = ckpt.view(src.info)
         scale = ckpt.view(src.scale) if src.scale is not None else None
         digest = tensor_checksum(data) + (f"+{tensor_checksum(scale)}" if scale is not None else "")
         digests.append(digest)
-        tensors.append(source_tensor(data, scale, src.info, planned.dtype, write_part, block_size=block, device=dev))
+        tensors.append(source_tensor(data, scale, src, planned.dtype, write_part, device=dev))
     out.copy_(compute(planned, tensors, config))
     return [(digests, {}, tensor_checksum(out))]
 

@@ -4,8 +4,9 @@ The updater names the tensors it pushes; the daemon checks every name, shape and
 the latest generation and hands back a staging segment to write them into (tensor bytes never
 travel over ZeroMQ). On commit the daemon checks the staged bytes against the updater's
 checksums, then builds the new generation: each served tensor that receives a pushed value gets
-a fresh segment holding the old bytes with the pushed parts written over them (FP8 parts pushed
-with their `*_scale_inv` are dequantized exactly as at load); everything else is shared.
+a fresh segment holding the old bytes with the pushed parts written over them (quantized parts pushed
+in the checkpoint's format — FP8 with its scale, MXFP4 `*_blocks` with `*_scales` — are dequantized
+exactly as at load); everything else is shared.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_chec
 from expertd.shm import DTYPES, map_segment, segment_bytes, segment_path
 
 from .arena import Arena, placed_size
-from .layout import SCALE_DTYPES, SCALE_SUFFIX, block_size_of
 from .filling import write_part
 from .loader import Built, PreviousBytes, segments_of
+from .quantization import SCALE_DTYPES, Mxfp4, quantization_format
 
 FP8 = "torch.float8_e4m3fn"
 SCALE_DTYPE_NAMES = tuple(str(d) for d in SCALE_DTYPES)
@@ -43,7 +44,10 @@ class Push:
     part: int | None  # position among the target's parts; None: the whole tensor
     parts: int  # how many parts the target has
     offset: int = 0  # in the staging segment
-    scale: "Push | None" = None
+    scale: "Push | None" = None  # a quantized push's aux tensor (FP8 scale, MXFP4 scales)
+    kind: str = "plain"  # how it is written: "plain", "fp8", "mxfp4" (see filling.write_part)
+    block: tuple[int, int] | None = None  # fp8: the (rows, columns) one scale covers
+    served_shape: list[int] | None = None  # what it becomes (a quantized push's decoded shape)
 
     @property
     def nbytes(self) -> int:
@@ -67,14 +71,15 @@ def plan_update(index: TensorIndex, items: list) -> list[Push]:
         raise UpdateRejected("an update needs a non-empty list of tensors")
     served = {t.name: t for t in index.tensors}
     views = {v.name: v for v in index.all_views()}
+    codec = quantization_format(index.config)
     specs = {}
     for i, item in enumerate(items):
         name, shape, dtype = _spec(item, i)
         if name in specs:
             raise UpdateRejected(f"tensor {name!r} is named twice in the update")
         specs[name] = (shape, dtype)
-    unserved = [n for n in specs if n not in served and n not in views
-                 and not (n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] in specs)]
+    logical = codec.logical(specs)  # {served name: (pushed tensor, its aux)}
+    unserved = [stored for n, (stored, _) in logical.items() if n not in served and n not in views]
     if unserved:
         share = ""
         if index.expert_parallel is not None:
@@ -83,9 +88,7 @@ def plan_update(index: TensorIndex, items: list) -> list[Push]:
         raise UpdateRejected(f"{len(unserved)} tensor(s) not served here (neither a served nor a checkpoint name): "
                              f"{', '.join(map(repr, unserved))}{share}")
     pushes, claimed = [], {}
-    for name, (shape, dtype) in specs.items():
-        if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in specs:
-            continue  # goes with its weight
+    for name, (stored, aux) in logical.items():
         if name in served:
             target, part, want = served[name], None, served[name]
         elif name in views:
@@ -94,24 +97,7 @@ def plan_update(index: TensorIndex, items: list) -> list[Push]:
             part = target.sources.index(name)
         else:
             raise UpdateRejected(f"tensor {name!r} is not served (neither a served nor a checkpoint name)")
-        push = Push(name, shape, dtype, target, part, len(target.sources))
-        if shape != want.shape:
-            raise UpdateRejected(f"tensor {name!r}: shape {shape} does not match the served {want.shape}")
-        scale_name = name + SCALE_SUFFIX
-        if dtype == FP8 and want.dtype == "torch.bfloat16":
-            if scale_name not in specs:
-                raise UpdateRejected(f"FP8 tensor {name!r} needs its {scale_name!r} pushed with it")
-            block = block_size_of(index.config)[0]
-            s_shape, s_dtype = specs[scale_name]
-            s_want = [math.ceil(d / block) for d in shape]
-            if len(shape) != 2 or s_shape != s_want or s_dtype not in SCALE_DTYPE_NAMES:
-                raise UpdateRejected(
-                    f"scale {scale_name!r} must be float32 (or bf16/fp16) of shape {s_want} for {name!r} {shape}, "
-                    f"got {s_dtype} {s_shape}"
-                )
-            push.scale = Push(scale_name, s_shape, s_dtype, target, part, push.parts)
-        elif dtype != want.dtype:
-            raise UpdateRejected(f"tensor {name!r}: dtype {dtype} is not the served {want.dtype} (or FP8 with a scale)")
+        push = _push(codec, specs, stored, aux, target, part, want)
         key = (target.name, part)
         overlaps = [k for k in claimed if k[0] == target.name and (k[1] is None or part is None or k[1] == part)]
         if overlaps:
@@ -119,6 +105,47 @@ def plan_update(index: TensorIndex, items: list) -> list[Push]:
         claimed[key] = name
         pushes.append(push)
     return pushes
+
+
+def _push(codec, specs: dict, stored: str, aux: str | None, target: TensorEntry, part: int | None, want) -> Push:
+    """The push of `stored` into `want` (a served tensor or one of its parts), checked: as served, or quantized
+    in the checkpoint's format with its aux tensor."""
+    shape, dtype = specs[stored]
+    push = Push(stored, shape, dtype, target, part, len(target.sources), served_shape=list(want.shape))
+    if isinstance(codec, Mxfp4) and stored.endswith(codec.blocks_suffix):
+        scales = stored[: -len(codec.blocks_suffix)] + codec.scales_suffix
+        if aux is None:
+            raise UpdateRejected(f"MXFP4 blocks {stored!r} need their {scales!r} pushed with them")
+        s_shape, s_dtype = specs[aux]
+        if (dtype != "torch.uint8" or len(shape) < 3 or shape[-1] != codec.BYTES or s_dtype != "torch.uint8"
+                or s_shape != shape[:-1] or list(codec.served_shape(tuple(shape))) != want.shape
+                or want.dtype != "torch.bfloat16"):
+            raise UpdateRejected(
+                f"MXFP4 {stored!r} {dtype} {shape} with {aux!r} {s_dtype} {s_shape} cannot make the served "
+                f"{want.dtype} {want.shape}: blocks must be uint8 [..., rows, groups, {codec.BYTES}] decoding to "
+                f"[..., groups*32, rows], scales uint8 [..., rows, groups]")
+        push.kind, push.scale = "mxfp4", Push(aux, s_shape, s_dtype, target, part, push.parts)
+        return push
+    if shape != want.shape:
+        raise UpdateRejected(f"tensor {stored!r}: shape {shape} does not match the served {want.shape}")
+    if dtype == FP8 and want.dtype == "torch.bfloat16" and codec.kind == "fp8":
+        if aux is None:
+            raise UpdateRejected(f"FP8 tensor {stored!r} needs its {codec.aux_name(stored)!r} pushed with it")
+        s_shape, s_dtype = specs[aux]
+        if len(shape) != 2 or s_dtype not in SCALE_DTYPE_NAMES:
+            raise UpdateRejected(f"FP8 tensor {stored!r} must be 2-D with a float32 (or bf16/fp16) scale, got "
+                                 f"{shape} with {s_dtype} {aux!r}")
+        try:
+            push.block = codec.block_for(tuple(shape), tuple(s_shape))
+        except ValueError:
+            want_scale = " or ".join(f"{list(w)} ({how})" for how, w in codec.expected_scale(tuple(shape)))
+            raise UpdateRejected(f"scale {aux!r} must have shape {want_scale} for {stored!r} {shape}, "
+                                 f"got {s_shape}") from None
+        push.kind, push.scale = "fp8", Push(aux, s_shape, s_dtype, target, part, push.parts)
+    elif dtype != want.dtype:
+        raise UpdateRejected(f"tensor {stored!r}: dtype {dtype} is not the served {want.dtype} (or quantized in the "
+                             f"checkpoint's format with its scale)")
+    return push
 
 
 class Staging:
@@ -219,7 +246,6 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
     started = time.perf_counter()
     index = previous.index
     old = PreviousBytes(index)
-    block = block_size_of(index.config)[0]
     by_target: dict[str, list[Push]] = {}
     for p in staging.pushes:
         by_target.setdefault(p.target.name, []).append(p)
@@ -242,7 +268,8 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
             for p in pushes:
                 dest = out.view(-1) if p.part is None else chunks[p.part]
                 scale = staged[p.scale.name] if p.scale else None
-                write_part(dest.view(p.shape), staged[p.name], scale, name=p.name, block_size=block, device=device)
+                write_part(dest.view(p.served_shape), staged[p.name], scale, name=p.name, block=p.block, kind=p.kind,
+                           device=device)
                 mark = f"pushed:{tensor_checksum(staged[p.name])}" + (f"+{tensor_checksum(scale)}" if scale is not None else "")
                 for k in (range(n) if p.part is None else (p.part,)):
                     digests[k] = f"{mark}#{k}"

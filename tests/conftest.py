@@ -95,3 +95,28 @@ def tf4_python(wheel) -> str:
         open(ready, "w").close()
     run([python, *PIP, "install", "--no-deps", "--force-reinstall", wheel], cwd=venv)
     return python
+
+
+@pytest.fixture(scope="session")
+def llmcompressor_python() -> str:
+    """The python of a virtualenv with llmcompressor (which pins its own transformers), made once and cached in
+    ~/.cache/expertd; `helpers.llmcompressor.write_compressed` runs its `oneshot` there."""
+    from helpers.llmcompressor import llmcompressor_venv
+
+    return llmcompressor_venv()
+
+
+@pytest.fixture(scope="session")
+def llmcompressor_checkpoints(tmp_path_factory, llmcompressor_python) -> dict[str, str]:
+    """Folders of a tiny bf16 Qwen3-MoE ("bf16") and of what llmcompressor's `oneshot` writes from it with
+    FP8_DYNAMIC and FP8_BLOCK (save_compressed=True), made once per session."""
+    from expertd.server.tools.generate import generate_model_type
+    from helpers.llmcompressor import write_compressed
+
+    root = tmp_path_factory.mktemp("llmcompressor")
+    out = {"bf16": str(root / "bf16")}
+    generate_model_type(out["bf16"], "qwen3_moe", fp8=False)
+    for scheme in ("FP8_DYNAMIC", "FP8_BLOCK"):
+        out[scheme] = str(root / scheme)
+        write_compressed(llmcompressor_python, out["bf16"], out[scheme], scheme)
+    return out

@@ -53,7 +53,7 @@ def validate(folder):
 
 def test_tiny_checkpoint_plans_fused_experts(tiny_checkpoint):
     plan = validate(tiny_checkpoint)
-    assert plan.layout == "transformers-fused" and plan.block_size == (128, 128)
+    assert plan.layout == "transformers-fused" and plan.codec.block_size == (128, 128)
     by_name = {t.name: t for t in plan.tensors}
     gate_up = by_name["model.layers.1.mlp.experts.gate_up_proj"]
     assert gate_up.shape == (8, 400, 320) and gate_up.dtype == torch.bfloat16

@@ -1,10 +1,11 @@
-"""`expertd convert`: an FP8 DeepSeek-V3-format checkpoint to a plain bf16 HuggingFace checkpoint.
+"""`expertd convert`: a quantized checkpoint (DeepSeek FP8, compressed-tensors FP8, MXFP4) to plain bf16.
 
 Unlike DeepSeek's fp8_cast_bf16.py, which prints a warning and copies FP8 bytes through when a
-`*_scale_inv` is missing, the whole source is validated before DST is touched: every FP8 weight
-needs a float32 scale of shape (ceil(M/128), ceil(N/128)) with finite positive values, and every
-scale needs its FP8 weight. Weights are dequantized by `weight_dequant` (bit for bit the reference:
-one float32 multiply, one round-to-nearest-even cast), other tensors are copied byte for byte.
+`*_scale_inv` is missing, the whole source is validated before DST is touched, by the same codec the
+daemon plans with (`quantization`): every FP8 weight needs a scale of the shape its format declares
+with finite positive values, every scale needs its FP8 weight, MXFP4 blocks need their scales.
+Weights are dequantized as the daemon does (`filling.write_part`: bit for bit each format's
+definition), other tensors are copied byte for byte.
 
 Each output shard is streamed: its safetensors header is computed from the plan, then tensors are
 dequantized and written one at a time, so memory stays at one tensor whatever the model size. A
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import struct
@@ -31,8 +33,9 @@ from expertd.errors import CheckpointError
 from expertd.index import write_json_atomic
 from expertd.units import parse_size
 
-from ..layout import SCALE_SUFFIX, attach_scale, block_size_of, check_scale_pairs, check_scale_values
-from ..reader import INDEX_FILE, SINGLE_FILE, Checkpoint, TensorInfo
+from ..layout import Source, check_aux, check_scale_values, make_source
+from ..quantization import Codec, quantization_format
+from ..reader import INDEX_FILE, SINGLE_FILE, Checkpoint
 
 log = logging.getLogger("expertd.convert")
 
@@ -44,12 +47,14 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # HuggingFace's "5GB"
 
 @dataclass
 class OutTensor:
-    """One tensor of the output: a source tensor, dequantized with `scale` when it has one."""
+    """One tensor of the output: a source, dequantized by its format when it is quantized."""
 
-    name: str
-    source: TensorInfo
-    scale: TensorInfo | None
+    source: Source
     dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return self.source.name
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -57,7 +62,7 @@ class OutTensor:
 
     @property
     def nbytes(self) -> int:
-        return self.source.nbytes // self.source.dtype.itemsize * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass
@@ -88,7 +93,7 @@ class OutShard:
 @dataclass
 class ConversionPlan:
     source: Checkpoint
-    block_size: int
+    codec: Codec
     shards: list[OutShard]
     kept_fp8: list[str]
 
@@ -111,24 +116,21 @@ class ConvertResult:
 def plan_conversion(ckpt: Checkpoint, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
                     keep_fp8_where_unscaled: bool = False) -> ConversionPlan:
     """Validate every tensor and scale of the source and assign output tensors to shards; reads only scales."""
-    block = block_size_of(ckpt.config, os.path.join(ckpt.folder, "config.json"))
+    codec = quantization_format(ckpt.config, os.path.join(ckpt.folder, "config.json"))
     outputs: list[OutTensor] = []
     kept: list[str] = []
-    check_scale_pairs(ckpt)
-    for name, info in ckpt.tensors.items():
-        if name.endswith(SCALE_SUFFIX):
-            continue
-        if info.dtype not in FP8:
-            outputs.append(OutTensor(name, info, None, info.dtype))
-            continue
-        if name + SCALE_SUFFIX not in ckpt.tensors and keep_fp8_where_unscaled:
+    check_aux(ckpt, codec)
+    for name, (stored, aux) in codec.logical(ckpt.tensors).items():
+        info = ckpt.tensors[stored]
+        if info.dtype in FP8 and aux is None and keep_fp8_where_unscaled:
             log.warning("%s has no scale: kept as %s (--keep-fp8-where-unscaled)", name, info.dtype)
             kept.append(name)
-            outputs.append(OutTensor(name, info, None, info.dtype))
+            outputs.append(OutTensor(Source(name, info), info.dtype))
             continue
-        scale = attach_scale(ckpt, info, block)  # e5m2 weight; missing, misshapen or non-float32 scale: a typed error
-        check_scale_values(ckpt, scale)
-        outputs.append(OutTensor(name, info, scale, torch.bfloat16))
+        src = make_source(ckpt, codec, name, stored, aux)  # e5m2 weight; missing or misshapen aux: a typed error
+        if src.scale is not None:
+            check_scale_values(ckpt, src.scale)
+        outputs.append(OutTensor(src, torch.bfloat16 if src.scale is not None else info.dtype))
 
     shards: list[OutShard] = []
     filled = 0
@@ -140,7 +142,7 @@ def plan_conversion(ckpt: Checkpoint, max_shard_size: int = DEFAULT_MAX_SHARD_SI
         filled += t.nbytes
     for k, shard in enumerate(shards):
         shard.file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-    return ConversionPlan(ckpt, block[0], shards, kept)
+    return ConversionPlan(ckpt, codec, shards, kept)
 
 
 def output_config(config: dict) -> dict:
@@ -241,20 +243,18 @@ def _write_tensor(f, tensor: torch.Tensor) -> None:
 
 def _write_shard(plan: ConversionPlan, shard: OutShard, path: str, device: torch.device, bar) -> None:
     """Stream one shard to `path` + '.partial', then rename: a file under the final name is always complete."""
-    from expertd.kernels import weight_dequant
+    from ..filling import dequantized
 
     tmp = path + PARTIAL_SUFFIX
     ckpt = plan.source
     with open(tmp, "wb") as f:
         f.write(shard.header())
         for t in shard.tensors:
-            data = ckpt.read(t.name)
-            if t.scale is not None:
-                data = weight_dequant(data, ckpt.read(t.scale.name), plan.block_size, out_dtype=t.dtype,
-                                      name=t.name, device=device).cpu()
+            src = t.source
+            data = dequantized(ckpt, src, device)
             if data.dtype != t.dtype or tuple(data.shape) != t.shape:  # the plan and the reader disagree: a bug
                 raise CheckpointError(f"read {data.dtype}{list(data.shape)}, planned {t.dtype}{list(t.shape)}",
-                                      file=t.source.file, tensor=t.name)
+                                      file=src.info.file, tensor=t.name)
             _write_tensor(f, data)
             del data
             bar.update(t.nbytes)

@@ -24,7 +24,8 @@ import torch
 from expertd.dtypes import DEQUANTIZED
 from expertd.errors import CheckpointError, ShmError
 
-from ..layout import SCALE_SUFFIX, plan_checkpoint
+from ..layout import plan_checkpoint
+from ..quantization import ScaledFp8, quantization_format
 from ..reader import Checkpoint
 
 log = logging.getLogger("expertd.doctor")
@@ -134,11 +135,15 @@ class Doctor:
             plan = None
         finally:
             ckpt.close()
-        if plan is None:  # stored dtypes only, by checkpoint name
-            for name, info in ckpt.tensors.items():
-                if not name.endswith(SCALE_SUFFIX):
-                    scaled = info.dtype == DEQUANTIZED and name + SCALE_SUFFIX in ckpt.tensors
-                    self.row(name).checkpoint = dtype_name(info.dtype) + ("+scale" if scaled else "")
+        if plan is None:  # stored dtypes only, by checkpoint name (in the checkpoint's format where it is served)
+            try:
+                codec = quantization_format(ckpt.config)
+            except CheckpointError:
+                codec = ScaledFp8(None)
+            for name, (stored, aux) in codec.logical(ckpt.tensors).items():
+                info = ckpt.tensors[stored]
+                scaled = aux is not None and (info.dtype == DEQUANTIZED or codec.kind == "mxfp4")
+                self.row(name).checkpoint = dtype_name(info.dtype) + ("+scale" if scaled else "")
             return ckpt.config
         for t in plan.tensors:
             stored = sorted({dtype_name(s.info.dtype) + ("+scale" if s.scale is not None else "") for s in t.sources})
@@ -203,7 +208,7 @@ class Doctor:
 
     def _compare(self, r: Row) -> None:
         if r.checkpoint and r.checkpoint.startswith("float8") and "+scale" not in r.checkpoint:
-            self.find("error", "fp8-unscaled", r.name, f"stored as {r.checkpoint} without a *_scale_inv")
+            self.find("error", "fp8-unscaled", r.name, f"stored as {r.checkpoint} without its scale")
         if r.served and r.index and r.served != r.index:
             self.find("error", "index-vs-checkpoint", r.name,
                       f"the daemon's index says {r.index}, the checkpoint ({r.checkpoint}) is served as {r.served}: "

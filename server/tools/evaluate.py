@@ -34,22 +34,24 @@ def load_checkpoint_model(folder: str, dtype: torch.dtype = torch.bfloat16):
     from expertd.client import restore
     from expertd.fusion import parts_of
     from expertd.hf import empty_model, fusions_for, loaded_dtypes
-    from expertd.kernels import weight_dequant_reference
+    from expertd.kernels import dequant_mxfp4_reference, scale_shape, weight_dequant_reference
 
-    from ..layout import SCALE_SUFFIX
+    from ..layout import make_source
+    from ..quantization import quantization_format
     from ..reader import Checkpoint
-    from expertd.dtypes import FP8
 
     ckpt = Checkpoint.open(folder)
     try:
-        block = (ckpt.config.get("quantization_config") or {}).get("weight_block_size", [128, 128])[0]
+        codec = quantization_format(ckpt.config, os.path.join(ckpt.folder, "config.json"))
         tensors = {}
-        for name, info in ckpt.tensors.items():
-            if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in ckpt.tensors:
-                continue
-            t = ckpt.read(name)
-            if info.dtype in FP8 and name + SCALE_SUFFIX in ckpt.tensors:
-                t = weight_dequant_reference(t, ckpt.read(name + SCALE_SUFFIX), block, out_dtype=dtype)
+        for name, (stored, aux) in codec.logical(ckpt.tensors).items():
+            t = ckpt.read(stored)
+            src = make_source(ckpt, codec, name, stored, aux) if aux is not None else None
+            if src is not None and src.kind == "fp8":
+                grid = ckpt.read(aux).float().reshape(scale_shape(*t.shape, src.block))
+                t = weight_dequant_reference(t, grid, src.block, out_dtype=dtype)
+            elif src is not None and src.kind == "mxfp4":
+                t = dequant_mxfp4_reference(t, ckpt.read(aux)).to(dtype)
             elif t.is_floating_point() and t.dtype != dtype and t.dim() >= 2:
                 t = t.to(dtype)
             tensors[name] = t

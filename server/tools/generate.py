@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
+from expertd.dtypes import SCALE_SUFFIX
 from expertd.fusion import parts_of
 from expertd.hf import fusions_for, loaded_dtypes, model_state
 from expertd.kernels import quantize_fp8_blockwise
 
-from ..layout import SCALE_SUFFIX, is_fp8_weight
+from ..layout import is_fp8_weight
 
 PRESETS: dict[str, dict] = {
     # ~2 MB: partial blocks everywhere (320 = 2.5 blocks, 200, 576), 8 experts in 2 groups.
@@ -163,6 +164,12 @@ TINY_DIMS = dict(
     n_routed_experts=8, num_experts=8, num_local_experts=8, moe_num_experts=8, num_experts_per_tok=2,
     n_group=2, topk_group=1, first_k_dense_replace=1, decoder_sparse_step=1, mlp_only_layers=[], moe_layer_freq=1,
     q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+    # hybrids: the linear-attention heads (Qwen3-Next and Qwen3.5/4 name key and value heads apart, Kimi/Bailing
+    # do not), Jamba's attention layer at 1 of 2, Qwen4's QSA indexer; Kimi/Bailing's names for the expert counts
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+    linear_num_heads=4, linear_head_dim=32, attn_layer_period=2, attn_layer_offset=1,
+    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=48, indexer_budget=8, indexer_compress_ratio=4,
+    num_expert_group=2, num_experts_per_token=2,
 )
 TOKEN_IDS = dict(pad_token_id=0, bos_token_id=0, eos_token_id=1)  # real releases' ids lie beyond a tiny vocab
 
@@ -186,7 +193,14 @@ def tiny_config(model_type: str, **overrides):
         values.pop("head_dim", None)
     values.update((k, v) for k, v in TOKEN_IDS.items() if defaults.get(k) is not None)
     values.update(overrides)
-    return AutoConfig.for_model(model_type, **values)
+    config = AutoConfig.for_model(model_type, **values)
+    # A hybrid's first layers are all linear attention: keep its attention kind in the last one, as transformers'
+    # caches need an attention layer (a cache of linear layers only fails in get_seq_length).
+    kinds = defaults.get("layer_types") or []
+    attention = next((kind for kind in kinds if kind != "linear_attention"), None)
+    if "layer_types" not in overrides and attention and set(config.layer_types) == {"linear_attention"}:
+        config = AutoConfig.for_model(model_type, **values, layer_types=config.layer_types[:-1] + [attention])
+    return config
 
 
 def generate_model_type(folder: str, model_type: str, fp8: bool | None = None, seed: int = 0,
@@ -217,10 +231,17 @@ def generate_model_type(folder: str, model_type: str, fp8: bool | None = None, s
         return json.load(f)
 
 
-def quantize_saved_checkpoint(folder: str, scale_dtype: torch.dtype = torch.float32, block_size: int = 128) -> None:
-    """Rewrite a bf16 checkpoint folder in place as FP8: `is_fp8_weight` tensors quantized, scales in the next shard."""
+def quantize_saved_checkpoint(folder: str, scale_dtype: torch.dtype = torch.float32, block_size: int = 128,
+                              scheme: str = "fp8") -> None:
+    """Rewrite a bf16 checkpoint folder in place with its `is_fp8_weight` tensors quantized to FP8 e4m3.
+
+    `scheme` "fp8" is DeepSeek's format (128x128 `*_scale_inv` in the next shard, as DeepSeek-V3 spreads
+    them); "channel", "tensor" or "block" is compressed-tensors' float-quantized format as llmcompressor
+    writes it (a `*_scale` beside its weight, per output channel [out, 1], per tensor [1] or per block)."""
     from safetensors.torch import load_file
 
+    if scheme not in ("fp8", *CT_BLOCKS):
+        raise ValueError(f"scheme {scheme!r} is not one of fp8, {', '.join(CT_BLOCKS)}")
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index_path):
         with open(index_path) as f:
@@ -232,9 +253,13 @@ def quantize_saved_checkpoint(folder: str, scale_dtype: torch.dtype = torch.floa
     for i, tensors in enumerate(shards):
         for name, w in tensors.items():
             if is_fp8_weight(name, tuple(w.shape)):
-                q, s = quantize_fp8_blockwise(w.float(), block_size, name=name)
+                block = CT_BLOCKS[scheme](tuple(w.shape), block_size) if scheme in CT_BLOCKS else block_size
+                q, s = quantize_fp8_blockwise(w.float(), block, name=name)
                 out[i][name] = q
-                out[(i + 1) % len(files)][name + SCALE_SUFFIX] = s.to(scale_dtype).contiguous()
+                if scheme == "fp8":
+                    out[(i + 1) % len(files)][name + SCALE_SUFFIX] = s.to(scale_dtype).contiguous()
+                else:
+                    out[i][name + "_scale"] = (s.reshape(1) if scheme == "tensor" else s).to(scale_dtype).contiguous()
             else:
                 out[i][name] = w
     weight_map = {}
@@ -247,9 +272,32 @@ def quantize_saved_checkpoint(folder: str, scale_dtype: torch.dtype = torch.floa
     config_path = os.path.join(folder, "config.json")
     with open(config_path) as f:
         config = json.load(f)
-    config["quantization_config"] = {**FP8_QUANTIZATION_CONFIG, "weight_block_size": [block_size, block_size]}
+    if scheme == "fp8":
+        config["quantization_config"] = {**FP8_QUANTIZATION_CONFIG, "weight_block_size": [block_size, block_size]}
+    else:
+        config["quantization_config"] = compressed_tensors_config(scheme, block_size)
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+
+
+# compressed-tensors' weight strategies: the (rows, columns) one scale covers in a [rows, columns] weight
+CT_BLOCKS = {"channel": lambda shape, b: (1, shape[1]), "tensor": lambda shape, b: shape, "block": lambda shape, b: (b, b)}
+
+
+def compressed_tensors_config(strategy: str, block_size: int = 128) -> dict:
+    """The quantization_config llmcompressor writes for FP8 weights of `strategy` with dynamic activations."""
+    weights = {"type": "float", "num_bits": 8, "strategy": strategy, "symmetric": True, "dynamic": False,
+               "observer": "minmax", "group_size": None, "block_structure": None}
+    activations = {"type": "float", "num_bits": 8, "strategy": "token" if strategy != "block" else "group",
+                   "symmetric": True, "dynamic": True, "observer": None,
+                   "group_size": None if strategy != "block" else block_size}
+    if strategy == "block":
+        weights["block_structure"] = [block_size, block_size]
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations,
+                                          "output_activations": None, "format": "float-quantized"}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": {},
+            "global_compression_ratio": None, "version": "0.12.2"}
 
 
 # Causal-LM MoE model types with an expert conversion in transformers' mapping that build and run at
@@ -258,17 +306,13 @@ MOE_MODEL_TYPES = (
     "deepseek_v2", "deepseek_v3", "deepseek_v32", "qwen2_moe", "qwen3_moe", "mixtral", "glm4_moe",
     "olmoe", "phimoe", "minimax", "minimax_m2", "hunyuan_v1_moe", "ernie4_5_moe", "exaone_moe", "flex_olmo",
     "cohere2_moe", "afmoe", "deepseek_v4", "axk1", "axk2", "flint", "hy_v3", "kolibri1",
-    "laguna", "mellum", "nemotron_h", "inkling2_text",
+    "laguna", "mellum", "nemotron_h", "inkling2_text", "gpt_oss",
+    # hybrids with linear-attention layers (tiny_config keeps one attention layer: their caches need it)
+    "jamba", "bailing_hybrid", "kimi_linear", "qwen3_next", "qwen3_5_moe_text", "qwen4_exp_text",
 )
 
 # The others with an expert conversion, and why they are not in MOE_MODEL_TYPES.
 SKIPPED_MODEL_TYPES = {
-    "jamba": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
-    "bailing_hybrid": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
-    "kimi_linear": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
-    "qwen3_next": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
-    "qwen3_5_moe_text": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
-    "qwen4_exp_text": "hybrid with linear-attention layers: a cache-less CPU forward fails in get_seq_length",
     "mimo_v2_flash": "transformers' own save_pretrained -> from_pretrained does not round-trip at tiny size "
                      "(forward: size of tensor a (4) must match b (0))",
     "longcat_flash": "does not build and run at tiny size within a minute",

@@ -55,6 +55,8 @@ class Inspection:
                    "footprint": footprint(it.shape, it.fp8_eligible), **tensor_stats(values)}
             if it.note:
                 row["note"] = it.note
+            if it.format:
+                row["format"] = it.format
             if _plotted(it) and values.numel():
                 flat = values.detach().reshape(-1).float()
                 want = max(1, math.ceil(self.sample * flat.numel() / group_numel[it.group]))

@@ -77,10 +77,11 @@ def markdown(report: dict) -> str:
         lines += ["", "0 (inf): an exact round trip.", ""]
         if {"fp8_e5m2_tensor", "fp8_e5m2_block128"} <= set(formats["overall"]):
             lines += [E5M2_NOTE, ""]
-    lines += ["## Tensors", "", "| name | dtype | shape | bytes | min | max | mean | std | zeros | non-finite |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["## Tensors", "", "| name | dtype | format | shape | bytes | min | max | mean | std | zeros | non-finite |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for t in report["tensors"]:
-        lines.append(f"| {t['name']} | {t['dtype']} | {'x'.join(map(str, t['shape'])) or 'scalar'} | {t['bytes']:,} | "
+        lines.append(f"| {t['name']} | {t['dtype']} | {t.get('format', '')} | {'x'.join(map(str, t['shape'])) or 'scalar'} | "
+                     f"{t['bytes']:,} | "
                      + " | ".join(_fmt_num(t.get(k)) for k in ("min", "max", "mean", "std", "zeros", "nonfinite")) + " |")
     return "\n".join(lines) + "\n"
 

@@ -16,7 +16,8 @@ from expertd.dtypes import FP8
 from expertd.errors import CheckpointError
 from expertd.hif8 import hif8_decode
 
-from ...layout import SCALE_SUFFIX, is_fp8_weight
+from ...layout import Source as Part, is_fp8_weight, make_source
+from ...quantization import ScaledFp8, UnsupportedQuantization, quantization_format
 from ...reader import Checkpoint
 from .groups import component_of, expert_of, layer_of
 
@@ -40,6 +41,7 @@ class Item:
     expert: int | None = None
     fp8_eligible: bool = False  # would be FP8 with 128x128 block scales in DeepSeek-V3's recipe
     note: str | None = None
+    format: str | None = None  # how it is stored ("fp8 e4m3, per-channel scale", "bfloat16", ...)
 
 
 @dataclass
@@ -51,30 +53,43 @@ class Source:
 
 
 def _checkpoint_items(ckpt: Checkpoint) -> list[Item]:
-    from expertd.kernels import weight_dequant
+    """Each stored tensor: a quantized weight loads as the daemon serves it (dequantized by its format, which
+    `format` names), its aux tensors as stored; a format expertd does not serve loads as stored, noted."""
+    from ...filling import dequantized
 
-    block = (ckpt.config.get("quantization_config") or {}).get("weight_block_size", [128, 128])[0]
+    try:
+        codec = quantization_format(ckpt.config, os.path.join(ckpt.folder, "config.json"))
+    except UnsupportedQuantization as exc:
+        codec, unserved = ScaledFp8(None), f"{exc}: values read as stored"
+    else:
+        unserved = None
+    logical = codec.logical(ckpt.tensors)
+    owners = {aux: name for name, (_, aux) in logical.items() if aux is not None}
+    sources, notes = {}, {}
+    for name, (stored, aux) in logical.items():
+        try:
+            sources[stored] = make_source(ckpt, codec, name, stored, aux)
+        except CheckpointError as exc:  # shown, not raised: inspect is how one finds out what is wrong
+            sources[stored], notes[stored] = Part(name, ckpt.tensors[stored]), f"{type(exc).__name__}: {exc}"
 
-    def loader(name: str, scale: str | None) -> Callable[[], torch.Tensor]:
-        def load() -> torch.Tensor:
-            x = ckpt.read(name)
-            if scale is None:
-                return x
-            return weight_dequant(x, ckpt.read(scale), block, out_dtype=torch.bfloat16, name=name, device="cpu")
-
-        return load
+    def loader(name: str) -> Callable[[], torch.Tensor]:
+        src = sources.get(name)
+        return (lambda: dequantized(ckpt, src)) if src is not None and unserved is None else (lambda: ckpt.read(name))
 
     items = []
     for name, info in ckpt.tensors.items():
-        is_scale = name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in ckpt.tensors
-        owner = name[: -len(SCALE_SUFFIX)] if is_scale else name
+        owner = owners.get(name, name)
+        src = sources.get(name)
         fp8 = info.dtype in FP8
-        scale = name + SCALE_SUFFIX if fp8 and name + SCALE_SUFFIX in ckpt.tensors else None
-        note = "FP8 without *_scale_inv: values read unscaled" if fp8 and scale is None else None
+        note = unserved or notes.get(name)
+        if note is None and fp8 and (src is None or src.scale is None):
+            note = f"FP8 without its {codec.aux_name(name)!r}: values read unscaled"
+        fmt = f"scale of {sources[logical[owner][0]].scheme or 'its weight'}" if name in owners else (
+            src.scheme if src is not None and src.scheme else str(info.dtype).removeprefix("torch."))
         component = component_of(owner)
         items.append(Item(name, info.dtype, info.shape, info.nbytes, component, component,
-                          "scale" if is_scale else "weight", loader(name, scale), layer_of(owner), expert_of(owner),
-                          fp8 or is_fp8_weight(name, info.shape), note))
+                          "scale" if name in owners else "weight", loader(name), layer_of(owner), expert_of(owner),
+                          fp8 or is_fp8_weight(name, info.shape), note, fmt))
     return items
 
 
