@@ -1,11 +1,13 @@
 """Dequant throughput (GB/s of output written) next to a plain copy of the same output bytes.
 
-CPU: weight_dequant_cpu vs `dst.copy_(src)` of a bf16 tensor of the output's size (torch's copy, using
-the same intra-op threads) and vs one-threaded libc memmove, measured side by side, best of N.
+CPU, per checkpoint format: DeepSeek FP8 128x128 blocks (float32 scales), compressed-tensors FP8 per
+channel, per tensor and per 128x128 block (bf16 scales, as llmcompressor writes them) and MXFP4 (gpt-oss)
+vs `dst.copy_(src)` of a bf16 tensor of the output's size (torch's copy, using the same intra-op threads)
+and vs one-threaded libc memmove, measured side by side, best of N.
 GPU (skipped without CUDA): the Triton kernel vs DeepSeek-V3's own `x.float() * s` kernel (needs
 native fp8 loads) and vs a device-to-device copy.
 
-    python benchmarks/bench_dequant.py [--reps 10] [--shapes 7168x2048,2048x7168]
+    python benchmarks/bench_dequant.py [--reps 10] [--shapes 7168x2048,2048x7168] [--formats fp8-block,...]
 """
 
 from __future__ import annotations
@@ -42,28 +44,51 @@ def make_weight(m: int, n: int, device: str = "cpu"):
     return quantize_fp8_blockwise(w, BLOCK)
 
 
-def bench_cpu(m: int, n: int, reps: int) -> None:
-    x, s = make_weight(m, n)
+# format -> the (rows, columns) one scale covers in an [m, n] weight, and the scale's stored dtype
+FORMATS = {
+    "fp8-block": (lambda m, n: BLOCK, torch.float32),
+    "ct-channel": (lambda m, n: (1, n), torch.bfloat16),
+    "ct-tensor": (lambda m, n: (m, n), torch.bfloat16),
+    "ct-block": (lambda m, n: BLOCK, torch.bfloat16),
+    "mxfp4": (None, None),
+}
+
+
+def format_case(fmt: str, m: int, n: int):
+    """(dequant into `out` callable, reference result) of an [m, n] bf16 output in checkpoint format `fmt`."""
+    w = torch.randn(m, n) * 0.02
+    if fmt == "mxfp4":
+        from expertd.kernels import dequant_mxfp4, dequant_mxfp4_reference, quantize_mxfp4
+
+        blocks, scales = quantize_mxfp4(w)  # [n, m/32, 16]: decodes to [m, n]
+        return (lambda out: dequant_mxfp4(blocks, scales, out=out)), dequant_mxfp4_reference(blocks, scales)
+    block_of, scale_dtype = FORMATS[fmt]
+    block = block_of(m, n)
+    x, s = quantize_fp8_blockwise(w, block)
+    s = s.to(scale_dtype).float()  # stored in the format's dtype, widened exactly as the loader does
+    return (lambda out: weight_dequant_cpu(x, s, block, out=out)), weight_dequant_reference(x, s, block)
+
+
+def bench_cpu(m: int, n: int, reps: int, formats: list[str]) -> None:
     out = torch.empty(m, n, dtype=torch.bfloat16)
     src = torch.randn(m, n).to(torch.bfloat16)
     dst = torch.empty_like(src)
     nbytes = out.numel() * out.element_size()
-    weight_dequant_cpu(x, s, BLOCK, out=out)
-    if not torch.equal(out.view(torch.int16), weight_dequant_reference(x, s, BLOCK).view(torch.int16)):
-        raise SystemExit("CPU dequant does not match the reference")
-    t = best_of(
-        {
-            "dequant": lambda: weight_dequant_cpu(x, s, BLOCK, out=out),
-            "copy": lambda: dst.copy_(src),
-            "memmove": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes),
-        },
-        reps,
-    )
-    deq, cp, mm = (nbytes / t[k] / 1e9 for k in ("dequant", "copy", "memmove"))
-    print(
-        f"cpu  {m}x{n}: dequant {deq:6.2f} GB/s | torch copy_ {cp:6.2f} GB/s (ratio {deq / cp:.2f}) "
-        f"| memmove 1 thread {mm:6.2f} GB/s (ratio {deq / mm:.2f})"
-    )
+    cases = {}
+    for fmt in formats:
+        run, reference = format_case(fmt, m, n)
+        run(out)
+        if not torch.equal(out.view(torch.int16), reference.view(torch.int16)):
+            raise SystemExit(f"CPU dequant of {fmt} does not match its reference")
+        cases[fmt] = lambda run=run: run(out)
+    t = best_of({**cases, "copy": lambda: dst.copy_(src),
+                 "memmove": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)}, reps)
+    cp, mm = (nbytes / t[k] / 1e9 for k in ("copy", "memmove"))
+    print(f"cpu  {m}x{n}: torch copy_ {cp:6.2f} GB/s | memmove 1 thread {mm:6.2f} GB/s")
+    for fmt in formats:
+        deq = nbytes / t[fmt] / 1e9
+        print(f"cpu  {m}x{n} {fmt:10s}: dequant {deq:6.2f} GB/s (ratio to copy_ {deq / cp:.2f}, "
+              f"to memmove {deq / mm:.2f})")
 
 
 def _deepseek_kernel():
@@ -121,11 +146,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--shapes", default="7168x2048,2048x7168")
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"of {', '.join(FORMATS)}")
     args = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, best of {args.reps}")
     for m, n in shapes:
-        bench_cpu(m, n, args.reps)
+        bench_cpu(m, n, args.reps, args.formats.split(","))
     if not torch.cuda.is_available():
         print("gpu: skipped (torch.cuda.is_available() is False)")
         return

@@ -1,4 +1,5 @@
-"""FP8 (DeepSeek-V3 blockwise float8_e4m3fn + float32 scale_inv) -> bf16 dequantization kernels.
+"""Dequantization kernels: FP8 e4m3 with block scales (DeepSeek-V3's `scale_inv`, compressed-tensors' channel,
+tensor and block scales: one rule, see `reference`) and MXFP4 (gpt-oss, see `mxfp4`) -> bf16.
 
 `weight_dequant` picks the path: the Triton kernel on a CUDA device, else the CPU path (a table lookup
 compiled with the system C compiler on first use, or vectorized torch ops where that cannot be built).
@@ -12,6 +13,14 @@ from __future__ import annotations
 import torch
 
 from .cpu import _dequant_cpu, weight_dequant_cpu
+from .mxfp4 import (
+    dequant_mxfp4,
+    dequant_mxfp4_groups,
+    dequant_mxfp4_reference,
+    dequant_mxfp4_triton,
+    mxfp4_table,
+    quantize_mxfp4,
+)
 from .quant import quantize_fp8_blockwise
 from .reference import (
     DEFAULT_BLOCK_SIZE,
@@ -28,6 +37,12 @@ __all__ = [
     "ceil_div",
     "check_dequant_args",
     "check_dequant_call",
+    "dequant_mxfp4",
+    "dequant_mxfp4_groups",
+    "dequant_mxfp4_reference",
+    "dequant_mxfp4_triton",
+    "mxfp4_table",
+    "quantize_mxfp4",
     "quantize_fp8_blockwise",
     "scale_shape",
     "weight_dequant",

@@ -222,6 +222,8 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: Expe
     served = codec.logical(ckpt.tensors)  # {name the model sees: (stored tensor, aux tensor)}
     assembly, unused, expected = checkpoint_assembly(config, list(served))
     planned: list[PlannedTensor] = []
+    if isinstance(codec, Mxfp4):  # scales without their blocks: say so, not that the decoded tensor is missing
+        check_aux(ckpt, codec)
 
     def source(name: str, param: str | None = None, want_shape: tuple[int, ...] | None = None, what: str = "") -> Source:
         """The source serving checkpoint name `name` (for `param`: shape checked before its aux)."""

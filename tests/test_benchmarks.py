@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -78,3 +79,26 @@ def test_bench_expert_parallel_on_a_given_checkpoint(tmp_path):
     ratio = float(re.search(r"served bytes [\d,]+ / [\d,]+ = ([\d.]+)", e1[0][2]).group(1))
     assert 0.5 < ratio < 1  # half the experts, every dense tensor
     assert "goal >= 0.8" in e3[0][2]
+
+
+def test_bench_formats_on_given_checkpoints(tmp_path):
+    """F1 checks each format's dequant against its reference (the script exits otherwise) beside a copy; F2 starts a
+    real daemon on a checkpoint of each format and gives each start-to-serving over DeepSeek FP8's."""
+    import json
+
+    from expertd.server.tools.generate import generate_model_type, quantize_saved_checkpoint
+    from expertd.server.tools.requantize import write_mxfp4
+
+    channel, mxfp4 = str(tmp_path / "channel"), str(tmp_path / "mxfp4")
+    generate_model_type(channel, "qwen3_moe", fp8=False)
+    quantize_saved_checkpoint(channel, torch.bfloat16, scheme="channel")
+    generate_model_type(mxfp4, "gpt_oss", fp8=False)
+    write_mxfp4(mxfp4)
+    text = run("bench_formats.py", "--workdir", str(tmp_path / "work"), "--reps", "1", "--checkpoint", f"fp8={TINY}",
+               "--checkpoint", f"ct-channel={channel}", "--checkpoint", f"mxfp4={mxfp4}")
+    result = json.loads(text.strip().splitlines()[-1])
+    for shape in ("7168x2048", "2048x7168"):
+        assert {"fp8-block", "ct-channel", "ct-tensor", "ct-block", "mxfp4"} <= set(result["F1"][shape])
+        assert all(v["ratio"] > 0 for k, v in result["F1"][shape].items() if k != "copy_gbs")
+    assert set(result["F2"]) == {"fp8", "ct-channel", "mxfp4"} and result["F2"]["fp8"]["ratio"] == 1.0
+    assert all(row["seconds"] > 0 and row["served_gb"] > 0 for row in result["F2"].values())

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from expertd.server.tools.generate import FP8_SCALE_DTYPES, MOE_MODEL_TYPES, generate_model_type
+from helpers.forward import forward_logits
 from helpers.inputs import INPUT_IDS
 from helpers.reference import write_reference_bf16
 from helpers.workers import worker_logits
@@ -28,9 +29,7 @@ def model_checkpoint(request, tmp_path_factory) -> tuple[str, str, torch.Tensor]
     assert config["vocab_size"] > max(max(row) for row in INPUT_IDS)
     reference = AutoModelForCausalLM.from_pretrained(write_reference_bf16(folder, str(root / "reference")),
                                                      dtype=torch.bfloat16)
-    with torch.no_grad():
-        logits = reference(torch.tensor(INPUT_IDS)).logits
-    return model_type, folder, logits
+    return model_type, folder, forward_logits(reference, INPUT_IDS)
 
 
 def test_worker_logits_equal_transformers(model_checkpoint, start_daemon, workers, namespace, tmp_path):

@@ -193,6 +193,11 @@ def tiny_config(model_type: str, **overrides):
         values.pop("head_dim", None)
     values.update((k, v) for k, v in TOKEN_IDS.items() if defaults.get(k) is not None)
     values.update(overrides)
+    rope = defaults.get("rope_parameters") or {}
+    if rope.get("original_max_position_embeddings") and rope.get("factor") and "max_position_embeddings" in values:
+        # YaRN's context extension kept consistent at the tiny context (else transformers warns on every load)
+        values["rope_parameters"] = {**rope, "original_max_position_embeddings":
+                                     max(1, int(values["max_position_embeddings"] // rope["factor"]))}
     config = AutoConfig.for_model(model_type, **values)
     # A hybrid's first layers are all linear attention: keep its attention kind in the last one, as transformers'
     # caches need an attention layer (a cache of linear layers only fails in get_seq_length).

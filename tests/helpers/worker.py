@@ -25,6 +25,7 @@ from expertd.client import ExpertClient
 from expertd.errors import ExpertdError
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers.forward import forward_logits  # noqa: E402
 from helpers.inputs import INPUT_IDS  # noqa: E402
 
 
@@ -90,8 +91,7 @@ def shm_pages(namespace: str, shm_dir: str) -> dict:
 
 
 def logits_digest(model) -> str:
-    with torch.no_grad():
-        logits = model(torch.tensor(INPUT_IDS)).logits
+    logits = forward_logits(model, INPUT_IDS)
     return hashlib.sha256(logits.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
@@ -124,8 +124,7 @@ def model_report(client: ExpertClient, namespace: str, save_dir: str | None) -> 
     if save_dir is not None:
         from safetensors.torch import save_file
 
-        with torch.no_grad():
-            logits = model(torch.tensor(INPUT_IDS)).logits
+        logits = forward_logits(model, INPUT_IDS)
         save_file({k: v.contiguous() for k, v in client.tensors().items()}, os.path.join(save_dir, "tensors.safetensors"))
         torch.save(logits, os.path.join(save_dir, "logits.pt"))
     touched = sum(float(v.float().abs().sum()) for v in client.served_tensors().values())

@@ -1,0 +1,241 @@
+/* MXFP4 (gpt-oss's `*_blocks` / `*_scales`) dequant as a table lookup, built into the same library as
+ * dequant_lut.c by native.py.
+ *
+ * One expert: blocks uint8 [R, G, 16] (two e2m1 codes per byte, low nibble first: 32 codes per group),
+ * scales uint8 [R, G] (e8m0). The result is [G*32, R] (transformers' convert_moe_packed_tensors
+ * transposes the last two dims): y[g*32 + 2i + h, r] = table[scales[r, g] * 16 + nibble h of blocks[r, g, i]].
+ * The caller computes the [256, 16] table with transformers' own torch ops (bit for bit its decode); this
+ * code only gathers.
+ *
+ * Reads go along r's bytes, writes along r's results: R is walked in tiles of TILE_R columns, and within
+ * a tile each group's 32 result rows get a run of TILE_R contiguous bf16 each (256 bytes), so every
+ * cache line written is filled while it is hot. With SSSE3 (asked at run time) 8 columns are decoded at
+ * once: `pshufb` looks up 16 codes in the low and high byte planes of their scale's table row, and an
+ * 8x8 transpose of 16-bit lanes turns 8 columns of 32 results into 32 rows of 8; with AVX2, 16 columns
+ * (two such 8x8 transposes, one per 128-bit half). The same gather, so the same bits as the scalar loop.
+ * The AVX2 loop stages a group's 32 x TILE_R results in L1 and then writes each row's run at once; a call
+ * whose result is at least `mxfp4_stream_min` bytes writes those runs with non-temporal stores (whole
+ * lines, no read for ownership: ~1.5x on a result far larger than the caches, which nobody reads soon).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define TILE_R 128
+
+static int64_t stream_min = (int64_t)64 << 20; /* results of at least this many bytes: non-temporal stores */
+
+/* The result size from which a call streams its stores: `bytes` >= 0 sets it, < 0 only asks. */
+int64_t mxfp4_stream_min(int64_t bytes) {
+    if (bytes >= 0) stream_min = bytes;
+    return stream_min;
+}
+
+/* Columns [c0, c1) of groups [g0, g1) of one expert; y is row g0*32 of its [G*32, R] result. */
+static void mxfp4_tile_scalar(const uint8_t *x, const uint8_t *s, const uint16_t *table, uint16_t *y, int64_t R,
+                              int64_t G, int64_t g0, int64_t g1, int64_t c0, int64_t c1) {
+    for (int64_t g = g0; g < g1; g++) {
+        uint16_t *yg = y + (g - g0) * 32 * R;
+        for (int64_t r = c0; r < c1; r++) {
+            const uint16_t *t = table + (int64_t)s[r * G + g] * 16;
+            const uint8_t *xb = x + (r * G + g) * 16;
+            for (int i = 0; i < 16; i++) {
+                uint8_t b = xb[i];
+                yg[(2 * i) * R + r] = t[b & 15];
+                yg[(2 * i + 1) * R + r] = t[b >> 4];
+            }
+        }
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define SSSE3 __attribute__((target("ssse3")))
+
+/* 8x8 transpose of 16-bit lanes: v[j] holds column j's 8 values; afterwards v[k] holds row k's. */
+SSSE3 static inline void transpose8x8(__m128i v[8]) {
+    __m128i a0 = _mm_unpacklo_epi16(v[0], v[1]), a1 = _mm_unpackhi_epi16(v[0], v[1]);
+    __m128i a2 = _mm_unpacklo_epi16(v[2], v[3]), a3 = _mm_unpackhi_epi16(v[2], v[3]);
+    __m128i a4 = _mm_unpacklo_epi16(v[4], v[5]), a5 = _mm_unpackhi_epi16(v[4], v[5]);
+    __m128i a6 = _mm_unpacklo_epi16(v[6], v[7]), a7 = _mm_unpackhi_epi16(v[6], v[7]);
+    __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+    __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+    __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+    __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+    v[0] = _mm_unpacklo_epi64(b0, b4);
+    v[1] = _mm_unpackhi_epi64(b0, b4);
+    v[2] = _mm_unpacklo_epi64(b1, b5);
+    v[3] = _mm_unpackhi_epi64(b1, b5);
+    v[4] = _mm_unpacklo_epi64(b2, b6);
+    v[5] = _mm_unpackhi_epi64(b2, b6);
+    v[6] = _mm_unpacklo_epi64(b3, b7);
+    v[7] = _mm_unpackhi_epi64(b3, b7);
+}
+
+#define AVX2 __attribute__((target("avx2")))
+
+/* 8x8 transposes of 16-bit lanes in each 128-bit half at once. */
+AVX2 static inline void transpose8x8x2(__m256i v[8]) {
+    __m256i a0 = _mm256_unpacklo_epi16(v[0], v[1]), a1 = _mm256_unpackhi_epi16(v[0], v[1]);
+    __m256i a2 = _mm256_unpacklo_epi16(v[2], v[3]), a3 = _mm256_unpackhi_epi16(v[2], v[3]);
+    __m256i a4 = _mm256_unpacklo_epi16(v[4], v[5]), a5 = _mm256_unpackhi_epi16(v[4], v[5]);
+    __m256i a6 = _mm256_unpacklo_epi16(v[6], v[7]), a7 = _mm256_unpackhi_epi16(v[6], v[7]);
+    __m256i b0 = _mm256_unpacklo_epi32(a0, a2), b1 = _mm256_unpackhi_epi32(a0, a2);
+    __m256i b2 = _mm256_unpacklo_epi32(a1, a3), b3 = _mm256_unpackhi_epi32(a1, a3);
+    __m256i b4 = _mm256_unpacklo_epi32(a4, a6), b5 = _mm256_unpackhi_epi32(a4, a6);
+    __m256i b6 = _mm256_unpacklo_epi32(a5, a7), b7 = _mm256_unpackhi_epi32(a5, a7);
+    v[0] = _mm256_unpacklo_epi64(b0, b4);
+    v[1] = _mm256_unpackhi_epi64(b0, b4);
+    v[2] = _mm256_unpacklo_epi64(b1, b5);
+    v[3] = _mm256_unpackhi_epi64(b1, b5);
+    v[4] = _mm256_unpacklo_epi64(b2, b6);
+    v[5] = _mm256_unpackhi_epi64(b2, b6);
+    v[6] = _mm256_unpacklo_epi64(b3, b7);
+    v[7] = _mm256_unpackhi_epi64(b3, b7);
+}
+
+AVX2 static inline __m256i load2(const uint8_t *lo, const uint8_t *hi) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)lo)),
+                                   _mm_loadu_si128((const __m128i *)hi), 1);
+}
+
+/* The SSSE3 step on 16 columns at once: column r+j in the low half of a register, r+8+j in the high
+ * half, so after the per-half transposes each register holds one result row's 16 consecutive columns. */
+AVX2 static int64_t mxfp4_cols_avx2(const uint8_t *x, const uint8_t *s, const uint8_t *planes, uint16_t *yg,
+                                    int64_t R, int64_t G, int64_t g, int64_t c0, int64_t c1, int stream) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    uint16_t st[32 * TILE_R] __attribute__((aligned(64))); /* row k's results at st[k * TILE_R + (r - c0)] */
+    int64_t r = c0;
+    for (; r + 16 <= c1; r += 16) {
+        __m256i v[4][8];
+        for (int j = 0; j < 8; j++) {
+            int64_t a = (r + j) * G + g, b = (r + 8 + j) * G + g;
+            const uint8_t *pa = planes + (int64_t)s[a] * 32, *pb = planes + (int64_t)s[b] * 32;
+            __m256i lo_plane = load2(pa, pb), hi_plane = load2(pa + 16, pb + 16);
+            __m256i bytes = load2(x + a * 16, x + b * 16);
+            __m256i nl = _mm256_and_si256(bytes, low4), nh = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            __m256i c01 = _mm256_unpacklo_epi8(nl, nh), c23 = _mm256_unpackhi_epi8(nl, nh);
+            __m256i l01 = _mm256_shuffle_epi8(lo_plane, c01), h01 = _mm256_shuffle_epi8(hi_plane, c01);
+            __m256i l23 = _mm256_shuffle_epi8(lo_plane, c23), h23 = _mm256_shuffle_epi8(hi_plane, c23);
+            v[0][j] = _mm256_unpacklo_epi8(l01, h01);
+            v[1][j] = _mm256_unpackhi_epi8(l01, h01);
+            v[2][j] = _mm256_unpacklo_epi8(l23, h23);
+            v[3][j] = _mm256_unpackhi_epi8(l23, h23);
+        }
+        for (int q = 0; q < 4; q++) {
+            transpose8x8x2(v[q]);
+            for (int k = 0; k < 8; k++)
+                _mm256_store_si256((__m256i *)(st + (8 * q + k) * TILE_R + (r - c0)), v[q][k]);
+        }
+    }
+    for (int k = 0; k < 32; k++) {
+        const uint16_t *from = st + k * TILE_R;
+        uint16_t *row = yg + k * R;
+        if (stream && ((uintptr_t)(row + c0) & 31) == 0)
+            for (int64_t c = c0; c < r; c += 16)
+                _mm256_stream_si256((__m256i *)(row + c), _mm256_load_si256((const __m256i *)(from + (c - c0))));
+        else
+            for (int64_t c = c0; c < r; c += 16)
+                _mm256_storeu_si256((__m256i *)(row + c), _mm256_load_si256((const __m256i *)(from + (c - c0))));
+    }
+    return r;
+}
+
+static int avx2 = 0;
+
+SSSE3 static void mxfp4_tile_ssse3(const uint8_t *x, const uint8_t *s, const uint8_t *planes, uint16_t *y,
+                                   int64_t R, int64_t G, int64_t g0, int64_t g1, int64_t c0, int64_t c1,
+                                   int stream) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t g = g0; g < g1; g++) {
+        uint16_t *yg = y + (g - g0) * 32 * R;
+        int64_t r = avx2 ? mxfp4_cols_avx2(x, s, planes, yg, R, G, g, c0, c1, stream) : c0;
+        for (; r + 8 <= c1; r += 8) {
+            __m128i v[4][8]; /* v[q][j]: results 8q..8q+7 of column r+j */
+            for (int j = 0; j < 8; j++) {
+                int64_t at = (r + j) * G + g;
+                const uint8_t *p = planes + (int64_t)s[at] * 32; /* 16 low bytes, then 16 high bytes */
+                __m128i lo_plane = _mm_loadu_si128((const __m128i *)p);
+                __m128i hi_plane = _mm_loadu_si128((const __m128i *)(p + 16));
+                __m128i b = _mm_loadu_si128((const __m128i *)(x + at * 16));
+                __m128i nl = _mm_and_si128(b, low4), nh = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+                __m128i c01 = _mm_unpacklo_epi8(nl, nh), c23 = _mm_unpackhi_epi8(nl, nh); /* codes in result order */
+                __m128i l01 = _mm_shuffle_epi8(lo_plane, c01), h01 = _mm_shuffle_epi8(hi_plane, c01);
+                __m128i l23 = _mm_shuffle_epi8(lo_plane, c23), h23 = _mm_shuffle_epi8(hi_plane, c23);
+                v[0][j] = _mm_unpacklo_epi8(l01, h01);
+                v[1][j] = _mm_unpackhi_epi8(l01, h01);
+                v[2][j] = _mm_unpacklo_epi8(l23, h23);
+                v[3][j] = _mm_unpackhi_epi8(l23, h23);
+            }
+            for (int q = 0; q < 4; q++) {
+                transpose8x8(v[q]);
+                for (int k = 0; k < 8; k++) _mm_storeu_si128((__m128i *)(yg + (8 * q + k) * R + r), v[q][k]);
+            }
+        }
+        if (r < c1) {
+            /* the table, rebuilt from its planes, for the last < 8 columns */
+            for (; r < c1; r++) {
+                const uint8_t *p = planes + (int64_t)s[r * G + g] * 32;
+                const uint8_t *xb = x + (r * G + g) * 16;
+                for (int i = 0; i < 16; i++) {
+                    uint8_t b = xb[i], l = b & 15, h = b >> 4;
+                    yg[(2 * i) * R + r] = (uint16_t)(p[l] | p[16 + l] << 8);
+                    yg[(2 * i + 1) * R + r] = (uint16_t)(p[h] | p[16 + h] << 8);
+                }
+            }
+        }
+    }
+}
+
+static int ssse3_supported(void) {
+    __builtin_cpu_init();
+    avx2 = __builtin_cpu_supports("avx2");
+    return __builtin_cpu_supports("ssse3");
+}
+#else
+static int ssse3_supported(void) { return 0; }
+#endif
+
+static int mx_simd = -1; /* -1: not decided yet */
+
+/* Whether the gather uses SSSE3 (and AVX2 where the CPU has it): `enable` 1 or 0 sets it (1 only where the
+ * CPU has SSSE3), -1 only asks. */
+int mxfp4_simd(int enable) {
+    if (mx_simd < 0 || enable >= 0) mx_simd = (enable != 0) && ssse3_supported();
+    return mx_simd;
+}
+
+/* Groups [g0, g1) of `experts` consecutive experts, each blocks [R, G, 16] / scales [R, G], into
+ * y[experts, (g1-g0)*32, R]. `table` is uint16 [256, 16]. */
+void mxfp4_dequant16(const uint8_t *x, const uint8_t *s, const uint16_t *table, uint16_t *y, int64_t experts,
+                     int64_t R, int64_t G, int64_t g0, int64_t g1) {
+    if (mx_simd < 0) mxfp4_simd(1);
+#if defined(__x86_64__) && defined(__GNUC__)
+    uint8_t planes[256 * 32]; /* per scale byte: the table row's 16 low bytes, then its 16 high bytes */
+    if (mx_simd)
+        for (int i = 0; i < 256; i++)
+            for (int c = 0; c < 16; c++) {
+                planes[i * 32 + c] = (uint8_t)(table[i * 16 + c] & 0xFF);
+                planes[i * 32 + 16 + c] = (uint8_t)(table[i * 16 + c] >> 8);
+            }
+#endif
+    int stream = (experts * (g1 - g0) * 32 * R * 2 >= stream_min);
+    for (int64_t e = 0; e < experts; e++) {
+        const uint8_t *xe = x + e * R * G * 16;
+        const uint8_t *se = s + e * R * G;
+        uint16_t *ye = y + e * (g1 - g0) * 32 * R;
+        for (int64_t c0 = 0; c0 < R; c0 += TILE_R) {
+            int64_t c1 = c0 + TILE_R < R ? c0 + TILE_R : R;
+#if defined(__x86_64__) && defined(__GNUC__)
+            if (mx_simd) {
+                mxfp4_tile_ssse3(xe, se, planes, ye, R, G, g0, g1, c0, c1, stream);
+                continue;
+            }
+#endif
+            mxfp4_tile_scalar(xe, se, table, ye, R, G, g0, g1, c0, c1);
+        }
+    }
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (mx_simd && stream) _mm_sfence(); /* the streamed stores are visible before the caller says done */
+#endif
+    (void)stream;
+}
