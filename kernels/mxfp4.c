@@ -22,6 +22,7 @@
 
 #define TILE_R 128
 
+#define GROUPS_AT_ONCE 64
 static int64_t stream_min = (int64_t)64 << 20; /* results of at least this many bytes: non-temporal stores */
 
 /* The result size from which a call streams its stores: `bytes` >= 0 sets it, < 0 only asks. */
@@ -223,15 +224,22 @@ void mxfp4_dequant16(const uint8_t *x, const uint8_t *s, const uint16_t *table, 
         const uint8_t *xe = x + e * R * G * 16;
         const uint8_t *se = s + e * R * G;
         uint16_t *ye = y + e * (g1 - g0) * 32 * R;
-        for (int64_t c0 = 0; c0 < R; c0 += TILE_R) {
-            int64_t c1 = c0 + TILE_R < R ? c0 + TILE_R : R;
+        /* GROUPS_AT_ONCE groups (2048 result rows) at a time, tile by tile across R: the rows being written
+         * stay the same few hundred pages while the blocks are read row by row (walking all groups per tile
+         * would spread each tile's writes over one page per result row; one group at a time, its reads) */
+        for (int64_t ga = g0; ga < g1; ga += GROUPS_AT_ONCE) {
+            int64_t gz = ga + GROUPS_AT_ONCE < g1 ? ga + GROUPS_AT_ONCE : g1;
+            uint16_t *yg = ye + (ga - g0) * 32 * R;
+            for (int64_t c0 = 0; c0 < R; c0 += TILE_R) {
+                int64_t c1 = c0 + TILE_R < R ? c0 + TILE_R : R;
 #if defined(__x86_64__) && defined(__GNUC__)
-            if (mx_simd) {
-                mxfp4_tile_ssse3(xe, se, planes, ye, R, G, g0, g1, c0, c1, stream);
-                continue;
-            }
+                if (mx_simd) {
+                    mxfp4_tile_ssse3(xe, se, planes, yg, R, G, ga, gz, c0, c1, stream);
+                    continue;
+                }
 #endif
-            mxfp4_tile_scalar(xe, se, table, ye, R, G, g0, g1, c0, c1);
+                mxfp4_tile_scalar(xe, se, table, yg, R, G, ga, gz, c0, c1);
+            }
         }
     }
 #if defined(__x86_64__) && defined(__GNUC__)
