@@ -3,10 +3,11 @@
     python benchmarks/bench_formats.py [--workdir /tmp/expertd-bench] [--reps 3] [--only F1 F2]
         [--checkpoint fp8=DIR --checkpoint ct-channel=DIR ...]   # F2 on checkpoints of your own
 
-F1  CPU dequant GB/s of bf16 output per format at DeepSeek-V3's expert shapes (7168x2048, 2048x7168), each
-    against `dst.copy_(src)` of the same output bytes, measured side by side (benchmarks/bench_dequant.py's
-    cases: DeepSeek 128x128 blocks with float32 scales; compressed-tensors per channel, per tensor, per block
-    with bf16 scales; MXFP4). Goal >= 0.5 on the compiled path.
+F1  CPU dequant GB/s of bf16 output per format, each against `dst.copy_(src)` of the same output bytes measured
+    side by side (benchmarks/bench_dequant.py's cases): the FP8 formats (DeepSeek 128x128 blocks with float32
+    scales; compressed-tensors per channel, per tensor, per block with bf16 scales) at DeepSeek-V3's expert
+    shapes (7168x2048, 2048x7168), MXFP4 at gpt-oss-120b's (2880x5760 gate_up, 2880x2880 down). Goal >= 0.5
+    on the compiled path.
 F2  start-to-serving (`expertd start` until status says serving, page cache warm, runs alternated, median of
     --reps) of a ~1 GB checkpoint of each format / the same of the ~1 GB DeepSeek FP8 checkpoint (`bench-1g`).
     compressed-tensors: bench-1g's own weights re-quantized per channel and per 128x128 block (the same model,
@@ -35,8 +36,10 @@ from bench_loader import warm  # noqa: E402
 from helpers.daemon import DaemonProcess  # noqa: E402
 from run_all import ensure_checkpoints, machine  # noqa: E402
 
-SHAPES = ((7168, 2048), (2048, 7168))
-DEQUANT_FORMATS = ("fp8-block", "ct-channel", "ct-tensor", "ct-block", "mxfp4")
+# shape -> the formats measured at it: FP8 at DeepSeek-V3's expert shapes, MXFP4 at gpt-oss-120b's
+SHAPES = {(7168, 2048): ("fp8-block", "ct-channel", "ct-tensor", "ct-block"),
+          (2048, 7168): ("fp8-block", "ct-channel", "ct-tensor", "ct-block"),
+          (2880, 5760): ("mxfp4",), (2880, 2880): ("mxfp4",)}
 # a gpt-oss of about bench-1g's served bytes: 6 layers of 32 experts at 1024 x 1024
 GPT_OSS = dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers=6, num_local_experts=32,
                num_attention_heads=8, num_key_value_heads=8, head_dim=64, vocab_size=8192)
@@ -44,11 +47,11 @@ GPT_OSS = dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers=6, nu
 
 def f1_dequant(reps: int) -> dict:
     out = {}
-    for m, n in SHAPES:
+    for (m, n), formats in SHAPES.items():
         dst, src = torch.empty(m, n, dtype=torch.bfloat16), torch.randn(m, n).to(torch.bfloat16)
         result = torch.empty(m, n, dtype=torch.bfloat16)
         cases = {}
-        for fmt in DEQUANT_FORMATS:
+        for fmt in formats:
             run, reference = format_case(fmt, m, n)
             run(result)
             if not torch.equal(result.view(torch.int16), reference.view(torch.int16)):
@@ -88,13 +91,14 @@ def ensure_formats(workdir: str) -> dict[str, str]:
 def start_to_serving(workdir: str, name: str, checkpoint: str) -> tuple[float, int]:
     """(seconds from `expertd start` to serving, bytes served) of one real daemon, then stopped."""
     t0 = time.perf_counter()
-    d = DaemonProcess.launch(os.path.join(workdir, "run-" + name), checkpoint, f"benchfmt{name[:6]}{os.getpid()}",
-                             stdout=subprocess.DEVNULL)
+    d = DaemonProcess.launch(os.path.join(workdir, f"run-{name}-{os.getpid()}"), checkpoint,
+                             f"benchfmt{name[:6]}{os.getpid()}", stdout=subprocess.DEVNULL)
     try:
         status = d.wait_serving(timeout=900)
         seconds = time.perf_counter() - t0
     finally:
         d.stop()
+        shutil.rmtree(os.path.join(workdir, f"run-{name}-{os.getpid()}"), ignore_errors=True)
     return seconds, status["bytes"]["total"]
 
 
@@ -132,7 +136,7 @@ def main() -> int:
     print(machine(), flush=True)
     result = {}
     if "F1" in args.only:
-        result["F1"] = f1_dequant(max(5, args.reps))
+        result["F1"] = f1_dequant(max(15, 5 * args.reps))
         for shape, row in result["F1"].items():
             print(f"F1 {shape}: copy_ {row['copy_gbs']} GB/s; " + "; ".join(
                 f"{fmt} {v['gbs']} GB/s ({v['ratio']})" for fmt, v in row.items() if fmt != "copy_gbs"), flush=True)
