@@ -4,8 +4,8 @@ Never imports server code or Triton.
 """
 
 from expertd.errors import (
-    Busy, CorruptIndex, DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError, GenerationLimit, LeaseExpired,
-    NotReady, PushDenied, RestoreError, UpdateRejected,
+    Busy, CorruptIndex, DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError, GenerationGone, GenerationLimit,
+    LeaseExpired, NotReady, PushDenied, RestoreError, UpdateRejected,
 )
 from expertd.partition import PartitionError
 
@@ -16,5 +16,5 @@ from .restore import RestoreResult, restore
 from .simulate import simulate
 
 __all__ = ["ExpertClient", "capture", "simulate", "restore", "RestoreResult", "push_all", "ExpertdError", "DaemonError",
-           "DaemonNotRunning", "DaemonTimeout", "NotReady", "LeaseExpired", "Busy", "GenerationLimit", "UpdateRejected",
-           "PushDenied", "CorruptIndex", "RestoreError", "PartitionError"]
+           "DaemonNotRunning", "DaemonTimeout", "NotReady", "LeaseExpired", "Busy", "GenerationGone", "GenerationLimit",
+           "UpdateRejected", "PushDenied", "CorruptIndex", "RestoreError", "PartitionError"]

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import torch
 import zmq
 
-from expertd import index_segment
-from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, LeaseExpired, NotReady
+from expertd import index_segment, procfs
+from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, GenerationGone, LeaseExpired, NotReady
 from expertd.index import TensorIndex
 from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
 from expertd.security import Credentials
@@ -116,6 +116,7 @@ class ExpertClient:
         self._segments: dict[str, torch.Tensor] | None = None
         self._model_dtypes: dict[int, torch.dtype] = {}  # id(model) -> dtype it was loaded with
         self._closed = threading.Event()
+        self._gone: GenerationGone | None = None  # the daemon restarted without the generation this client reads
         try:
             self._connect()
         except BaseException:
@@ -134,6 +135,7 @@ class ExpertClient:
         Read from the generation's index segment that the lease (or refresh) reply names: mapped
         read-only and decoded here, so attaching workers do not queue behind each other's index bytes
         in the daemon's loop; a truncated or altered segment raises `CorruptIndex`."""
+        self._check_gone()
         if self._index is None:
             deadline = time.monotonic() + self.timeout
             while True:
@@ -195,6 +197,7 @@ class ExpertClient:
         return model
 
     def status(self) -> dict:
+        self._check_gone()
         return self._conn.request("status")
 
     def restore(self, model, dtype: torch.dtype | None = None, strict: bool = True):
@@ -213,12 +216,16 @@ class ExpertClient:
         model the served tensors that changed. `tensors()` / `served_tensors()` then return the new
         generation's views; views taken before stay valid and unchanged until they are dropped.
         """
-        old = self.index()
+        if self._gone is not None:  # the daemon restarted without our generation: lease the latest afresh
+            old = self._index  # what the model holds: its bytes stay valid
+            self._take_lease()
+        else:
+            old = self.index()
         reply = self._conn.request("refresh", client=self.lease)
         self.generation, self._index_place = reply["generation"], reply.get("index_segment")
         self._index = None
         new = self.index()
-        before = {t.name: (t.segment, t.offset, t.nbytes, t.shape, t.dtype) for t in old.tensors}
+        before = {t.name: (t.segment, t.offset, t.nbytes, t.shape, t.dtype) for t in (old.tensors if old else [])}
         changed = [t.name for t in new.tensors if before.get(t.name) != (t.segment, t.offset, t.nbytes, t.shape, t.dtype)]
         self._remap(new)
         if model is None:
@@ -230,11 +237,13 @@ class ExpertClient:
         """Publish a new generation in which `tensors` have these values and everything else is shared.
 
         Names are checkpoint names (per-expert) or served names (fused blocks); values in the served
-        dtype are taken as they are, an FP8 weight is pushed with its `*_scale_inv` and dequantized as
-        at load. The bytes go through a staging segment, not the socket. Returns the new generation.
+        dtype are taken as they are; a quantized weight is pushed in the checkpoint's format (FP8 with its
+        `*_scale_inv` or `*_scale`, MXFP4 `*_blocks` with `*_scales`) and dequantized as at load. The bytes
+        go through a staging segment, not the socket. Returns the new generation.
         """
         from .push import push
 
+        self._check_gone()
         generation = push(self._conn, self.lease, tensors, self.timeout)
         self.latest_generation = max(self.latest_generation, generation)
         return generation
@@ -255,6 +264,7 @@ class ExpertClient:
         self._index = None
         self._segments = None
         self.generation = None
+        self._gone = None
         self._connect()
 
     def verify(self) -> list[str]:
@@ -291,12 +301,44 @@ class ExpertClient:
     # --- internals -------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        reply = self._conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)  # handshake + lease
+        reply = self._lease_request(self._conn)  # handshake + lease
         self.lease = reply["client"]
         self._index_place = reply.get("index_segment")  # None while the daemon is still loading
         self.lease_timeout_s = float(reply["lease_timeout_s"])
         self.lease_lost = False
         self.latest_generation = self._announced = int(reply.get("latest") or 0)
+
+    @staticmethod
+    def _lease_request(conn, **extra) -> dict:
+        """Ask for a lease; the pid namespace and start time let a daemon in the same pid namespace drop it as soon
+        as this process is gone (not a lease timeout later)."""
+        pid = os.getpid()
+        return conn.request("lease", pid=pid, protocol=PROTOCOL_VERSION, pid_ns=procfs.pid_namespace(),
+                            start_time=procfs.process_start_time(pid), **extra)
+
+    def _take_lease(self, conn=None, generation: int | None = None) -> None:
+        """A new lease (on `generation`, else the latest) replacing one the daemon no longer knows."""
+        reply = self._lease_request(conn or self._conn, **({} if generation is None else {"generation": generation}))
+        self.lease, self._gone = reply["client"], None
+        if generation is None:
+            self._index_place = reply.get("index_segment")
+            self._index = None
+
+    def _resume(self, conn, lost: str) -> None:
+        """The daemon forgot our lease (it restarted, or we were silent too long): take one on the generation this
+        client reads, which a successor that adopted it keeps; if that one is gone, the next call says so."""
+        try:
+            self._take_lease(conn, self.generation)
+            log.info("lease %s lost (%s); resumed generation %s as lease %s", lost, self.endpoint, self.generation,
+                     self.lease)
+        except GenerationGone as exc:
+            self._gone = exc
+            self.lease_lost = True
+            log.warning("lease %s lost and generation %s is gone: %s", lost, self.generation, exc)
+
+    def _check_gone(self) -> None:
+        if self._gone is not None:
+            raise self._gone
 
     def _note_latest(self, reply: dict) -> None:
         latest = reply.get("latest")
@@ -367,11 +409,9 @@ class ExpertClient:
                 try:
                     self._note_latest(conn.request("heartbeat", client=lease))
                     self._announce()
-                except LeaseExpired as exc:
-                    if lease == self.lease and not self.lease_lost:
-                        # the daemon forgot us: it restarted, or we were silent too long
-                        log.warning("lease %s lost (%s); call reconnect() to attach again", lease, exc)
-                        self.lease_lost = True
+                except LeaseExpired:
+                    if lease == self.lease and self._gone is None:
+                        self._resume(conn, lease)
                 except DaemonError as exc:
                     log.warning("heartbeat refused: %s", exc)
                 except (ExpertdError, zmq.ZMQError) as exc:  # the thread must outlive any one failed beat

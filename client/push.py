@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from expertd import procfs
 from expertd.connection import Connection
 from expertd.dtypes import PACKED_SUFFIXES, SCALE_SUFFIXES
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
@@ -160,7 +161,9 @@ def push_all(endpoints: list[str], tensors: dict[str, torch.Tensor], *, token: s
         for endpoint in endpoints:
             conn = Connection(endpoint, timeout, credentials=credentials)
             daemons.append([conn, None, None])
-            daemons[-1][1] = conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"]
+            daemons[-1][1] = conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION,
+                                          pid_ns=procfs.pid_namespace(),  # a local daemon drops it if we die
+                                          start_time=procfs.process_start_time(os.getpid()))["client"]
             index = TensorIndex.from_dict(conn.request("index")["index"])
             daemons[-1][2] = share_of(index, tensors)
         taken = {name for _, _, share in daemons for name in share}

@@ -90,6 +90,10 @@ class Busy(DaemonError):
     """Another reload or update is being built; one at a time."""
 
 
+class GenerationGone(DaemonError):
+    """The generation a client reads is not served any more: the daemon restarted and could not keep it."""
+
+
 class GenerationLimit(DaemonError):
     """A new generation would exceed `max_generations` while leases pin the old ones."""
 

@@ -41,8 +41,8 @@ STAGE_MESSAGE_BYTES = 64 * STAGE_FRAME_BYTES
 # Conditions a client handles by type, mapped by name in one place (as pyzmq maps errno to classes);
 # any other error name arrives as a plain DaemonError carrying that name in `kind`.
 ERRORS = {cls.__name__: cls for cls in (
-    errors.NotReady, errors.LeaseExpired, errors.Busy, errors.GenerationLimit, errors.UpdateRejected,
-    errors.PushDenied,
+    errors.NotReady, errors.LeaseExpired, errors.Busy, errors.GenerationLimit, errors.GenerationGone,
+    errors.UpdateRejected, errors.PushDenied,
 )}
 
 

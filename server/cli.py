@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from expertd.errors import ConfigError, DaemonNotRunning, DaemonTimeout, ExpertdError
+from expertd.errors import ConfigError, DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError
 from expertd.units import parse_duration, parse_size
 
 import expertd
@@ -112,7 +112,8 @@ def cmd_status(args) -> int:
     print(f"  clients     {len(status['leases'])}")
     for lease in status["leases"]:
         print(f"    {lease['client']:<8} pid {lease['pid']:<8} generation {lease['generation']}  "
-              f"age {lease['age_s']:.1f}s  idle {lease['idle_s']:.1f}s")
+              f"age {lease['age_s']:.1f}s  idle {lease['idle_s']:.1f}s"
+              + ("  (process watched)" if lease.get("watched") else ""))
     for gen in status.get("generations", []):
         print(f"  generation {gen['generation']:<4} {gen['tensors']} tensors, {gen['bytes']:,} bytes "
               f"({gen['bytes_shared_with_latest']:,} shared with the latest), {len(gen['leases'])} lease(s)")
@@ -137,8 +138,6 @@ def cmd_reload(args) -> int:
     import os
     import time
 
-    from expertd.errors import DaemonError
-
     conn = _connection(args)
     try:
         fields = {"checkpoint": os.path.abspath(args.checkpoint)} if args.checkpoint else {}
@@ -157,7 +156,7 @@ def cmd_reload(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    """Ask the daemon to stop, wait until its socket is gone, and say what stopped."""
+    """Ask the daemon to stop (with --keep: hand its generations over), wait until it has exited, say what stopped."""
     import time
 
     from expertd.protocol import ipc_path
@@ -165,17 +164,48 @@ def cmd_stop(args) -> int:
     conn = _connection(args)
     try:
         status = conn.request("status")
-        conn.request("stop")
+        conn.request("stop", keep=bool(getattr(args, "keep", False)))
     finally:
         conn.close()
     path = ipc_path(status["endpoint"])
     deadline = time.monotonic() + args.timeout
-    while path is not None and os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)  # the daemon unlinks its segments, index, manifest and socket on the way out
-    gone = path is None or not os.path.exists(path)
+    while time.monotonic() < deadline and (path is not None and os.path.exists(path) or _running(status["pid"])):
+        time.sleep(0.05)  # the daemon unlinks its segments, index, manifest and socket on the way out, then exits
+    gone = not (path is not None and os.path.exists(path) or _running(status["pid"]))
+    kept = " (generations left for a successor)" if getattr(args, "keep", False) else ""
     print(f"stopped expertd pid {status['pid']} (namespace {status['namespace']}, endpoint {status['endpoint']}, "
-          f"generation {status['generation']})" + ("" if gone else f"; it is still cleaning up after {args.timeout:.0f}s"))
-    return 0
+          f"generation {status['generation']}){kept}"
+          + ("" if gone else f"; it is still cleaning up after {args.timeout:.0f}s"))
+    return 0 if gone else 1
+
+
+def _running(pid: int) -> bool:
+    """Whether the daemon's process still runs, when it is on this host (a tcp:// daemon elsewhere: unknown, False)."""
+    from .runstate import pid_alive
+
+    return pid_alive(pid) and _is_daemon(pid)
+
+
+def _is_daemon(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"expertd" in f.read()
+    except OSError:
+        return False
+
+
+def cmd_restart(args) -> int:
+    """Hand the running daemon's generations over (`stop --keep`) and start a successor that adopts them."""
+    from .config import load_config
+
+    cfg = load_config(args.config)
+    args.endpoint, args.token, args.server_key, args.keep = None, None, None, True
+    try:
+        if cmd_stop(args) != 0:
+            raise DaemonError(f"the daemon of {args.config} did not exit within {args.timeout:.0f}s; not starting another")
+    except DaemonNotRunning:
+        print(f"no daemon answered on {cfg.endpoint}: starting one")
+    return cmd_start(args)
 
 
 def cmd_keys(args) -> int:
@@ -281,6 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the EP ranks this host serves (0,1 or 0-3, or @FILE holding them), over expert_parallel.ranks")
     p.set_defaults(func=cmd_start)
 
+    p = add("restart", "hand a running daemon's generations over (stop --keep) and start a successor that adopts them "
+                       "(foreground)")
+    p.add_argument("--config", required=True, help="the daemon's YAML config file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (same as `progress: false`)")
+    p.add_argument("--ep-ranks", metavar="RANKS", help="as for start")
+    p.add_argument("--timeout", type=_duration, default=60.0, help="seconds to wait for the running daemon to exit")
+    p.set_defaults(func=cmd_restart)
+
     p = add("keys", "write a CURVE key pair for tcp:// encryption (NAME.key public, NAME.key_secret secret)")
     p.add_argument("folder", help="folder to write them into (made 0700 if missing)")
     p.add_argument("--name", default="expertd", help="file name stem")
@@ -308,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                            help="wait up to SECONDS for the daemon to serve: exit 0 when it does, 3 when it is "
                                 "still loading then, 2 when none answers (for healthchecks and scripts)")
+        if name == "stop":
+            p.add_argument("--keep", action="store_true",
+                           help="leave the generations in shared memory for a successor (`expertd start` adopts them)")
         if name == "reload":
             p.add_argument("--checkpoint", help="checkpoint folder to serve next (default: the configured one, re-read)")
             p.add_argument("--wait", type=_duration, default=3600.0,

@@ -43,6 +43,7 @@ class DaemonConfig:
     curve_client_keys: str | None = None  # folder of client public keys that may connect (default: any with ours)
     curve_push_keys: str | None = None  # folder of client public keys that may push weights (default: none)
     insecure_tcp: bool = False  # allow a tcp bind beyond 127.0.0.1 without CURVE (token and bytes in clear)
+    adopt_verify: str = "full"  # adopting a predecessor's generations: "full" (every checksum) or "sizes"
 
     @property
     def index_path(self) -> str:
@@ -103,6 +104,9 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: namespace {cfg.namespace!r} must be 1-64 of [A-Za-z0-9_.-]")
     if not isinstance(cfg.max_generations, int) or isinstance(cfg.max_generations, bool) or cfg.max_generations < 1:
         raise ConfigError(f"config {source}: max_generations must be an integer >= 1")
+    if cfg.adopt_verify not in ("full", "sizes"):
+        raise ConfigError(f"config {source}: adopt_verify {cfg.adopt_verify!r} must be 'full' (every checksum) or "
+                          "'sizes'")
     if cfg.load_threads is not None and (not isinstance(cfg.load_threads, int) or isinstance(cfg.load_threads, bool)
                                          or cfg.load_threads < 1):
         raise ConfigError(f"config {source}: load_threads must be an integer >= 1 (or leave it out: every usable core)")

@@ -25,6 +25,7 @@ from expertd.security import PUSH_OPS
 
 from .config import DaemonConfig
 from .curve import Curve
+from .generations import watchable
 from .loader import Cancelled, prepare, resolve_device
 from .runstate import EndpointBusy, RunState
 from .service import WeightService
@@ -39,6 +40,7 @@ class Daemon:
         self.cfg = cfg
         self._stop = threading.Event()
         self._hup = threading.Event()
+        self._keep = False  # stopping hands the generations over (`stop --keep`, SIGUSR2) instead of removing them
         self.started = time.time()
         self.runstate = RunState(cfg.namespace, cfg.resolved_run_dir)
         self.weights = WeightService(cfg, self.runstate, resolve_device(cfg.device), self._stop.is_set)
@@ -64,10 +66,13 @@ class Daemon:
 
     def _run(self) -> int:
         self._check_endpoint_free()
-        ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel)  # raises before anything is created
-        log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
-                 self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout)
-        self.runstate.reap(self.cfg.shm_dir)
+        # a predecessor's generations, verified, are served again without reading the checkpoint; else load it
+        adopted = self.weights.adopt(self.runstate.read_manifest())
+        if adopted is None:
+            ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel)  # raises before anything is created
+            log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
+                     self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout)
+        self.runstate.reap(self.cfg.shm_dir, keep=adopted.segments if adopted is not None else frozenset())
         ctx = zmq.Context()
         try:
             sock = self._bind(ctx)
@@ -83,9 +88,12 @@ class Daemon:
                 sock.close(linger=0)
                 ctx.term()
                 raise
-        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+        signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in signals}
-        self.weights.start_load(ckpt, plan)
+        if adopted is None:
+            self.weights.start_load(ckpt, plan)
+        else:
+            self.weights.serve_adopted(adopted)
         try:
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
@@ -108,13 +116,14 @@ class Daemon:
             if self.curve is not None:
                 self.curve.stop()
             ctx.term()
-            self.weights.close()
+            self.weights.close(keep=self._keep)
             if ipc_path(self.cfg.endpoint) is not None:
                 try:
                     os.unlink(ipc_path(self.cfg.endpoint))
                 except FileNotFoundError:
                     pass
-            self.runstate.remove()  # nothing of this run is left: segments, index, socket and now the manifest
+            if not self._keep:
+                self.runstate.remove()  # nothing of this run is left: segments, index, socket and now the manifest
             for s, h in old_handlers.items():
                 signal.signal(s, h)
         error = self.weights.load_error
@@ -128,7 +137,11 @@ class Daemon:
             log.info("received SIGHUP, reloading %s", self.cfg.checkpoint)
             self._hup.set()
             return
-        log.info("received %s, stopping", signal.Signals(signum).name)
+        if signum == signal.SIGUSR2:
+            log.info("received SIGUSR2, stopping and leaving the generations for a successor")
+            self._keep = True
+        else:
+            log.info("received %s, stopping", signal.Signals(signum).name)
         self._stop.set()
 
     def _bind(self, ctx: zmq.Context) -> zmq.Socket:
@@ -269,6 +282,8 @@ class Daemon:
         return {"ok": True, **self.status()}
 
     def op_stop(self, msg: dict) -> dict:
+        """Stop; with `keep`, leave the live generations in shared memory for a successor to adopt (a handover)."""
+        self._keep = bool(msg.get("keep"))
         self._stop.set()
         return {"ok": True}
 
@@ -290,12 +305,22 @@ class Daemon:
         pid = msg.get("pid", 0)
         if not isinstance(pid, int) or not 0 <= pid < 2**31:
             raise ProtocolError("'pid' must be a non-negative integer")
+        # (newer clients) their pid namespace and process start time: a worker in ours is watched, and its lease
+        # goes as soon as its process does; others (and older clients) keep the heartbeat timeout only
+        pid_ns, start_time = msg.get("pid_ns"), msg.get("start_time")
+        for key, value in (("pid_ns", pid_ns), ("start_time", start_time)):
+            if value is not None and (not isinstance(value, int) or not 0 <= value < 2**64):
+                raise ProtocolError(f"'{key}' must be a non-negative integer")
+        resume = msg.get("generation")  # a worker whose daemon restarted asks for the generation it reads
+        if resume is not None and (not isinstance(resume, int) or isinstance(resume, bool) or resume < 1):
+            raise ProtocolError("'generation' must be a positive integer")
         gens = self.weights.gens
-        lease = gens.lease(pid)
+        lease = gens.lease(pid, start_time=watchable(pid, pid_ns, start_time), generation=resume)
         reply = {"ok": True, "client": lease.client, "lease_timeout_s": self.cfg.lease_timeout_s,
                  "generation": lease.generation}
-        if gens.latest is not None:  # attach in one round trip: the worker maps and decodes the index itself
-            reply["index_segment"] = gens.latest.index_place
+        gen = gens.generation_of(lease)
+        if gen is not None:  # attach in one round trip: the worker maps and decodes the index itself
+            reply["index_segment"] = gen.index_place
         return reply
 
     def op_heartbeat(self, msg: dict) -> dict:
@@ -332,7 +357,7 @@ class Daemon:
             "expert_parallel": expert_parallel_status(index),
             "leases": [
                 {"client": l.client, "pid": l.pid, "generation": l.generation, "age_s": round(now - l.created, 3),
-                 "idle_s": round(now - l.seen, 3)}
+                 "idle_s": round(now - l.seen, 3), "watched": l.watched}
                 for l in w.gens.leases.values()
             ],
             "generations": w.gens.status(),

@@ -16,8 +16,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from expertd import index_segment
-from expertd.errors import GenerationLimit, LeaseExpired
+from expertd import index_segment, procfs
+from expertd.errors import GenerationGone, GenerationLimit, LeaseExpired
 from expertd.index import TensorIndex
 from expertd.protocol import pack
 
@@ -25,6 +25,8 @@ from .arena import Arena, unlink_segment
 from .loader import Built
 
 log = logging.getLogger("expertd.generations")
+
+WATCH_EVERY_S = 0.25  # how often a watched lease's process is looked up in /proc (at most)
 
 
 @dataclass
@@ -34,6 +36,23 @@ class Lease:
     created: float
     seen: float
     generation: int | None  # None while the first generation is still loading
+    # set when the worker runs in the daemon's pid namespace: its process (pid and start time) is watched,
+    # and the lease goes as soon as the process does; None: only the heartbeat timeout ends it
+    start_time: int | None = None
+    checked: float = 0.0  # when the process was last looked up
+
+    @property
+    def watched(self) -> bool:
+        return self.start_time is not None
+
+
+def watchable(pid: int, pid_ns: int | None, start_time: int | None) -> int | None:
+    """The start time to watch a worker's process by: the one it sent, when it runs in this process's pid
+    namespace and /proc agrees (its pid names it here); None otherwise (another pid namespace, a client too
+    old to send these, or a /proc that shows another namespace's pids: the timeout rule only)."""
+    if pid_ns is None or start_time is None or pid <= 0 or pid_ns != procfs.pid_namespace():
+        return None
+    return start_time if procfs.process_start_time(pid) == start_time else None
 
 
 def place_index(index: TensorIndex, group: str | None = None) -> dict:
@@ -84,20 +103,57 @@ class Generation:
 class Generations:
     """The live generations and the leases on them."""
 
-    def __init__(self, max_generations: int = 3):
+    def __init__(self, max_generations: int = 3, on_retire=None):
         self.max_generations = max_generations
         self.live: dict[int, Generation] = {}
         self.latest: Generation | None = None
         self.leases: dict[str, Lease] = {}
         self._lease_ids = itertools.count(1)
+        self.on_retire = on_retire  # called with each retired generation's number (its ledger record goes)
 
     # --- leases ----------------------------------------------------------------------------
 
-    def lease(self, pid: int) -> Lease:
+    def lease(self, pid: int, start_time: int | None = None, generation: int | None = None) -> Lease:
+        """A new lease on the latest generation, or on live `generation` (a worker resuming what it reads after
+        the daemon restarted: GenerationGone when that one is not live); with `start_time` (see `watchable`)
+        its process is watched by `expire`."""
+        if generation is not None and generation not in self.live:
+            raise GenerationGone(f"generation {generation} is not served any more (live: "
+                                 f"{sorted(self.live) or 'none'}); reconnect() or refresh() to read the latest")
         now = time.monotonic()
-        lease = Lease(f"c{next(self._lease_ids)}", pid, now, now, self.latest.number if self.latest else None)
+        number = generation if generation is not None else self.latest.number if self.latest else None
+        lease = Lease(f"c{next(self._lease_ids)}", pid, now, now, number, start_time, now)
         self.leases[lease.client] = lease
         return lease
+
+    def hold(self, generation: int) -> None:
+        """Pin an adopted generation for one lease timeout under a lease of its own (`handover-gN`, pid 0): a
+        worker whose lease the predecessor had not yet recorded re-takes it on this generation meanwhile."""
+        now = time.monotonic()
+        self.leases[f"handover-g{generation}"] = Lease(f"handover-g{generation}", 0, now, now, generation)
+
+    def restore(self, leases: list[dict]) -> None:
+        """Grant again the leases a predecessor recorded (the daemon restarted under its workers), as if each had
+        just beaten; new lease ids continue after theirs."""
+        now = time.monotonic()
+        top = 0
+        for item in leases:
+            client, pid, generation = item.get("client"), item.get("pid"), item.get("generation")
+            if isinstance(client, str) and isinstance(pid, int) and generation in self.live:
+                # watched again only where /proc here still shows that process (a successor in another pid namespace
+                # cannot tell: the timeout rule then)
+                start_time = item.get("start_time")
+                if not isinstance(start_time, int) or procfs.process_start_time(pid) != start_time:
+                    start_time = None
+                self.leases[client] = Lease(client, pid, now, now, generation, start_time, now)
+                if client[1:].isdigit():
+                    top = max(top, int(client[1:]))
+        self._lease_ids = itertools.count(top + 1)
+
+    def recorded(self) -> list[dict]:
+        """The leases as the manifest records them for a successor."""
+        return [{"client": l.client, "pid": l.pid, "generation": l.generation, "start_time": l.start_time}
+                for l in self.leases.values() if l.generation is not None and l.pid > 0]
 
     def get(self, client: str) -> Lease:
         lease = self.leases.get(client)
@@ -127,10 +183,21 @@ class Generations:
             self.retire()
 
     def expire(self, timeout_s: float) -> None:
+        """Drop leases silent for over `timeout_s`, and watched leases whose process is gone (one /proc read per
+        watched lease every `WATCH_EVERY_S` at most); then retire what they pinned."""
         now = time.monotonic()
-        gone = [l for l in self.leases.values() if now - l.seen > timeout_s]
+        gone = []
+        for lease in self.leases.values():
+            if now - lease.seen > timeout_s:
+                log.info("lease %s (pid %d) expired after %.1fs without heartbeat", lease.client, lease.pid,
+                         now - lease.seen)
+                gone.append(lease)
+            elif lease.start_time is not None and now - lease.checked >= WATCH_EVERY_S:
+                lease.checked = now
+                if not procfs.process_alive(lease.pid, lease.start_time):
+                    log.info("lease %s (pid %d) dropped: the process is gone", lease.client, lease.pid)
+                    gone.append(lease)
         for lease in gone:
-            log.info("lease %s (pid %d) expired after %.1fs without heartbeat", lease.client, lease.pid, now - lease.seen)
             del self.leases[lease.client]
         if gone:
             self.retire()
@@ -169,6 +236,8 @@ class Generations:
         for gen in gone:
             del self.live[gen.number]
             gen.drop_index()
+            if self.on_retire is not None:
+                self.on_retire(gen.number)
         if not gone:
             return []
         in_use = set().union(*(g.segments() for g in self.live.values()))
@@ -178,6 +247,11 @@ class Generations:
 
     def segments_by_generation(self) -> dict[int, list[str]]:
         return {n: sorted(g.segments() | {g.index_place["segment"]}) for n, g in self.live.items()}
+
+    def leave(self) -> None:
+        """Forget every live generation without unlinking anything (a handover: a successor adopts them)."""
+        self.live.clear()
+        self.latest = None
 
     def close(self) -> None:
         """Unlink every segment of every live generation (the daemon is stopping)."""

@@ -38,7 +38,7 @@ class Job:
     number: int
     kind: str  # "load" | "reload" | "update"
     generation: int  # the number it publishes as
-    state: str = "building"  # "building" | "built" | "published" | "failed"
+    state: str = "building"  # "building" | "built" | "published" | "failed" | "unchanged" (nothing to build)
     error: str | None = None
     message: str | None = None
     built: Built | None = None
@@ -71,14 +71,14 @@ class Jobs:
                        "one reload or update at a time")
 
     def start(self, kind: str, generation: int, work, on_end=None) -> Job:
-        """Run `work()` (returning a Built) in a thread as a new job."""
+        """Run `work()` (returning a Built, or None when there is nothing to build) in a thread as a new job."""
         self.check_idle()
         job = Job(next(self._ids), kind, generation, on_end=on_end)
 
         def run() -> None:
             try:
                 job.built = work()
-                job.state = "built"
+                job.state = "built" if job.built is not None else "unchanged"  # None: nothing to build
             except BaseException as exc:  # reported through the job, never lost
                 job.exc, job.error, job.message = exc, type(exc).__name__, str(exc)
                 job.state = "failed"

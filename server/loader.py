@@ -30,7 +30,7 @@ from expertd.shm import map_segment, segment_bytes, view
 
 from .arena import Arena
 from .compute import compute, source_tensor
-from .filling import OrderedPool, Part, batches, default_threads, fill, source_digest, write_part
+from .filling import OrderedPool, Part, batches, default_threads, dequantized, fill, source_digest, write_part
 from .layout import Plan, plan_checkpoint
 from .reader import Checkpoint
 
@@ -342,15 +342,38 @@ def _unchanged(ckpt: Checkpoint, plan: Plan, previous: Built | None, pool: Order
 def _computed(ckpt: Checkpoint, planned, out: torch.Tensor, config, dev: torch.device):
     """A computed tensor (transformers converts it with more than a rename or a stack): its sources read
     whole, dequantized, converted by transformers' own ops, written; [(source digests, checksum)]."""
-    digests, tensors = [], []
+    digests, tensors, ids = [], [], {}
     for src in planned.sources:
         data = ckpt.view(src.info)
         scale = ckpt.view(src.scale) if src.scale is not None else None
-        digest = tensor_checksum(data) + (f"+{tensor_checksum(scale)}" if scale is not None else "")
+        ids[ckpt.identity(src.info)] = digest = tensor_checksum(data)
+        if scale is not None:
+            ids[ckpt.identity(src.scale)] = scale_digest = tensor_checksum(scale)
+            digest = f"{digest}+{scale_digest}"
         digests.append(digest)
         tensors.append(source_tensor(data, scale, src, planned.dtype, write_part, device=dev))
     out.copy_(compute(planned, tensors, config))
-    return [(digests, {}, tensor_checksum(out))]
+    return [(digests, ids, tensor_checksum(out))]
+
+
+def rebuild_tensors(ckpt: Checkpoint, plan, names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """Served tensors `names` made anew from the checkpoint, as a build makes them (a successor repairing what it
+    adopted: the caller keeps them only where they hash to the recorded checksum); names the plan lacks are left out."""
+    by_name = {t.name: t for t in plan.tensors}
+    out = {}
+    for name in names:
+        planned = by_name.get(name)
+        if planned is None:
+            continue
+        if planned.computed is not None:
+            from expertd.hf import model_config
+
+            result = torch.empty(planned.shape, dtype=planned.dtype)
+            _computed(ckpt, planned, result, model_config(ckpt.config), device)
+        else:
+            result = torch.cat([dequantized(ckpt, src, device).reshape(-1) for src in planned.sources])
+        out[name] = result.view(planned.shape)
+    return out
 
 
 def publish(index: TensorIndex, index_path: str | None) -> None:

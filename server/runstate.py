@@ -3,11 +3,13 @@
 - A lock: an abstract unix socket named after the namespace, held for the daemon's life and
   released by the kernel whatever way the process ends. A second daemon on the namespace refuses.
 - A manifest `{run_dir}/{namespace}.manifest.json`: pid, process start time, generation, segment
-  names, state. A clean stop removes it with everything else the daemon wrote (so generation
-  numbers start again at 1); a crash leaves it, and the successor counts up from it.
-- Reaping: on start, segments of the namespace whose owner process is dead are unlinked: every
-  generation's and any staging segment of an update in flight. Segments of a live daemon, or of
-  another namespace, are never touched.
+  names per live generation, state, what they were built under and the leases on them. A clean
+  stop removes it with everything else the daemon wrote (so generation numbers start again at 1);
+  a crash or a handover (`stop --keep`) leaves it, and the successor adopts what it names (see
+  `adopt`) or counts up from it.
+- Reaping: on start, segments of the namespace whose owner process is dead are unlinked, but for
+  those the daemon adopted: every other generation's and any staging segment of an update in
+  flight. Segments of a live daemon, or of another namespace, are never touched.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import os
 import socket
 import time
 
+import expertd
 from expertd.errors import ExpertdError
 from expertd.index import write_json_atomic
+from expertd.procfs import process_start_time
 
 from .arena import SHM_DIR, segment_pattern, unlink_segment
+from .ledger import LEDGER_VERSION
 
 log = logging.getLogger("expertd.runstate")
 
@@ -32,16 +37,6 @@ class NamespaceBusy(ExpertdError, RuntimeError):
 
 class EndpointBusy(ExpertdError, RuntimeError):
     """Another live daemon already answers on this endpoint."""
-
-
-def process_start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot), or None if no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def pid_alive(pid: int) -> bool:
@@ -120,32 +115,35 @@ class RunState:
         return gen + 1 if isinstance(gen, int) and gen >= 0 else 1
 
     def write_manifest(self, generation: int, segments: dict[int, list[str]], state: str, endpoint: str,
-                       staging: list[str] = (), shm_dir: str = SHM_DIR) -> None:
-        """Record the latest generation and the segments of every live generation (and of staging)."""
+                       staging: list[str] = (), shm_dir: str = SHM_DIR, conditions: dict | None = None,
+                       leases: list[dict] = ()) -> None:
+        """Record the latest generation, the segments of every live generation (and of staging), what they were
+        built under and the leases on them: what a successor needs to adopt them (see `adopt`)."""
         write_json_atomic(self.manifest_path, {
             "pid": os.getpid(), "start_time": process_start_time(os.getpid()), "generation": generation,
             "namespace": self.namespace, "state": state, "endpoint": endpoint, "updated": time.time(),
-            "shm_dir": shm_dir,
+            "shm_dir": shm_dir, "expertd": expertd.__version__, "ledger": LEDGER_VERSION, "built_under": conditions,
             "segments": sorted({name for names in segments.values() for name in names} | set(staging)),
             "generations": {str(g): names for g, names in sorted(segments.items())},
+            "leases": list(leases),
         })
 
-    def reap(self, shm_dir: str = SHM_DIR) -> list[str]:
+    def reap(self, shm_dir: str = SHM_DIR, keep=frozenset()) -> list[str]:
         """Unlink this namespace's segments whose owner is dead, in `shm_dir` and in the folder the
         manifest of a crashed predecessor names (its config may have had another shm_dir); refuse
-        if a live daemon owns some."""
+        if a live daemon owns some. `keep`: segments this daemon adopted (named with their builder's pid)."""
         before = (self.read_manifest() or {}).get("shm_dir")
         folders = [shm_dir] + ([before] if isinstance(before, str) and before != shm_dir
                                and os.path.isabs(before) and os.path.isdir(before) else [])
         reaped = []
         for folder in folders:
-            reaped += self._reap_in(folder)
+            reaped += self._reap_in(folder, keep if folder == shm_dir else frozenset())
         return reaped
 
-    def _reap_in(self, shm_dir: str) -> list[str]:
+    def _reap_in(self, shm_dir: str, keep=frozenset()) -> list[str]:
         reaped = []
         for name, pid in namespace_segments(self.namespace, shm_dir).items():
-            if pid == os.getpid():
+            if pid == os.getpid() or name in keep:
                 continue
             if pid_alive(pid) and self._is_expertd(pid):
                 raise NamespaceBusy(

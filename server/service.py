@@ -8,22 +8,28 @@ what is served runs on the loop's thread: builds only hand back an unpublished g
 
 from __future__ import annotations
 
+import grp
 import logging
 import os
+import time
 
 import torch
 
 from expertd.errors import Busy, ExpertdError, NotReady, ProtocolError, UpdateRejected
 
+from . import adopt, ledger
 from .arena import segment_name, unlink_segment
 from .config import DaemonConfig
 from .generations import Generation, Generations, Lease, place_index
 from .jobs import Job, Jobs, forget_frames
-from .loader import Cancelled, build, prepare, publish
+from .filling import default_threads
+from .loader import Built, Cancelled, build, prepare, publish, rebuild_tensors
 from .runstate import RunState
 from .updates import Staging, build_update, plan_update
 
 log = logging.getLogger("expertd.daemon")
+
+LEASES_EVERY_S = 0.5  # the manifest's record of leases lags the live ones by at most this
 
 
 class WeightService:
@@ -33,7 +39,11 @@ class WeightService:
         self.device = device
         self.should_stop = should_stop
         self.checkpoint = cfg.checkpoint  # what the latest generation was built from
-        self.gens = Generations(cfg.max_generations)
+        self.gens = Generations(cfg.max_generations, on_retire=lambda n: ledger.remove(self.run_dir, cfg.namespace, n))
+        self.run_dir = cfg.resolved_run_dir
+        self.conditions = ledger.build_conditions(cfg.checkpoint, cfg.expert_parallel, cfg.shm_dir)
+        self._recorded_leases: list[dict] = []  # the leases the manifest last recorded
+        self._leases_written = 0.0
         self.jobs = Jobs()
         self.staging: dict[int, Staging] = {}
         self._updates = 0
@@ -58,6 +68,60 @@ class WeightService:
         number = self.first_generation
         self._start_build("load", number, lambda: self._build(ckpt, plan, number, None))
 
+    def adopt(self, manifest: dict | None) -> adopt.Adopted | None:
+        """What a dead or handed-over predecessor left that this daemon can serve again (see `adopt`), verified."""
+        adopted = adopt.adopt(manifest, namespace=self.cfg.namespace, run_dir=self.run_dir,
+                              conditions=self.conditions, mode=self.cfg.adopt_verify,
+                              threads=self.cfg.load_threads or default_threads(),
+                              gid=grp.getgrnam(self.cfg.group).gr_gid if self.cfg.group else None, rebuild=self._rebuild)
+        ledger.remove_all(self.run_dir, self.cfg.namespace,  # what is not adopted is reaped: its records go too
+                          keep={r.number for r in adopted.records} if adopted is not None else frozenset())
+        return adopted
+
+    def _rebuild(self, names: list[str]) -> dict:
+        """Tensors `names` made anew from the configured checkpoint (those it still makes)."""
+        try:
+            ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel)
+        except ExpertdError as exc:
+            log.error("cannot rebuild from %s: %s", self.cfg.checkpoint, exc)
+            return {}
+        try:
+            return rebuild_tensors(ckpt, plan, names, self.device)
+        finally:
+            ckpt.close()
+
+    def serve_adopted(self, adopted: adopt.Adopted) -> None:
+        """Serve the adopted generations under their numbers, re-grant the predecessor's leases, hold every adopted
+        generation a lease timeout for workers that re-take theirs, then check the checkpoint in the background:
+        a changed one becomes the next generation (incrementally)."""
+        for record in adopted.records:
+            built = Built(adopt.arena_of(record, self.cfg.group), record.index, record.parts, record.known)
+            gen = Generation(built, place_index(record.index, self.cfg.group))
+            self.gens.live[gen.number] = gen
+            self.gens.latest = gen
+        self.gens.restore(adopted.leases)
+        for number in self.gens.live:
+            self.gens.hold(number)
+        self.gens.retire()
+        latest = self.gens.latest
+        publish(latest.index, self.cfg.index_path)
+        self.first_generation = latest.number
+        log.info("adopted generation(s) %s (%d lease(s) re-granted, %d tensor(s) rebuilt from the checkpoint) in "
+                 "%.2fs: serving generation %d", ", ".join(str(r.number) for r in adopted.records), len(adopted.leases),
+                 len(adopted.repaired), adopted.seconds, latest.number)
+        self._write_manifest("serving")
+        number = latest.number + 1
+
+        def work():
+            ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel)
+            if adopt.matches(ckpt, plan, latest.built):
+                ckpt.close()
+                return None
+            log.info("the checkpoint changed while no daemon served it: building generation %d from it", number)
+            return self._build(ckpt, plan, number, latest.built)
+
+        self._start_build("reload", number, work)
+
     def tick(self, reload_requested: bool) -> None:
         """Between requests: publish a finished build, start a SIGHUP reload, expire leases and stale staging."""
         job = self.jobs.finished()
@@ -69,6 +133,7 @@ class WeightService:
             except ExpertdError as exc:
                 log.error("SIGHUP reload not started: %s", exc)
         self.gens.expire(self.cfg.lease_timeout_s)
+        self._record_leases()
         for number, staging in list(self.staging.items()):
             if staging.client not in self.gens.leases and not staging.committed:
                 log.info("update %d dropped: its lease %s is gone", number, staging.client)
@@ -122,11 +187,14 @@ class WeightService:
                 job.exc, job.error, job.message, job.state = exc, type(exc).__name__, str(exc), "failed"
                 forget_frames(exc)
             else:
+                ledger.write(self.run_dir, job.built, job.kind, self.conditions)
                 self.gens.publish(Generation(job.built, place))
                 job.state = "published"
                 b = job.built
                 log.info("serving generation %d on %s (%s: %d tensor(s), %.1f MiB written in %.2fs)", job.generation,
                          self.cfg.endpoint, job.kind, b.tensors_written, b.bytes_written / 2**20, b.seconds)
+        if job.state == "unchanged":
+            log.info("the checkpoint is what generation %d was built from: nothing to rebuild", job.generation - 1)
         if job.state == "failed":
             if job.kind == "load":
                 self.load_error = job.exc
@@ -145,8 +213,18 @@ class WeightService:
         if building is not None:  # its segments are created one by one: record the names they will have
             segments[building] = [segment_name(self.cfg.namespace, os.getpid(), building, 0).rsplit(".", 1)[0] + ".*"]
         latest = self.gens.latest.number if self.gens.latest else self.first_generation
+        self._recorded_leases = self.gens.recorded()
+        self._leases_written = time.monotonic()
         self.runstate.write_manifest(latest, segments, state, self.cfg.endpoint,
-                                     staging=[s.segment.name for s in self.staging.values()], shm_dir=self.cfg.shm_dir)
+                                     staging=[s.segment.name for s in self.staging.values()], shm_dir=self.cfg.shm_dir,
+                                     conditions=self.conditions, leases=self._recorded_leases)
+
+    def _record_leases(self) -> None:
+        """Keep the manifest's leases current (at most twice a second), so that a successor re-grants them."""
+        if self.gens.latest is None or time.monotonic() - self._leases_written < LEASES_EVERY_S:
+            return
+        if self.gens.recorded() != self._recorded_leases:
+            self._write_manifest("serving")
 
     def _check_idle(self) -> None:
         self.jobs.check_idle()
@@ -261,14 +339,25 @@ class WeightService:
             return self.gens.latest.number
         return self.jobs.current.generation if self.jobs.current is not None else self.first_generation
 
-    def close(self) -> None:
-        """Remove every segment, staged update and the published index (the daemon is stopping)."""
+    def close(self, keep: bool = False) -> None:
+        """Remove every segment, staged update and the published index (the daemon is stopping); with `keep` (a
+        handover) leave the live generations, their ledger and the manifest for a successor to adopt."""
         self.jobs.join()
         job = self.jobs.current
         if job is not None and job.built is not None:
             job.built.close()  # built but never published
         for number in list(self.staging):
             self._drop_staging(number)
+        if keep and self.gens.latest is not None:
+            segments = self.gens.segments_by_generation()
+            self.runstate.write_manifest(self.gens.latest.number, segments, "handover", self.cfg.endpoint,
+                                         shm_dir=self.cfg.shm_dir, conditions=self.conditions,
+                                         leases=self.gens.recorded())
+            log.info("handing over generation(s) %s: left in shared memory for a successor",
+                     ", ".join(str(n) for n in sorted(segments)))
+            self.gens.leave()
+            return
+        ledger.remove_all(self.run_dir, self.cfg.namespace)
         if self.gens.latest is not None:
             self.gens.close()
             try:

@@ -215,7 +215,8 @@ def test_bad_reload_changes_nothing(tiny_checkpoint, start_daemon, workers, name
     assert w.ask("logits")["generation"] == before["generation"]
 
 
-def test_sigkill_during_reload_then_restart_reaps_everything(tiny_checkpoint, tmp_path, namespace):
+def test_sigkill_during_reload_then_restart_adopts_the_published_and_reaps_the_half_built(tiny_checkpoint, tmp_path,
+                                                                                         namespace):
     other = str(tmp_path / "other")
     subprocess.run(expertd_cmd("generate", other, "--seed", "7"), check=True, capture_output=True)
     daemon = DaemonProcess.launch(tmp_path, tiny_checkpoint, namespace)
@@ -235,8 +236,9 @@ def test_sigkill_during_reload_then_restart_reaps_everything(tiny_checkpoint, tm
         daemon.stop()
     successor = DaemonProcess.launch(tmp_path, tiny_checkpoint, namespace)
     try:
-        successor.wait_serving()
-        assert {name.split(".")[1] for name in shm_files(namespace)} == {str(successor.proc.pid)}
+        assert successor.wait_serving()["generation"] == 1  # the published generation, adopted
+        left = {tuple(name.split(".")[1:3]) for name in shm_files(namespace)}
+        assert left == {(str(daemon.proc.pid), "1"), (str(successor.proc.pid), "i1")}  # no half-built generation 2
     finally:
         assert successor.stop() == 0
     assert not shm_files(namespace)

@@ -11,10 +11,11 @@ WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker
 
 
 class Worker:
-    """A `worker.py` process attached to `endpoint`; `hello` is its first reply (lease, digest, model report)."""
+    """A `worker.py` process attached to `endpoint`; `hello` is its first reply (lease, digest, model report).
+    `prefix`: a command that runs it (e.g. `unshare ...`), so that `proc` is that command's process."""
 
     def __init__(self, endpoint: str, timeout: float = 30, cow: bool = False, namespace: str | None = None,
-                 model: bool = False, save: str | None = None):
+                 model: bool = False, save: str | None = None, prefix: list[str] | None = None):
         args = [endpoint, "--timeout", str(timeout)]
         if cow:
             args.append("--cow")
@@ -25,7 +26,7 @@ class Worker:
         if save is not None:
             os.makedirs(save, exist_ok=True)
             args += ["--save", save]
-        self.proc = subprocess.Popen([sys.executable, WORKER_SCRIPT, *args], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, WORKER_SCRIPT, *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.hello = self._read()
 

@@ -1,0 +1,43 @@
+"""What /proc says about processes, shared by the daemon and the client (which must not import server code).
+
+A pid alone names a process only while it lives: the kernel reuses pids. A pid with its start time
+(clock ticks since boot, field 22 of /proc/PID/stat) names one process for good. Pids mean something
+only within one pid namespace, named here by the inode of /proc/self/ns/pid.
+"""
+
+from __future__ import annotations
+
+import os
+
+GONE_STATES = ("Z", "X", "x")  # zombie, dead: the process has exited (its memory is released)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state first), or None if no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and parentheses
+
+
+def process_start_time(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot), or None if no such process."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def process_alive(pid: int, start_time: int) -> bool:
+    """Whether the process that had `pid` and `start_time` still runs: False when the pid is gone, is a
+    zombie (exited, not yet waited for) or now names another process (reused)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in GONE_STATES and int(fields[19]) == start_time
+
+
+def pid_namespace() -> int | None:
+    """This process's pid namespace (the inode of /proc/self/ns/pid), or None where /proc does not say."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None

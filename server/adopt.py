@@ -1,0 +1,243 @@
+"""Adoption: a starting daemon takes over the generations a dead (or handed-over) predecessor left in shared memory.
+
+The predecessor's manifest names its live generations; the ledger (`ledger`) holds each one's index.
+A generation is adopted when it was built under this config (same checkpoint path, partition, shm_dir,
+user, ledger format) and every segment it uses is ours: a regular file of this namespace in shm_dir, owned
+by this user, with the mode this daemon gives its segments (never one another user could have written).
+Then its bytes are verified against the index: sizes always, and with `adopt_verify: full` every tensor's
+xxh3 checksum, on `load_threads` threads. A tensor that fails is rebuilt from the checkpoint in place,
+and only if the rebuilt bytes hash to the recorded checksum (a tensor an `update()` wrote exists nowhere
+else: its generation is dropped instead, with a log line naming it). Nothing is published and no segment
+is touched before the verdict; what is not adopted is reaped as after any crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from expertd.index import TensorEntry, TensorIndex, checksum_parts, tensor_checksum
+from expertd.shm import OPEN_FLAGS, segment_bytes, segment_path, to_dtype
+
+from . import ledger
+from .arena import Arena, segment_pattern
+
+log = logging.getLogger("expertd.adopt")
+
+VERIFY_MODES = ("full", "sizes")
+
+
+@dataclass
+class Adopted:
+    """Generations taken over from a predecessor, oldest first, each as its ledger record."""
+
+    records: list[ledger.Record] = field(default_factory=list)
+    leases: list[dict] = field(default_factory=list)  # the predecessor's leases, re-granted for their generations
+    segments: set[str] = field(default_factory=set)  # every segment the adopted generations use (never reaped)
+    repaired: list[str] = field(default_factory=list)  # tensors rebuilt from the checkpoint
+    seconds: float = 0.0
+
+
+def refusal(manifest: dict, namespace: str, conditions: dict) -> str | None:
+    """Why a predecessor's manifest may not be adopted under this config, or None."""
+    if manifest.get("namespace") != namespace:
+        return f"it is of namespace {manifest.get('namespace')!r}"
+    if manifest.get("ledger") != ledger.LEDGER_VERSION:
+        return f"its ledger format is {manifest.get('ledger')!r}, this expertd reads {ledger.LEDGER_VERSION}"
+    theirs = manifest.get("built_under")
+    if not isinstance(theirs, dict):
+        return "it records no build conditions"
+    for key, ours in conditions.items():
+        if theirs.get(key) != ours:
+            return f"its {key} was {theirs.get(key)!r}, this config's is {ours!r}"
+    return None
+
+
+def segment_problem(name: str, nbytes: int, namespace: str, shm_dir: str, gid: int | None) -> str | None:
+    """Why segment `name` may not be adopted as ours (None if it may), or "missing"/"size" for a damaged one."""
+    if not segment_pattern(namespace).match(name.lstrip("/")):
+        return f"segment {name} is not of namespace {namespace!r}"
+    try:
+        st = os.lstat(segment_path(name, shm_dir))
+    except FileNotFoundError:
+        return "missing"
+    if not stat.S_ISREG(st.st_mode):
+        return f"segment {name} is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"segment {name} is owned by uid {st.st_uid}, not this daemon's {os.geteuid()}"
+    want = 0o600 if gid is None else 0o640
+    if stat.S_IMODE(st.st_mode) & ~want or (gid is not None and st.st_gid != gid):
+        return f"segment {name} has mode {stat.S_IMODE(st.st_mode):o} (gid {st.st_gid}); this daemon makes {want:o}"
+    if st.st_size != nbytes:
+        return "size"
+    return None
+
+
+def damaged(index: TensorIndex, mode: str, threads: int, gid: int | None) -> tuple[list[str], str | None]:
+    """(names of tensors whose bytes are missing, short or — with mode "full" — fail their checksum; why the
+    generation may not be adopted at all, or None)."""
+    bad_segments = set()
+    for seg in index.segments:
+        problem = segment_problem(seg.name, seg.nbytes, index.namespace, index.shm_dir, gid)
+        if problem in ("missing", "size"):
+            bad_segments.add(seg.name)
+        elif problem is not None:
+            return [], problem
+    bad = [t.name for t in index.tensors if t.segment in bad_segments]
+    if mode != "full":
+        return bad, None
+    sizes = {s.name: s.nbytes for s in index.segments}
+    todo = [t for t in index.tensors if t.segment not in bad_segments and t.checksum is not None]
+
+    def check(entry: TensorEntry) -> str | None:
+        return None if _checksum(entry, sizes[entry.segment], index.shm_dir) == entry.checksum else entry.name
+
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="expertd-adopt") as pool:
+        bad += [name for name in pool.map(check, todo) if name is not None]
+    return bad, None
+
+
+def _checksum(entry: TensorEntry, segment_size: int, shm_dir: str) -> str:
+    fd = os.open(segment_path(entry.segment, shm_dir), os.O_RDONLY | OPEN_FLAGS)
+    try:
+        mapping = mmap.mmap(fd, segment_size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        data = segment_bytes(mapping)[entry.offset: entry.offset + entry.nbytes]
+        return tensor_checksum(data.view(to_dtype(entry.dtype)).view(entry.shape), checksum_parts(entry.checksum))
+    finally:
+        del data
+        mapping.close()
+
+
+def repair(entry: TensorEntry, data: torch.Tensor, segment_size: int, shm_dir: str, gid: int | None) -> bool:
+    """Write `data` (rebuilt from the checkpoint) over `entry` in its segment — made anew, or back to its size,
+    if it went — when it hashes to the recorded checksum; False (nothing written) when it does not."""
+    data = data.contiguous()
+    if entry.checksum is None or tensor_checksum(data, checksum_parts(entry.checksum)) != entry.checksum:
+        return False
+    path = segment_path(entry.segment, shm_dir)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o600)
+    try:
+        if gid is not None:
+            os.fchown(fd, -1, gid)
+            os.fchmod(fd, 0o640)
+        if os.fstat(fd).st_size != segment_size:
+            os.ftruncate(fd, segment_size)
+        raw = data.reshape(-1).view(torch.uint8).numpy()
+        written = os.pwrite(fd, raw, entry.offset)
+        if written != entry.nbytes:
+            raise OSError(f"short write into {path}: {written} of {entry.nbytes} bytes")
+    finally:
+        os.close(fd)
+    return True
+
+
+def adopt(manifest: dict | None, *, namespace: str, run_dir: str, conditions: dict, mode: str, threads: int,
+          gid: int | None, rebuild) -> Adopted | None:
+    """The predecessor's generations this daemon can serve again, verified (and repaired), or None (reap all).
+
+    `rebuild(names)` returns {name: tensor} rebuilt from the checkpoint for the tensors it can make (it is
+    called only when something failed verification)."""
+    if manifest is None or not manifest.get("generations"):
+        return None
+    started = time.perf_counter()
+    why = refusal(manifest, namespace, conditions)
+    if why is not None:
+        log.warning("not adopting what pid %s left in namespace %r: %s; reaping it", manifest.get("pid"), namespace, why)
+        return None
+    records = []
+    for number in sorted(int(n) for n, names in manifest["generations"].items() if not any("*" in x for x in names)):
+        try:
+            records.append(ledger.read(run_dir, namespace, number))
+        except ValueError as exc:
+            log.warning("not adopting generation %d: %s", number, exc)
+    out = Adopted()
+    damage: dict[int, list[str]] = {}
+    for record in records:
+        bad, problem = damaged(record.index, mode, threads, gid)
+        if problem is not None:
+            log.warning("not adopting generation %d: %s", record.number, problem)
+            continue
+        damage[record.number] = bad
+        out.records.append(record)
+    broken = sorted({name for bad in damage.values() for name in bad})
+    if broken:
+        log.warning("%d tensor(s) failed verification: %s; rebuilding them from the checkpoint", len(broken),
+                    ", ".join(broken[:8]) + (" ..." if len(broken) > 8 else ""))
+        fixed = _repair(out.records, damage, rebuild(broken), gid)
+        out.repaired = sorted(fixed)
+        for record in list(out.records):
+            lost = [name for name in damage[record.number] if (record.number, name) not in fixed]
+            if lost:
+                what = "an update()'s bytes, which exist nowhere else" if record.origin == "update" else \
+                    "the checkpoint no longer makes the same bytes"
+                log.error("dropping adopted generation %d (%s): %d tensor(s) cannot be restored (%s): %s",
+                          record.number, record.origin, len(lost), what, ", ".join(lost[:8]))
+                out.records.remove(record)
+    if not out.records:
+        return None
+    numbers = {r.number for r in out.records}
+    out.leases = [lease for lease in manifest.get("leases") or []
+                  if isinstance(lease, dict) and lease.get("generation") in numbers]
+    out.segments = {s.name for r in out.records for s in r.index.segments}
+    out.seconds = time.perf_counter() - started
+    return out
+
+
+def _repair(records: list[ledger.Record], damage: dict[int, list[str]], rebuilt: dict[str, torch.Tensor],
+            gid: int | None) -> set[tuple[int, str]]:
+    """Write rebuilt tensors into place; the (generation, name) pairs restored. A tensor shared by generations
+    lives in one place: restoring it once restores it for all."""
+    fixed: set[tuple[int, str]] = set()
+    done: dict[tuple[str, int], bool] = {}
+    for record in records:
+        sizes = {s.name: s.nbytes for s in record.index.segments}
+        entries = {t.name: t for t in record.index.tensors}
+        for name in damage[record.number]:
+            entry = entries[name]
+            place = (entry.segment, entry.offset)
+            if place not in done:
+                data = rebuilt.get(name)
+                done[place] = data is not None and repair(entry, data, sizes[entry.segment], record.index.shm_dir, gid)
+            if done[place]:
+                fixed.add((record.number, name))
+    return fixed
+
+
+def matches(ckpt, plan, built) -> bool:
+    """Whether a checkpoint, as planned now, is what `built` (an adopted generation) was made from: the same
+    served tensors, and every source's file identity (device, inode, size, mtime, place) one its builds recorded."""
+    entries = {t.name: t for t in built.index.tensors}
+    if len(entries) != len(plan.tensors):
+        return False
+    for planned in plan.tensors:
+        entry = entries.get(planned.name)
+        if entry is None or entry.shape != list(planned.shape) or entry.dtype != str(planned.dtype):
+            return False
+        for src in planned.sources:
+            if ckpt.identity(src.info) not in built.known or (
+                    src.scale is not None and ckpt.identity(src.scale) not in built.known):
+                return False
+    return True
+
+
+def arena_of(record: ledger.Record, group: str | None) -> Arena:
+    """An Arena owning the segments a generation's build created (named with its number), as its builder's did:
+    retiring the generation, or a clean stop, unlinks them."""
+    index = record.index
+    arena = Arena(index.namespace, index.generation, group=group, shm_dir=index.shm_dir)
+    for seg in index.segments:
+        m = segment_pattern(index.namespace).match(seg.name.lstrip("/"))
+        if m and m.group(2) == str(index.generation):
+            arena.segments.append(seg)
+            arena._maps[seg.name] = None  # unlink() removes it; nothing is mapped
+    return arena

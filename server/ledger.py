@@ -1,0 +1,101 @@
+"""The ledger: what a daemon records of each published generation, so that a successor can adopt it.
+
+Per live generation, `{run_dir}/{namespace}.gen{N}.json` holds its index (segments, tensors, checksums),
+the part digests and source identities an incremental build compares against, where it came from
+(`origin`: load, reload or update) and what it was built under (checkpoint, partition, shm_dir, uid,
+expertd's version). It is written atomically when the generation is published and removed when it
+retires or the daemon stops cleanly; a crash or a planned handover (`stop --keep`) leaves it. The
+bytes themselves stay in their segments: the ledger is how a successor knows what they should be.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+import expertd
+from expertd.index import TensorIndex, write_json_atomic
+
+log = logging.getLogger("expertd.ledger")
+
+LEDGER_VERSION = 1  # a successor adopts only generations recorded in the format it reads
+
+
+@dataclass
+class Record:
+    """One published generation as its daemon recorded it."""
+
+    number: int
+    index: TensorIndex
+    parts: dict[str, list[str]]
+    known: dict[tuple, str]
+    origin: str  # "load", "reload", "update"
+    built_under: dict  # checkpoint, expert_parallel, shm_dir, uid, expertd version
+
+
+def record_path(run_dir: str, namespace: str, number: int) -> str:
+    return os.path.join(run_dir, f"{namespace}.gen{number}.json")
+
+
+def build_conditions(checkpoint: str, expert_parallel, shm_dir: str) -> dict:
+    """What a generation's bytes depend on besides its index: a successor adopts it only under the same."""
+    return {"checkpoint": os.path.abspath(checkpoint), "shm_dir": shm_dir, "uid": os.geteuid(),
+            "expert_parallel": None if expert_parallel is None else {
+                "size": expert_parallel.size, "ranks": list(expert_parallel.ranks)}}
+
+
+def write(run_dir: str, built, origin: str, conditions: dict) -> None:
+    index = built.index
+    write_json_atomic(record_path(run_dir, index.namespace, index.generation), {
+        "ledger": LEDGER_VERSION, "expertd": expertd.__version__, "generation": index.generation, "origin": origin,
+        "built_under": conditions, "index": index.to_dict(), "parts": built.parts,
+        "known": [[list(identity), digest] for identity, digest in built.known.items()],
+    }, indent=None, sort_keys=False)
+
+
+def remove(run_dir: str, namespace: str, number: int) -> None:
+    try:
+        os.unlink(record_path(run_dir, namespace, number))
+    except FileNotFoundError:
+        pass
+
+
+def remove_all(run_dir: str, namespace: str, keep=frozenset()) -> None:
+    """Remove this namespace's records but those of generations `keep`."""
+    for path in glob.glob(os.path.join(glob.escape(run_dir), f"{glob.escape(namespace)}.gen*.json")):
+        m = re.fullmatch(rf"{re.escape(namespace)}\.gen(\d+)\.json", os.path.basename(path))
+        if m and int(m.group(1)) not in keep:
+            os.unlink(path)
+
+
+def read(run_dir: str, namespace: str, number: int) -> Record:
+    """The record of generation `number`; ValueError naming what is wrong with it."""
+    path = record_path(run_dir, namespace, number)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(data, dict) or data.get("ledger") != LEDGER_VERSION:
+        raise ValueError(f"{path}: ledger format {data.get('ledger') if isinstance(data, dict) else None!r}, "
+                         f"this expertd reads {LEDGER_VERSION}")
+    try:
+        index = TensorIndex.from_dict(data["index"])
+        known = {_tuple(identity): digest for identity, digest in data["known"]}
+        record = Record(int(data["generation"]), index, dict(data["parts"]), known, str(data["origin"]),
+                        dict(data["built_under"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
+    if record.number != number or index.generation != number or index.namespace != namespace:
+        raise ValueError(f"{path}: records generation {record.number} of namespace {index.namespace!r}, "
+                         f"expected generation {number} of {namespace!r}")
+    return record
+
+
+def _tuple(value):
+    """JSON's lists back to the tuples identities are made of (shapes nested)."""
+    return tuple(_tuple(v) for v in value) if isinstance(value, list) else value
