@@ -25,9 +25,6 @@ FALLBACK_FUSIONS = {
     ),
 }
 
-# config.json names the weights' dtype `torch_dtype` (transformers 4.x) or `dtype` (5.x).
-CONFIG_DTYPE_KEYS = ("torch_dtype", "dtype")
-
 
 def fusions_for(model_type: str | None) -> tuple[Fusion, ...]:
     """Expert fusions read from transformers' conversion mapping (MergeModulelist(0) [+ Concatenate(1)])."""
@@ -394,8 +391,3 @@ def _interleave(param: str, lists: dict[str, list[str]]) -> list[str]:
                                          tensor=expert_name(lists[pattern], e))
             out.append(found[e])
     return out
-
-
-def set_config_dtype(config: dict, dtype: str) -> dict:
-    """`config` with its weights' dtype set under every key a transformers version reads."""
-    return {**config, **dict.fromkeys(CONFIG_DTYPE_KEYS, dtype)}

@@ -8,10 +8,11 @@ import logging
 import os
 import sys
 
+import expertd
 from expertd.errors import ConfigError, DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError
 from expertd.units import parse_duration, parse_size
 
-import expertd
+from . import stopping
 
 EXIT_ERROR = 2  # a user mistake or no daemon: one line on stderr says what is wrong and the fix
 EXIT_LOADING = 3  # `status --wait`: the daemon answers but is still loading its first generation
@@ -135,7 +136,6 @@ def _job_line(job: dict) -> str:
 
 def cmd_reload(args) -> int:
     """Ask the daemon to build the next generation from a checkpoint folder and wait until it is published."""
-    import os
     import time
 
     conn = _connection(args)
@@ -153,59 +153,6 @@ def cmd_reload(args) -> int:
                           job["error"])
     print(_job_line(job))
     return 0 if job["state"] == "published" else 1
-
-
-def cmd_stop(args) -> int:
-    """Ask the daemon to stop (with --keep: hand its generations over), wait until it has exited, say what stopped."""
-    import time
-
-    from expertd.protocol import ipc_path
-
-    conn = _connection(args)
-    try:
-        status = conn.request("status")
-        conn.request("stop", keep=bool(getattr(args, "keep", False)))
-    finally:
-        conn.close()
-    path = ipc_path(status["endpoint"])
-    deadline = time.monotonic() + args.timeout
-    while time.monotonic() < deadline and (path is not None and os.path.exists(path) or _running(status["pid"])):
-        time.sleep(0.05)  # the daemon unlinks its segments, index, manifest and socket on the way out, then exits
-    gone = not (path is not None and os.path.exists(path) or _running(status["pid"]))
-    kept = " (generations left for a successor)" if getattr(args, "keep", False) else ""
-    print(f"stopped expertd pid {status['pid']} (namespace {status['namespace']}, endpoint {status['endpoint']}, "
-          f"generation {status['generation']}){kept}"
-          + ("" if gone else f"; it is still cleaning up after {args.timeout:.0f}s"))
-    return 0 if gone else 1
-
-
-def _running(pid: int) -> bool:
-    """Whether the daemon's process still runs, when it is on this host (a tcp:// daemon elsewhere: unknown, False)."""
-    from .runstate import pid_alive
-
-    return pid_alive(pid) and _is_daemon(pid)
-
-
-def _is_daemon(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"expertd" in f.read()
-    except OSError:
-        return False
-
-
-def cmd_restart(args) -> int:
-    """Hand the running daemon's generations over (`stop --keep`) and start a successor that adopts them."""
-    from .config import load_config
-
-    cfg = load_config(args.config)
-    args.endpoint, args.token, args.server_key, args.keep = None, None, None, True
-    try:
-        if cmd_stop(args) != 0:
-            raise DaemonError(f"the daemon of {args.config} did not exit within {args.timeout:.0f}s; not starting another")
-    except DaemonNotRunning:
-        print(f"no daemon answered on {cfg.endpoint}: starting one")
-    return cmd_start(args)
 
 
 def cmd_keys(args) -> int:
@@ -317,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar (same as `progress: false`)")
     p.add_argument("--ep-ranks", metavar="RANKS", help="as for start")
     p.add_argument("--timeout", type=_duration, default=60.0, help="seconds to wait for the running daemon to exit")
-    p.set_defaults(func=cmd_restart)
+    p.set_defaults(func=stopping.cmd_restart)
 
     p = add("keys", "write a CURVE key pair for tcp:// encryption (NAME.key public, NAME.key_secret secret)")
     p.add_argument("folder", help="folder to write them into (made 0700 if missing)")
@@ -326,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, func, help_ in (
         ("status", cmd_status, "show what a daemon serves (exit 0 when it answers)"),
-        ("stop", cmd_stop, "stop a daemon and say which one stopped"),
+        ("stop", stopping.cmd_stop, "stop a daemon and say which one stopped"),
         ("verify", cmd_verify, "re-read shared memory and report tensors whose bytes changed"),
         ("reload", cmd_reload, "build the next generation from a checkpoint (only what changed) and publish it"),
     ):

@@ -27,7 +27,7 @@ from .config import DaemonConfig
 from .curve import Curve
 from .generations import watchable
 from .loader import Cancelled, prepare, resolve_device
-from .runstate import EndpointBusy, RunState
+from .runstate import EndpointBusy, RunState, endpoint_answers
 from .service import WeightService
 
 log = logging.getLogger("expertd.daemon")
@@ -153,7 +153,7 @@ class Daemon:
             if os.stat(folder).st_mode & 0o077 and not self.cfg.group:
                 log.warning("socket folder %s is accessible to other users; expertd makes its own folders 0700", folder)
             if os.path.exists(path):
-                if _endpoint_answers(ctx, endpoint):
+                if endpoint_answers(ctx, endpoint):
                     raise self._endpoint_busy()
                 os.unlink(path)  # a socket file left by a daemon that died
         sock = ctx.socket(zmq.ROUTER)
@@ -186,7 +186,7 @@ class Daemon:
         if path is not None and os.path.exists(path):
             ctx = zmq.Context()
             try:
-                if _endpoint_answers(ctx, self.cfg.endpoint):
+                if endpoint_answers(ctx, self.cfg.endpoint):
                     raise self._endpoint_busy()
             finally:
                 ctx.term()
@@ -372,19 +372,3 @@ def expert_parallel_status(index) -> dict | None:
         return None
     return {**index.expert_parallel.to_dict(),
             "experts": {t.name: t.experts.to_dict() for t in index.tensors if t.experts is not None}}
-
-
-def _endpoint_answers(ctx: zmq.Context, endpoint: str, timeout_ms: int = 500) -> bool:
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
-    sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-    try:
-        sock.connect(endpoint)
-        sock.send(pack({"op": "status"}))
-        sock.recv()
-        return True
-    except zmq.ZMQError:
-        return False
-    finally:
-        sock.close(linger=0)

@@ -13,7 +13,6 @@ the thread count.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import math
 import os
 import threading
@@ -23,10 +22,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import xxhash
 
-from expertd.index import checksum, checksum_text, tensor_bytes, tensor_checksum
+from expertd.index import checksum, tensor_bytes, tensor_checksum
 
 from .arena import Arena, Placement
-from .layout import Source, check_scale_values
+from .layout import Source
 from .reader import Checkpoint
 
 CHUNK_BYTES = 1 << 20  # output bytes dequantized and hashed at a time: source and result stay in cache
@@ -257,7 +256,7 @@ class Part:
 def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device) -> list[tuple[str, dict, str]]:
     """Fill each part; per part (source digest, identities learned, checksum of the written bytes).
 
-    Small FP8 parts on the CPU go through `_fill_small` together (what DeepSeek-V3's tens of thousands
+    Small FP8 parts on the CPU go through `small_parts.fill_small` together (what DeepSeek-V3's tens of thousands
     of tensors at small dims cost is Python per part, not bytes); the rest chunk by chunk."""
     results: list = [None] * len(parts)
     small = []
@@ -274,7 +273,9 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device
         else:
             results[i] = _fill_one(part, output, ckpt, device)
     if small:
-        for i, result in zip(small, _fill_small([parts[i] for i in small], output, ckpt)):
+        from .small_parts import fill_small
+
+        for i, result in zip(small, fill_small([parts[i] for i in small], output, ckpt)):
             results[i] = result
     output.flush()
     return results
@@ -316,132 +317,6 @@ def _fill_one(part: Part, output: Output, ckpt: Checkpoint, device: torch.device
 def _memory(address: int, nbytes: int) -> memoryview:
     """The bytes at `address` as a writable buffer (no tensor made)."""
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
-
-
-class _SpanReader:
-    """The bytes of many small tensors, read when it is made and kept until it is dropped: where they lie
-    close together in one shard (DeepSeek-V3's experts at small dims, weight and scale side by side), the
-    span around them is read with one `preadv`; a tensor outside such a span is read alone."""
-
-    SPREAD = 2  # read a span when it is at most this many times the bytes wanted from it, or at most
-    PER_TENSOR = 16 << 10  # this many bytes per tensor wanted (copying them costs less than a call each)...
-    SMALL = 64 << 10  # ...and its tensors are this small on average (larger ones cost bytes, not calls)
-
-    def __init__(self, ckpt: Checkpoint, infos: list):
-        self.at: dict[tuple[str, int], int] = {}  # (file, offset) -> address of the tensor's bytes
-        self.buffers = []
-        by_file: dict[str, list] = {}
-        for info in infos:
-            by_file.setdefault(info.file, []).append(info)
-        alone = []
-        for file, group in by_file.items():
-            start = min(i.offset for i in group)
-            end = max(i.offset + i.nbytes for i in group)
-            wanted = sum(i.nbytes for i in group)
-            if (len(group) > 1 and wanted <= self.SMALL * len(group)
-                    and end - start <= max(self.SPREAD * wanted, self.PER_TENSOR * len(group))):
-                base = self._read(ckpt, group[0], start - group[0].offset, end - start)  # relative to one tensor
-                self.at.update(((file, i.offset), base + i.offset - start) for i in group)
-            else:
-                alone += group
-        if alone:
-            base = self._read(None, None, 0, sum(i.nbytes for i in alone))
-            for info in alone:
-                ckpt.read_into(info, 0, _memory(base, info.nbytes))
-                self.at[info.file, info.offset] = base
-                base += info.nbytes
-
-    def _read(self, ckpt, info, offset: int, nbytes: int) -> int:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-        self.buffers.append(buf)
-        if ckpt is not None:
-            ckpt.read_into(info, offset, tensor_bytes(buf))
-        return buf.data_ptr()
-
-    def address(self, info) -> int:
-        return self.at[info.file, info.offset]
-
-    def bytes(self, info) -> memoryview:
-        return _memory(self.at[info.file, info.offset], info.nbytes)
-
-
-def _fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tuple[str, dict, str]]:
-    """Small FP8 parts at once: every source read into a few buffers, every scale copied into one, one table
-    of block results for all of them; then the parts that fit in L2 in one compiled call (gather and both
-    hashes, without the GIL), each larger one piece by piece."""
-    from expertd.kernels import native
-
-    scale_dtype = parts[0].src.scale.dtype
-    if any(p.src.scale.dtype != scale_dtype for p in parts):  # mixed scale dtypes: one kind of table at a time
-        return [r for p in parts for r in _fill_small([p], output, ckpt)]
-    sizes = [p.src.scale.nbytes for p in parts]
-    source = _SpanReader(ckpt, [info for p in parts for info in (p.src.info, p.src.scale)])
-    scale_buf = torch.empty(sum(sizes), dtype=torch.uint8)
-    base, ends = scale_buf.data_ptr(), list(itertools.accumulate(sizes))
-    desc = torch.tensor([[source.address(p.src.scale), base + end - size, size]
-                         for p, size, end in zip(parts, sizes, ends)], dtype=torch.int64)
-    hashes = torch.empty(len(parts), dtype=torch.int64)
-    if native.copy_hash(desc, hashes):
-        scale_digests = [checksum_text(h) for h in hashes.view(torch.uint64).tolist()]
-    else:
-        scale_digests = []
-        for src_at, dst_at, size in desc.tolist():
-            ctypes.memmove(dst_at, src_at, size)
-            scale_digests.append(checksum(_memory(dst_at, size)))
-    scales = scale_buf.view(scale_dtype).float()
-    bad = ~(torch.isfinite(scales) & (scales > 0))
-    if bool(bad.any()):  # name the first part with a bad scale, as planning would
-        bad_at, at = int(bad.nonzero()[0]), 0
-        for p, size in zip(parts, sizes):
-            at += size // scale_dtype.itemsize
-            if bad_at < at:
-                check_scale_values(ckpt, p.src.scale)
-    lut = native.block_luts(scales, torch.bfloat16)
-    lut_ptr, row = lut.data_ptr(), 256 * lut.element_size()
-    digests: list = [None] * len(parts)  # (source checksum, result checksum) per part
-    pending: list[tuple[int, list[int]]] = []  # parts whose results wait in the output buffer for `run`
-
-    def run() -> None:
-        """Fill the pending parts (before their bytes leave the output buffer)."""
-        if not pending:
-            return
-        desc = torch.tensor([d for _, d in pending], dtype=torch.int64)
-        hashes = torch.empty(len(pending), 2, dtype=torch.int64)
-        if native.fill_parts(desc, lut_ptr, hashes):
-            for (i, _), (h_in, h_out) in zip(pending, hashes.view(torch.uint64).tolist()):
-                digests[i] = (checksum_text(h_in), checksum_text(h_out))
-        else:
-            for i, (x, y, m, n, first_block, rows, cols) in pending:
-                native.gather(x, lut_ptr + first_block * row, y, n, (rows, cols), 0, m)
-                digests[i] = (checksum(_memory(x, m * n)), checksum(_memory(y, 2 * m * n)))
-        pending.clear()
-
-    output.before_flush = run
-    try:
-        first = 0  # the part's first table row
-        for i, p in enumerate(parts):
-            info = p.src.info
-            m, n = info.shape
-            weight_ptr = source.address(info)
-            if p.nbytes <= HASH_BYTES:
-                pending.append((i, [weight_ptr, output.at(p, 0, p.nbytes), m, n, first, *p.src.block]))
-            else:
-                out_hash, rows = xxhash.xxh3_64(), max(1, HASH_BYTES // max(1, 2 * n))
-                for r0 in range(0, m, rows):  # each piece hashed while it is in L2
-                    r1 = min(m, r0 + rows)
-                    out_ptr = output.at(p, r0 * n * 2, (r1 - r0) * n * 2)
-                    native.gather(weight_ptr, lut_ptr + first * row, out_ptr - r0 * n * 2, n, p.src.block, r0, r1)
-                    out_hash.update(_memory(out_ptr, (r1 - r0) * n * 2))
-                digests[i] = (checksum(source.bytes(info)), "xxh3_64:" + out_hash.hexdigest())
-            first += sizes[i] // scale_dtype.itemsize
-        run()
-    finally:
-        output.before_flush = None
-    results = []
-    for p, (digest, out_digest), scale_digest in zip(parts, digests, scale_digests):
-        results.append((f"{digest}+{scale_digest}",
-                        {ckpt.identity(p.src.info): digest, ckpt.identity(p.src.scale): scale_digest}, out_digest))
-    return results
 
 
 def batches(items, size_of):

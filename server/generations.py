@@ -217,8 +217,9 @@ class Generations:
         after = {g for g in self.live if g in pinned} | {0}  # 0 stands for the new one
         if len(after) <= self.max_generations:
             return
+        latest = self.latest.number if self.latest else None
         holders = ", ".join(f"pid {l.pid} (lease {l.client}) on generation {g}"
-                            for g, leases in sorted(pinned.items()) for l in leases)
+                            for g, leases in sorted(pinned.items()) if g != latest for l in leases)
         raise GenerationLimit(
             f"a new generation would make {len(after)} live, over max_generations={self.max_generations}; "
             f"old generations are pinned by: {holders}. Have those workers refresh() or exit, or raise max_generations"

@@ -20,10 +20,13 @@ import os
 import socket
 import time
 
+import zmq
+
 import expertd
 from expertd.errors import ExpertdError
 from expertd.index import write_json_atomic
 from expertd.procfs import process_start_time
+from expertd.protocol import ipc_path, pack
 
 from .arena import SHM_DIR, segment_pattern, unlink_segment
 from .ledger import LEDGER_VERSION
@@ -166,3 +169,31 @@ class RunState:
         except OSError:
             return True  # cannot tell: never touch what may be live
         return b"expertd" in cmdline
+
+
+def endpoint_answers(ctx: zmq.Context, endpoint: str, timeout_ms: int = 500) -> bool:
+    """Whether a daemon answers `status` on `endpoint` (a socket file left by a dead one does not)."""
+    path = ipc_path(endpoint)
+    if path is not None:  # a socket file nobody listens on (a daemon that died) refuses a plain connect at once
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            pass  # cannot tell: ask over ZeroMQ
+        finally:
+            probe.close()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+    sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    try:
+        sock.connect(endpoint)
+        sock.send(pack({"op": "status"}))
+        sock.recv()
+        return True
+    except zmq.ZMQError:
+        return False
+    finally:
+        sock.close(linger=0)

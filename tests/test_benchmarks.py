@@ -102,3 +102,17 @@ def test_bench_formats_on_given_checkpoints(tmp_path):
     assert all(v["ratio"] > 0 for row in result["F1"].values() for k, v in row.items() if k != "copy_gbs")
     assert set(result["F2"]) == {"fp8", "ct-channel", "mxfp4"} and result["F2"]["fp8"]["ratio"] == 1.0
     assert all(row["seconds"] > 0 and row["served_gb"] > 0 for row in result["F2"].values())
+
+
+def test_bench_restart_on_a_given_checkpoint(tmp_path):
+    """R1 adopts (the script exits unless the successor serves generation 1) beside a fresh start; R2 restarts the
+    daemon under a worker doing forward passes."""
+    import json
+
+    text = run("bench_restart.py", "--workdir", str(tmp_path / "work"), "--checkpoint", TINY, "--reps", "1",
+               "--restarts", "2")
+    result = json.loads(text.strip().splitlines()[-1])
+    assert set(result["R1"]) == {"fresh", "full", "sizes"} and result["R1"]["fresh"]["ratio"] == 1.0
+    assert all(row["seconds"] > 0 for row in result["R1"].values())
+    r2 = result["R2"]
+    assert r2["restarts"] == 2 and r2["forwards"] > 0 and r2["errors"] == 0 and r2["same_lease"]

@@ -145,11 +145,15 @@ def plan_conversion(ckpt: Checkpoint, max_shard_size: int = DEFAULT_MAX_SHARD_SI
     return ConversionPlan(ckpt, codec, shards, kept)
 
 
-def output_config(config: dict) -> dict:
-    """config.json of the bf16 checkpoint: no quantization_config, dtype bfloat16."""
-    from expertd.hf import set_config_dtype
+# config.json names the weights' dtype `torch_dtype` (transformers 4.x) or `dtype` (5.x).
+CONFIG_DTYPE_KEYS = ("torch_dtype", "dtype")
 
-    return set_config_dtype({k: v for k, v in config.items() if k != "quantization_config"}, "bfloat16")
+
+def output_config(config: dict) -> dict:
+    """config.json of the bf16 checkpoint: no quantization_config, dtype bfloat16 under every key a transformers
+    version reads."""
+    return {**{k: v for k, v in config.items() if k != "quantization_config"},
+            **dict.fromkeys(CONFIG_DTYPE_KEYS, "bfloat16")}
 
 
 def _fingerprint(ckpt: Checkpoint) -> str:

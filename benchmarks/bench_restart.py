@@ -1,0 +1,124 @@
+"""Restart without reloading: a successor adopting what a SIGKILLed daemon left, against a fresh start, in one run.
+
+    python benchmarks/bench_restart.py [--workdir /tmp/expertd-bench] [--checkpoint DIR] [--reps 3] [--restarts 20]
+
+R1  restart-to-serving (SIGKILL of a serving daemon → its successor, `expertd start` on the same config, serves:
+    process start, imports, manifest and ledger read, segment checks, checksums with `adopt_verify: full`, socket)
+    ÷ fresh start-to-serving (`expertd start` on an empty namespace until serving) of the same checkpoint (default:
+    the ~1 GB `bench-1g`), page cache warm, runs alternated, medians of --reps. Goal <= 0.2 with `full`, <= 0.05
+    with `sizes`.
+R2  a worker process doing forward passes back to back (tests/helpers/worker.py `loop`) while the daemon is
+    SIGKILLed and restarted --restarts times: forward passes that raised (goal 0), distinct logits seen (1), and
+    whether its lease was the successor's all along.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from bench_loader import warm  # noqa: E402
+from helpers.daemon import DaemonProcess  # noqa: E402
+from helpers.workers import Worker  # noqa: E402
+from run_all import ensure_checkpoints, machine  # noqa: E402
+
+
+def launch(folder: str, checkpoint: str, namespace: str, **extra) -> tuple[DaemonProcess, float]:
+    t0 = time.perf_counter()
+    d = DaemonProcess.launch(folder, checkpoint, namespace, stdout=subprocess.DEVNULL, **extra)
+    d.wait_serving(timeout=900)
+    return d, time.perf_counter() - t0
+
+
+def kill9(d: DaemonProcess) -> None:
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    d.proc.communicate()
+
+
+def r1(workdir: str, checkpoint: str, reps: int) -> dict:
+    times: dict[str, list[float]] = {"fresh": [], "full": [], "sizes": []}
+    for rep in range(reps):
+        for mode in ("fresh", "full", "sizes"):  # alternated: a neighbour's load hits each alike
+            folder = os.path.join(workdir, f"restart-{mode}-{os.getpid()}-{rep}")
+            namespace = f"benchrs{mode[:2]}{os.getpid()}r{rep}"
+            extra = {} if mode == "fresh" else {"adopt_verify": mode}
+            d, seconds = launch(folder, checkpoint, namespace, **extra)
+            if mode != "fresh":
+                kill9(d)
+                d, seconds = launch(folder, checkpoint, namespace, **extra)
+                if d.status()["generation"] != 1:
+                    raise SystemExit(f"{mode}: the successor did not adopt generation 1")
+            times[mode].append(seconds)
+            d.stop()
+            shutil.rmtree(folder, ignore_errors=True)
+    fresh = statistics.median(times["fresh"])
+    return {mode: {"seconds": round(statistics.median(ts), 3), "runs": [round(t, 3) for t in ts],
+                   "ratio": round(statistics.median(ts) / fresh, 3)} for mode, ts in times.items()}
+
+
+def r2(workdir: str, checkpoint: str, restarts: int) -> dict:
+    folder = os.path.join(workdir, f"restart-loop-{os.getpid()}")
+    namespace = f"benchrl{os.getpid()}"
+    d, _ = launch(folder, checkpoint, namespace, lease_timeout_s=6)
+    worker = Worker(d.endpoint, timeout=60, namespace=namespace, model=True)
+    try:
+        lease = worker.ask("lease")["lease"]
+        before = worker.ask("logits")
+        worker.send(f"loop {max(30, 4 * restarts)}")
+        seconds = []
+        for _ in range(restarts):
+            time.sleep(0.5)
+            kill9(d)
+            d, s = launch(folder, checkpoint, namespace, lease_timeout_s=6)
+            seconds.append(s)
+        looped = worker.receive()
+        after = worker.ask("lease")["lease"]
+        kept = after == lease and after in {l["client"] for l in d.status()["leases"]}
+        return {"restarts": restarts, "forwards": looped.get("forwards"), "errors": 0 if "error" not in looped else 1,
+                "error": looped.get("message"), "distinct_logits": len(looped.get("digests", [])),
+                "logits_as_before": looped.get("digests") == [before["logits"]], "same_lease": kept,
+                "restart_seconds_median": round(statistics.median(seconds), 3)}
+    finally:
+        worker.finish()
+        d.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", default="/tmp/expertd-bench")
+    ap.add_argument("--checkpoint", help="default: the generated ~1 GB bench-1g")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--restarts", type=int, default=20)
+    ap.add_argument("--only", nargs="*", default=["R1", "R2"])
+    args = ap.parse_args()
+    checkpoint = os.path.abspath(args.checkpoint) if args.checkpoint else ensure_checkpoints(args.workdir)["big"]
+    warm(checkpoint)
+    print(machine(), flush=True)
+    result = {}
+    if "R1" in args.only:
+        result["R1"] = r1(args.workdir, checkpoint, args.reps)
+        for mode, row in result["R1"].items():
+            print(f"R1 {mode}: {row['seconds']} s to serving (runs {row['runs']}); / fresh {row['ratio']}", flush=True)
+    if "R2" in args.only:
+        result["R2"] = row = r2(args.workdir, checkpoint, args.restarts)
+        print(f"R2 {row['restarts']} SIGKILL restarts under a worker: {row['forwards']} forward passes, {row['errors']} "
+              f"raised, {row['distinct_logits']} distinct logits (as before: {row['logits_as_before']}), same lease "
+              f"throughout: {row['same_lease']}; median restart-to-serving {row['restart_seconds_median']} s", flush=True)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""`expertd stop` and `expertd restart`: end a daemon, or hand its generations over to a successor, and wait until
+it has exited."""
+
+from __future__ import annotations
+
+import os
+
+from expertd.errors import DaemonError, DaemonNotRunning, ExpertdError
+
+
+def cmd_stop(args) -> int:
+    """Ask the daemon to stop (with --keep: hand its generations over), wait until it has exited, say what stopped."""
+    import time
+
+    from expertd.protocol import ipc_path
+
+    from .cli import _connection
+
+    conn = _connection(args)
+    try:
+        status = conn.request("status")
+        conn.request("stop", keep=bool(getattr(args, "keep", False)))
+    finally:
+        conn.close()
+    path = ipc_path(status["endpoint"])
+
+    def running() -> bool:  # an ipc socket file, the process (on this host), or a tcp endpoint that still answers
+        if path is not None and os.path.exists(path) or _running(status["pid"]):
+            return True
+        return path is None and _answers(args)
+
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline and running():
+        time.sleep(0.05)  # the daemon unlinks its segments, index, manifest and socket on the way out, then exits
+    gone = not running()
+    kept = " (generations left for a successor)" if getattr(args, "keep", False) else ""
+    print(f"stopped expertd pid {status['pid']} (namespace {status['namespace']}, endpoint {status['endpoint']}, "
+          f"generation {status['generation']}){kept}"
+          + ("" if gone else f"; it is still cleaning up after {args.timeout:.0f}s"))
+    return 0 if gone else 1
+
+
+def _running(pid: int) -> bool:
+    """Whether the daemon's process still runs, when it is on this host (a tcp:// daemon elsewhere: unknown, False)."""
+    from .runstate import pid_alive
+
+    return pid_alive(pid) and _is_daemon(pid)
+
+
+def _answers(args) -> bool:
+    """Whether a daemon still answers on the endpoint `args` names (a tcp:// daemon on another host)."""
+    from expertd.connection import Connection
+
+    from .cli import _target
+
+    target = _target(args)
+    conn = Connection(target.daemon_endpoint, timeout=0.5, credentials=target.credentials)
+    try:
+        conn.request("status")
+        return True
+    except ExpertdError:
+        return False
+    finally:
+        conn.close()
+
+
+def _is_daemon(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"expertd" in f.read()
+    except OSError:
+        return False
+
+
+def cmd_restart(args) -> int:
+    """Hand the running daemon's generations over (`stop --keep`) and start a successor that adopts them."""
+    from .cli import cmd_start
+    from .config import load_config
+
+    cfg = load_config(args.config)
+    args.endpoint, args.token, args.server_key, args.keep = None, None, None, True
+    try:
+        if cmd_stop(args) != 0:
+            raise DaemonError(f"the daemon of {args.config} did not exit within {args.timeout:.0f}s; not starting another")
+    except DaemonNotRunning:
+        print(f"no daemon answered on {cfg.endpoint}: starting one")
+    return cmd_start(args)
