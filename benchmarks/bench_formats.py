@@ -31,7 +31,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-from bench_dequant import best_of, format_case  # noqa: E402
+from bench_dequant import measure_formats  # noqa: E402
 from bench_loader import warm  # noqa: E402
 from helpers.daemon import DaemonProcess  # noqa: E402
 from run_all import ensure_checkpoints, machine  # noqa: E402
@@ -48,20 +48,10 @@ GPT_OSS = dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers=6, nu
 def f1_dequant(reps: int) -> dict:
     out = {}
     for (m, n), formats in SHAPES.items():
-        dst, src = torch.empty(m, n, dtype=torch.bfloat16), torch.randn(m, n).to(torch.bfloat16)
-        result = torch.empty(m, n, dtype=torch.bfloat16)
-        cases = {}
-        for fmt in formats:
-            run, reference = format_case(fmt, m, n)
-            run(result)
-            if not torch.equal(result.view(torch.int16), reference.view(torch.int16)):
-                raise SystemExit(f"{fmt} does not match its reference")
-            cases[fmt] = lambda run=run: run(result)
-        t = best_of({**cases, "copy": lambda: dst.copy_(src)}, reps)
+        t = measure_formats(m, n, formats, reps)
         nbytes = m * n * 2
-        copy = nbytes / t["copy"] / 1e9
-        out[f"{m}x{n}"] = {"copy_gbs": round(copy, 2), **{
-            fmt: {"gbs": round(nbytes / t[fmt] / 1e9, 2), "ratio": round(t["copy"] / t[fmt], 2)} for fmt in cases}}
+        out[f"{m}x{n}"] = {"copy_gbs": round(nbytes / t["copy"] / 1e9, 2), **{
+            fmt: {"gbs": round(nbytes / t[fmt] / 1e9, 2), "ratio": round(t["copy"] / t[fmt], 2)} for fmt in formats}}
     return out
 
 

@@ -9,7 +9,6 @@ import glob
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from expertd.client import ExpertClient
 from expertd.server.cli import main
 from expertd.server.tools.generate import generate_model_type, quantize_saved_checkpoint
-from helpers.daemon import expertd_cmd, write_config
+from helpers.daemon import refused_start
 from helpers.inputs import INPUT_IDS
 from helpers.reference import reference_tensors, write_reference_bf16
 from helpers.workers import worker_logits
@@ -190,10 +189,4 @@ def test_bad_checkpoints_are_refused_in_one_line(case, llmcompressor_checkpoints
         tensors = load_file(path)
         tensors[ATTN.replace("weight", "input_scale")] = torch.ones(1, dtype=torch.bfloat16)
         save_file(tensors, path, metadata={"format": "pt"})
-    done = subprocess.run(expertd_cmd("start", "--config", write_config(tmp_path, folder, namespace)),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and error in lines[0] and where in lines[0] and message in lines[0], lines
-    assert folder in lines[0]
-    assert not glob.glob(f"/dev/shm/{namespace}*")
+    refused_start(tmp_path, folder, namespace, error, where, message)

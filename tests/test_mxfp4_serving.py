@@ -9,7 +9,6 @@ import glob
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from expertd.server.loader import build, prepare
 from expertd.server.tools.generate import generate_model_type
 from expertd.server.tools.requantize import write_mxfp4
 from expertd.shm import map_segments, view
-from helpers.daemon import expertd_cmd, write_config
+from helpers.daemon import refused_start
 from helpers.inputs import INPUT_IDS
 from helpers.reference import reference_tensors, write_reference_bf16
 from helpers.workers import worker_logits
@@ -172,10 +171,4 @@ def test_bad_checkpoints_are_refused_in_one_line(case, gpt_oss, tmp_path, namesp
                    "scales": {DOWN + "_scales": scales[:, :, :5].contiguous()},
                    "nan": {DOWN + "_scales": scales.clone().index_fill_(2, torch.tensor([3]), 0xFF)}}[edit]
         folder = edited(folder, str(tmp_path / "ckpt"), replace=replace)
-    done = subprocess.run(expertd_cmd("start", "--config", write_config(tmp_path, folder, namespace)),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and error in lines[0] and where in lines[0] and message in lines[0], lines
-    assert folder in lines[0]
-    assert not glob.glob(f"/dev/shm/{namespace}*")
+    refused_start(tmp_path, folder, namespace, error, where, message)

@@ -38,6 +38,20 @@ def expertd_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "expertd.server.cli", *args]
 
 
+def refused_start(folder, checkpoint: str, namespace: str, *needles: str) -> str:
+    """Run `expertd start` on a checkpoint it must refuse: exit 2, one line on stderr holding every needle (and the
+    checkpoint's folder), nothing of the namespace left in /dev/shm; returns the line."""
+    import glob
+
+    done = subprocess.run(expertd_cmd("start", "--config", write_config(folder, checkpoint, namespace)),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(n in lines[0] for n in (*needles, checkpoint)), lines
+    assert not glob.glob(f"/dev/shm/{namespace}*")
+    return lines[0]
+
+
 def daemon_status(endpoint: str, token: str | None = None, timeout: float = 2.0) -> dict | None:
     """The daemon's status reply, or None when it does not answer."""
     conn = Connection(endpoint, timeout=timeout, token=token)
