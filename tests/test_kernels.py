@@ -131,6 +131,18 @@ def test_cpu_matches_reference(shape, block, scales):
         assert_bits_equal(weight_dequant_cpu(x, s, block, out_dtype=out_dtype), want)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("block", ["channel", "tensor", (64, 32), (1, 7), (3, 128)])
+@pytest.mark.usefixtures("cpu_path")
+def test_cpu_rectangular_blocks_match_reference(shape, block):
+    """compressed-tensors' scales are blocks too: one per output channel (1 x N), one per tensor (M x N); any
+    (rows, columns) block dequantizes as the reference does, on every CPU path."""
+    m, n = shape
+    block = {"channel": (1, n), "tensor": (m, n)}.get(block, block)
+    x, s = random_case(m, n, block)
+    assert_bits_equal(weight_dequant_cpu(x, s, block), weight_dequant_reference(x, s, block))
+
+
 @pytest.mark.parametrize("chunk", [1, 7, 257 * 10, 128 * 257 + 5, 1 << 20])
 @pytest.mark.usefixtures("cpu_path")
 def test_cpu_chunking_does_not_matter(monkeypatch, chunk):
@@ -358,6 +370,9 @@ _INTERPRETER_CASES = [
     (256, 256, 16, "float32", 0, "all_bytes"),
     (1, 1, 128, "bfloat16", 3, "random"),
     (129, 257, 128, "float16", 4, "random"),
+    (70, 50, [1, 50], "bfloat16", 5, "random"),  # compressed-tensors per channel
+    (70, 50, [70, 50], "bfloat16", 6, "random"),  # per tensor
+    (130, 70, [64, 32], "bfloat16", 7, "random"),  # a rectangular block: tiles inside it
 ]
 
 
