@@ -36,7 +36,7 @@ def forget_frames(exc: BaseException) -> None:
 @dataclass
 class Job:
     number: int
-    kind: str  # "load" | "reload" | "update"
+    kind: str  # "load" | "reload" | "update" | "check" (after adopting: has the checkpoint changed?)
     generation: int  # the number it publishes as
     state: str = "building"  # "building" | "built" | "published" | "failed" | "unchanged" (nothing to build)
     error: str | None = None

@@ -120,7 +120,7 @@ class WeightService:
             log.info("the checkpoint changed while no daemon served it: building generation %d from it", number)
             return self._build(ckpt, plan, number, latest.built)
 
-        self._start_build("reload", number, work)
+        self._start_build("check", number, work)  # a reload or update meanwhile is Busy for these seconds
 
     def tick(self, reload_requested: bool) -> None:
         """Between requests: publish a finished build, start a SIGHUP reload, expire leases and stale staging."""

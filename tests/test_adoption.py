@@ -162,7 +162,7 @@ def test_a_checkpoint_changed_while_dead_becomes_the_next_generation(tiny_checkp
     while time.monotonic() < deadline and second.status()["generation"] != 2:
         time.sleep(0.1)
     status = second.status()
-    assert status["generation"] == 2 and status["job"]["kind"] == "reload" and status["job"]["tensors_written"] <= 2
+    assert status["generation"] == 2 and status["job"]["kind"] == "check" and status["job"]["tensors_written"] <= 2
     with ExpertClient(second.endpoint) as client:
         assert torch.equal(client.tensors()[name], reference_tensors(folder)[name])
     out = stop_and_read(second)

@@ -9,6 +9,7 @@ import os
 import signal
 import stat
 import subprocess
+import time
 
 import posix_ipc
 import pytest
@@ -61,15 +62,21 @@ def test_workers_attach_through_the_segment_and_it_lives_as_long_as_its_generati
         daemon.stop()
     successor = DaemonProcess.launch(tmp_path, tiny_checkpoint, namespace)
     try:
-        status = successor.wait_serving()  # ... and the next start reaps it with the rest
-        assert index_files(namespace) == [f"{namespace}.{successor.proc.pid}.i2.000"]
-        assert not glob.glob(f"/dev/shm/{namespace}.{dead}.*")
+        status = successor.wait_serving()  # ... the next start adopts generation 1 and places its index anew,
+        assert status["generation"] == 1  # reaping the dead daemon's index segment
+        assert index_files(namespace) == [f"{namespace}.{successor.proc.pid}.i1.000"]
+        assert not glob.glob(f"/dev/shm/{namespace}.{dead}.i*")
+        conn = Connection(successor.endpoint, timeout=10)  # the adopted generation is held a lease timeout for
+        conn.request("release", client="handover-g1")  # workers coming back; none comes: let it go
+        while conn.request("status")["job"]["state"] == "building":  # the check of the checkpoint, after adopting
+            time.sleep(0.1)
+        conn.close()
         reload = subprocess.run(expertd_cmd("reload", "--config", successor.config), capture_output=True,
                                 text=True, timeout=120)
         assert reload.returncode == 0, reload.stderr
-        # no lease holds generation 2: it retires at once, its index segment with it
-        assert index_files(namespace) == [f"{namespace}.{successor.proc.pid}.i3.000"]
-        assert successor.status()["index_segment"] == f"/{namespace}.{successor.proc.pid}.i3.000"
+        # no lease holds generation 1: it retires at once, its index segment with it
+        assert index_files(namespace) == [f"{namespace}.{successor.proc.pid}.i2.000"]
+        assert successor.status()["index_segment"] == f"/{namespace}.{successor.proc.pid}.i2.000"
     finally:
         assert successor.stop() == 0
     assert not glob.glob(f"/dev/shm/{namespace}*")  # stop leaves nothing

@@ -116,7 +116,7 @@ def test_checkpoint_pictures_and_page(checkpoint_report):
     assert_valid_pngs(out, report)
     with open(os.path.join(out, "stats.md")) as f:
         text = f.read()
-    assert "| routed experts |" in text and f"| {EXPERT} | float8_e4m3fn | 200x320 |" in text
+    assert "| routed experts |" in text and f"| {EXPERT} | float8_e4m3fn | fp8 e4m3, 128x128 block scale | 200x320 |" in text
 
 
 def test_daemon_endpoint_gives_the_served_values(tiny_checkpoint, start_daemon, tmp_path):

@@ -179,13 +179,17 @@ def served_from_huge_pages(tmp_path, tiny_checkpoint, namespace, kind):
     assert not any(".u" in name for name in seen["files_after_update"])  # the staging segment went after commit
     assert old.lstrip("/") not in seen["files_after_retire"] and new.lstrip("/") in seen["files_after_retire"]
 
-    # a SIGKILLed daemon's segments stay there until its successor reaps them
+    # a SIGKILLed daemon's segments stay there; its successor adopts the pushed generation (verified) from the
+    # huge-page folder and reaps the rest (the dead daemon's index segment)
     dead = f"{namespace}.{seen['dead_pid']}."
     assert any(name.startswith(dead) for name in seen["files_after_kill"])
-    assert seen["successor_status"]["generation"] == 3
-    assert seen["files_after_reap"] and not any(name.startswith(dead) for name in seen["files_after_reap"])
+    assert seen["successor_status"]["generation"] == 2
+    kept = [name for name in seen["files_after_reap"] if name.startswith(dead)]
+    assert kept and not any(".i" in name for name in kept) and new.lstrip("/") in seen["files_after_reap"]
     assert seen["successor_worker"]["outside"] == []
-    assert torch.equal(torch.load(os.path.join(tmp_path, "huge", "out2", "logits.pt")), plain)
+    updated = torch.load(os.path.join(tmp_path, "huge", "out1", "logits.pt"))
+    assert not torch.equal(updated, plain)
+    assert torch.equal(torch.load(os.path.join(tmp_path, "huge", "out2", "logits.pt")), updated)
     assert seen["successor_stop"] == 0 and seen["files_after_stop"] == {}
 
     # a huge-page folder too small for the model (47 tensors, each a 2 MiB page): exit 2 before any segment

@@ -5,7 +5,7 @@ Usage: shm_dir_scenario.py CHECKPOINT WORK NAMESPACE SHM_DIR SMALL_DIR
 SHM_DIR is a tmpfs mounted huge=always (or a hugetlbfs mount) and SMALL_DIR one too small for the
 model; both exist only in this mount namespace, so everything that uses them runs here: a reference
 daemon on /dev/shm, a daemon on SHM_DIR with a real worker, `expertd verify` and `status`, an update
-(staging segment, retirement), a SIGKILL and the successor that reaps, and a start on SMALL_DIR.
+(staging segment, retirement), a SIGKILL and the successor that adopts, and a start on SMALL_DIR.
 Prints one JSON line of what it saw; the test asserts on it. Logits go to WORK/*/logits.pt.
 """
 
@@ -89,8 +89,9 @@ def main() -> None:
         new_segment = next(t.segment for t in client.index().tensors if t.name == name)
     seen["update_segments"] = [old_segment, new_segment]
     seen["files_after_retire"] = listing(shm_dir, namespace)
+    seen["updated_worker"] = model_worker(daemon.endpoint, namespace, os.path.join(folder, "out1"))
 
-    # a crash, and the successor that reaps what it left in shm_dir
+    # a crash, and the successor that adopts what it left in shm_dir (and reaps the rest)
     dead = daemon.proc.pid
     daemon.proc.send_signal(signal.SIGKILL)
     daemon.proc.wait()
@@ -112,7 +113,8 @@ def main() -> None:
     seen["small_files"] = os.listdir(small_dir)
 
     seen["dev_shm_at_end"] = sorted(listing("/dev/shm", namespace))
-    seen["alive"] = [pid for pid in seen["pids"] + [seen[k]["pid"] for k in ("plain_worker", "worker", "successor_worker")]
+    seen["alive"] = [pid for pid in seen["pids"] + [seen[k]["pid"] for k in ("plain_worker", "worker", "updated_worker",
+                                                                            "successor_worker")]
                      if os.path.exists(f"/proc/{pid}")]
     print(json.dumps(seen), flush=True)
 

@@ -1,0 +1,234 @@
+"""The C++ client (client/cpp) against a real daemon: what `expertd-cpp-dump` sees is what ExpertClient sees.
+
+client/cpp is built once per session with CMake into ~/.cache/expertd/cpp-<hash of its sources, torch and
+compiler> (reused while they do not change); its ctest runs the golden protocol vectors. Missing build
+prerequisites fail these tests with the package to install (CI installs them), never skip them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from expertd.client import ExpertClient
+from expertd.index import checksum, checksum_parts, tensor_bytes, tensor_checksum
+
+REPO = Path(__file__).resolve().parent.parent
+CPP = REPO / "client" / "cpp"
+GOLDEN = REPO / "tests" / "golden" / "protocol"
+TINY = str(REPO / "checkpoints" / "tiny")
+TOKEN = "cpp-client-token-0123456789"
+APT = "apt-get install -y cmake g++ pkg-config libzmq3-dev libmsgpack-cxx-dev libxxhash-dev"
+BUILD_SUFFIXES = (".cpp", ".hpp", ".h", ".txt", ".cmake")  # what the build reads (not the docs or scripts)
+EXIT = {"DaemonNotRunning": 3, "DaemonTimeout": 4, "AuthError": 5}
+
+
+def _missing_prerequisites() -> list[str]:
+    missing = []
+    if shutil.which("cmake") is None:
+        missing.append("cmake (package cmake)")
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        missing.append("a C++17 compiler (package g++)")
+        return missing
+    for header, package in (("zmq.h", "libzmq3-dev"), ("msgpack.hpp", "libmsgpack-cxx-dev"), ("xxhash.h", "libxxhash-dev")):
+        probe = subprocess.run([cxx, "-x", "c++", "-std=c++17", "-E", "-", "-o", os.devnull], input=f"#include <{header}>\n",
+                               capture_output=True, text=True)
+        if probe.returncode != 0:
+            missing.append(f"{header} (package {package})")
+    return missing
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in CPP.rglob("*") if p.is_file() and p.suffix in BUILD_SUFFIXES):
+        h.update(str(path.relative_to(CPP)).encode() + b"\0" + path.read_bytes() + b"\0")
+    h.update(f"{torch.__version__} {torch.__file__} {sys.executable}".encode())
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or ""
+    h.update(subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.encode() if cxx else b"")
+    return h.hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def cpp_build() -> Path:
+    """client/cpp built (Release) in ~/.cache/expertd/cpp-<key>: once, then reused while its sources are unchanged."""
+    missing = _missing_prerequisites()
+    if missing:
+        pytest.fail(f"cannot build the C++ client (client/cpp): missing {', '.join(missing)}. Install them with:\n  {APT}",
+                    pytrace=False)
+    cache = Path(os.path.expanduser("~")) / ".cache" / "expertd"
+    cache.mkdir(parents=True, exist_ok=True)
+    build = cache / f"cpp-{_build_key()}"
+    with open(cache / f"{build.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per key, whichever session gets there first
+        if not (build / ".built").exists():
+            generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+            t0 = time.monotonic()
+            for cmd in (["cmake", "-S", str(CPP), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                         f"-DEXPERTD_PYTHON={sys.executable}", *generator],
+                        ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]):
+                run = subprocess.run(cmd, capture_output=True, text=True)
+                if run.returncode != 0:
+                    pytest.fail(f"building client/cpp failed ({' '.join(cmd)}):\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}\n"
+                                f"(prerequisites: {APT})", pytrace=False)
+            (build / ".built").write_text(f"{time.monotonic() - t0:.1f}\n")
+            print(f"\nbuilt client/cpp in {time.monotonic() - t0:.1f}s ({build})")
+    return build
+
+
+def dump(build: Path, endpoint: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERTD_")}  # only what the test passes
+    return subprocess.run([str(build / "expertd-cpp-dump"), endpoint, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def dump_json(build: Path, endpoint: str, *args: str) -> dict:
+    run = dump(build, endpoint, "--json", *args)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+def test_golden_vectors_through_the_cpp_protocol_code(cpp_build):
+    run = subprocess.run(["ctest", "--output-on-failure"], cwd=cpp_build, capture_output=True, text=True,
+                         env={**os.environ, "EXPERTD_GOLDEN_DIR": str(GOLDEN)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "100% tests passed" in run.stdout
+
+
+def test_cpp_client_sees_what_the_python_client_sees(cpp_build, start_daemon):
+    d = start_daemon(TINY, auth_token=TOKEN)
+    got = dump_json(cpp_build, d.endpoint, "--token", TOKEN, "--bench", "5")
+    views = dump_json(cpp_build, d.endpoint, "--token", TOKEN, "--views")
+    t0 = time.perf_counter()
+    with ExpertClient(d.endpoint, token=TOKEN) as client:
+        index = client.index()
+        served = client.served_tensors()
+        python_ms = (time.perf_counter() - t0) * 1000
+        assert got["generation"] == index.generation == client.generation
+        assert [t["name"] for t in got["tensors"]] == [e.name for e in index.tensors]  # every served tensor, in order
+        for row, entry in zip(got["tensors"], index.tensors):
+            t = served[entry.name]
+            assert (row["dtype"], row["shape"], row["nbytes"]) == (str(t.dtype), list(t.shape), t.numel() * t.element_size())
+            assert (row["segment"], row["offset"]) == (entry.segment, entry.offset)
+            assert row["recorded"] == entry.checksum
+            assert row["checksum"] == entry.checksum == tensor_checksum(t, checksum_parts(entry.checksum)), entry.name
+            assert row["xxh3_64"] == checksum(tensor_bytes(t))
+        # per checkpoint name: the views Python derives (fused experts cut per expert) are the C++ client's too
+        mine = client.tensors()
+        assert sorted(t["name"] for t in views["tensors"]) == sorted(mine)
+        entries = index.checkpoint_entries()
+        for row in views["tensors"]:
+            t, entry = mine[row["name"]], entries[row["name"]]
+            assert (row["dtype"], row["shape"]) == (str(t.dtype), list(t.shape))
+            assert (row["segment"], row["offset"], row["nbytes"]) == (entry.segment, entry.offset, entry.nbytes)
+            assert row["xxh3_64"] == checksum(tensor_bytes(t)), row["name"]
+        assert client.verify() == []
+        # the tool released its leases while it still ran (not dropped later because its process went)
+        assert got["lease"] not in got["leases_after_close"] and views["lease"] not in views["leases_after_close"]
+        assert [l["client"] for l in d.status()["leases"]] == [client.lease]
+    assert d.status()["leases"] == []
+    best = min(sum(r[k] for k in ("lease", "index", "tensors")) for r in got["bench_ms"])
+    print(f"\nattach (lease + index + served tensors), tiny checkpoint: C++ best of 5 {best:.2f} ms; "
+          f"Python first attach {python_ms:.2f} ms (client/cpp/bench_attach.py compares best of 5)")
+
+
+def test_heartbeat_keeps_the_lease_past_its_timeout(cpp_build, start_daemon):
+    d = start_daemon(TINY, lease_timeout_s=1.0)
+    got = dump_json(cpp_build, d.endpoint, "--hold-s", "2.5")
+    assert got["held"]["lease_alive"] is True, got["held"]
+    assert got["held"]["heartbeat_error"] == ""
+    assert d.status()["leases"] == []
+
+
+def test_refresh_moves_to_a_pushed_generation(cpp_build, start_daemon):
+    d = start_daemon(TINY, lease_timeout_s=1.5)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERTD_")}
+    proc = subprocess.Popen([str(cpp_build / "expertd-cpp-dump"), d.endpoint, "--json", "--hold-s", "3", "--refresh"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not d.status()["leases"] and time.monotonic() < deadline:  # the tool has attached
+            time.sleep(0.05)
+        pushed = torch.full((320,), 1.5, dtype=torch.bfloat16)
+        with ExpertClient(d.endpoint) as client:
+            assert client.update({"model.norm.weight": pushed}) == 2
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, err
+    got = json.loads(out)
+    assert got["held"]["lease_alive"] is True
+    assert got["refresh"] == {"latest_seen": 2, "changed": ["model.norm.weight"], "old_views_unchanged": True}
+    assert got["generation"] == 2
+    row = next(t for t in got["tensors"] if t["name"] == "model.norm.weight")
+    assert row["checksum"] == row["recorded"] == tensor_checksum(pushed)
+    assert all(t["checksum"] == t["recorded"] for t in got["tensors"])
+    assert got["leases_after_close"] == []
+
+
+def test_wrong_token_is_a_typed_error(cpp_build, start_daemon):
+    d = start_daemon(TINY, auth_token=TOKEN)
+    run = dump(cpp_build, d.endpoint, "--token", "not-the-token-0123456789")
+    assert run.returncode == EXIT["AuthError"], run.stderr
+    assert run.stderr.startswith("expertd-cpp-dump: AuthError: daemon refused 'lease': AuthError:"), run.stderr
+    run = dump(cpp_build, d.endpoint)  # no token at all
+    assert run.returncode == EXIT["AuthError"], run.stderr
+    assert d.status()["leases"] == []
+
+
+def test_no_daemon_fails_fast_and_typed(cpp_build, tmp_path):
+    t0 = time.monotonic()
+    run = dump(cpp_build, f"ipc://{tmp_path}/nobody.sock")
+    assert run.returncode == EXIT["DaemonNotRunning"], run.stderr
+    assert "DaemonNotRunning: no expertd daemon is running at" in run.stderr
+    assert time.monotonic() - t0 < 5
+    # over tcp:// nothing tells a missing daemon from a silent one: the receive timeout does
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    run = dump(cpp_build, f"tcp://127.0.0.1:{port}", "--timeout-ms", "300")
+    assert run.returncode == EXIT["DaemonTimeout"], run.stderr
+    assert "DaemonTimeout: the daemon at" in run.stderr
+    assert time.monotonic() - t0 < 5
+
+
+def test_curve_over_tcp(cpp_build, start_daemon, tmp_path):
+    import zmq.auth
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    daemon_public, daemon_secret = zmq.auth.create_certificates(str(keys), "daemon")
+    _, client_secret = zmq.auth.create_certificates(str(keys), "worker")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = start_daemon(TINY, wait=False, endpoint=f"tcp://127.0.0.1:{port}", curve_secret_key=daemon_secret,
+                     auth_token=TOKEN)
+    deadline = time.monotonic() + 60
+    while True:  # DaemonProcess.status() speaks without CURVE: ask with the keys
+        run = dump(cpp_build, d.endpoint, "--token", TOKEN, "--server-key", daemon_public, "--client-key", client_secret,
+                   "--json", "--timeout-ms", "1000")
+        if run.returncode == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert len(got["tensors"]) == 47 and all(t["checksum"] == t["recorded"] for t in got["tensors"])
+    assert got["leases_after_close"] == []
+    # an ephemeral client key (no --client-key) connects too; without the server key nothing answers
+    assert dump(cpp_build, d.endpoint, "--token", TOKEN, "--server-key", daemon_public).returncode == 0
+    run = dump(cpp_build, d.endpoint, "--token", TOKEN, "--timeout-ms", "500")
+    assert run.returncode == EXIT["DaemonTimeout"], run.stderr
