@@ -53,13 +53,13 @@ def test_worker_outlives_a_killed_daemon_and_reconnects_to_its_successor(tiny_ch
     assert worker.ask("digest")["digest"] == worker.hello["digest"]  # ... and the worker's mappings stay valid
     assert worker.ask("call")["error"] == "DaemonTimeout"  # a typed error, not a hang
 
-    successor = start_daemon(tiny_checkpoint)  # same namespace and endpoint
-    assert not glob.glob(f"/dev/shm/{namespace}.{dead_pid}.*")  # ... which the next daemon reaps
-    assert successor.status()["generation"] == 2
+    successor = start_daemon(tiny_checkpoint)  # same namespace and endpoint: it adopts what the crash left ...
+    assert glob.glob(f"/dev/shm/{namespace}.{dead_pid}.1.*")  # ... and serves it again, without reloading
+    assert successor.status()["generation"] == 1
     again = worker.ask("reconnect")
-    assert again == {"generation": 2, "digest": worker.hello["digest"]}
+    assert again == {"generation": 1, "digest": worker.hello["digest"]}
     assert worker.ask("call") == {"status": "serving"}
-    assert [l["client"] for l in successor.status()["leases"]] == [worker.ask("lease")["lease"]]
+    assert worker.ask("lease")["lease"] in [l["client"] for l in successor.status()["leases"]]
 
 
 def test_second_daemon_on_a_namespace_refuses(tiny_checkpoint, start_daemon, namespace, tmp_path, workers):
