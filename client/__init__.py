@@ -4,8 +4,9 @@ Never imports server code or Triton.
 """
 
 from expertd.errors import (
-    Busy, CorruptIndex, DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError, GenerationGone, GenerationLimit,
-    LeaseExpired, NotReady, PushDenied, RestoreError, UpdateRejected,
+    AuthError, Busy, CorruptIndex, DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError, GenerationGone,
+    GenerationLimit, LeaseExpired, NotReady, ProtocolError, PushDenied, RestoreError, ShmError, UpdateRejected,
+    VersionMismatch,
 )
 from expertd.partition import PartitionError
 
@@ -17,4 +18,5 @@ from .simulate import simulate
 
 __all__ = ["ExpertClient", "capture", "simulate", "restore", "RestoreResult", "push_all", "ExpertdError", "DaemonError",
            "DaemonNotRunning", "DaemonTimeout", "NotReady", "LeaseExpired", "Busy", "GenerationGone", "GenerationLimit",
-           "UpdateRejected", "PushDenied", "CorruptIndex", "RestoreError", "PartitionError"]
+           "UpdateRejected", "PushDenied", "AuthError", "VersionMismatch", "ProtocolError", "CorruptIndex", "ShmError",
+           "RestoreError", "PartitionError"]

@@ -7,12 +7,13 @@ healthchecks run every few seconds) starts fast.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 
 import zmq
 
-from expertd.errors import DaemonNotRunning, DaemonTimeout
-from expertd.protocol import ipc_path, pack, unpack_reply
+from expertd.errors import DaemonNotRunning, DaemonTimeout, ProtocolError
+from expertd.protocol import MAX_MESSAGE_BYTES, ipc_path, pack, unpack_reply
 from expertd.security import PUSH_OPS, Credentials
 
 # What each request is, in the user's words (errors name these, never the op on the wire).
@@ -28,14 +29,32 @@ def op_words(op: str) -> str:
     return OP_WORDS.get(op, op)
 
 
+def _refused(path: str) -> bool:
+    """Whether nothing listens on the unix socket `path` (a daemon killed with -9 leaves its file behind)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)  # a full backlog answers EAGAIN at once: someone listens
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:
+        return False  # no permission, a full backlog, a path too long: let ZeroMQ try and say
+    finally:
+        probe.close()
+    return False
+
+
 def check_running(endpoint: str) -> None:
-    """Fail at once when an ipc:// endpoint has no socket file: no daemon can answer there."""
+    """Fail at once when no daemon can answer an ipc:// endpoint: no socket file, or nothing listening on it."""
     path = ipc_path(endpoint)
-    if path is not None and not os.path.exists(path):
-        raise DaemonNotRunning(
-            f"no expertd daemon is running at {endpoint}: the socket file {path} does not exist; "
-            "start one with `expertd start --config CONFIG` (or point to the right one with --endpoint / $EXPERTD_ENDPOINT)"
-        )
+    if path is None:
+        return
+    fix = "start one with `expertd start --config CONFIG` (or point to the right one with --endpoint / $EXPERTD_ENDPOINT)"
+    if not os.path.exists(path):
+        raise DaemonNotRunning(f"no expertd daemon is running at {endpoint}: the socket file {path} does not exist; {fix}")
+    if _refused(path):
+        raise DaemonNotRunning(f"no expertd daemon is running at {endpoint}: nothing listens on its socket file {path} "
+                               f"(left behind by a daemon that was killed); {fix}")
 
 
 class Connection:
@@ -76,12 +95,17 @@ class Connection:
                     message["token"] = self.token
                 if self.credentials.push_token is not None and op in PUSH_OPS:
                     message["push_token"] = self.credentials.push_token
+                packed = pack(message)
+                if len(packed) > MAX_MESSAGE_BYTES:  # the daemon's socket would drop it unanswered
+                    raise ProtocolError(f"{op_words(op)} is a {len(packed)}-byte request; the daemon takes requests "
+                                        f"of at most {MAX_MESSAGE_BYTES} bytes (larger data travels as frames or in "
+                                        "shared memory)")
                 if _frames:
-                    sock.send(pack(message), zmq.SNDMORE)
+                    sock.send(packed, zmq.SNDMORE)
                     for k, buf in enumerate(_frames):
                         sock.send(buf, zmq.SNDMORE if k + 1 < len(_frames) else 0, copy=False)
                 else:
-                    sock.send(pack(message))
+                    sock.send(packed)
                 frame = sock.recv()
             except zmq.Again as exc:
                 self._reset()

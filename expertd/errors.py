@@ -66,10 +66,6 @@ class ProtocolError(ExpertdError, ValueError):
     """A control message is malformed, of an unknown op, or of another protocol version."""
 
 
-class AuthError(ExpertdError, PermissionError):
-    """A request lacked the daemon's auth token or carried a wrong one."""
-
-
 class DaemonError(ExpertdError, RuntimeError):
     """The daemon answered a request with an error; `kind` is the error's name on the wire."""
 
@@ -102,6 +98,10 @@ class PushDenied(DaemonError, PermissionError):
     """A request that would change the served weights came with a credential that may only read."""
 
 
+class AuthError(DaemonError, PermissionError):
+    """A request lacked the daemon's auth token or carried a wrong one."""
+
+
 class UpdateRejected(DaemonError):
     """An update names unknown tensors, or its shapes, dtypes or staged bytes do not fit."""
 
@@ -120,3 +120,7 @@ class RestoreError(ExpertdError, ValueError):
 
 class CorruptIndex(ProtocolError):
     """The tensor index in shared memory is truncated, fails its checksum or is another generation's."""
+
+
+class VersionMismatch(ProtocolError, DaemonError):
+    """The client and the daemon speak different protocol versions; the message names both."""

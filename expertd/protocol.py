@@ -42,7 +42,7 @@ STAGE_MESSAGE_BYTES = 64 * STAGE_FRAME_BYTES
 # any other error name arrives as a plain DaemonError carrying that name in `kind`.
 ERRORS = {cls.__name__: cls for cls in (
     errors.NotReady, errors.LeaseExpired, errors.Busy, errors.GenerationLimit, errors.GenerationGone,
-    errors.UpdateRejected, errors.PushDenied,
+    errors.UpdateRejected, errors.PushDenied, errors.AuthError, errors.VersionMismatch,
 )}
 
 
@@ -102,7 +102,7 @@ def unpack_reply(frame: bytes, what: str) -> dict:
 def check_version(version) -> None:
     """A client speaking another protocol version is refused with both versions named."""
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"client speaks protocol {version!r}, daemon speaks {PROTOCOL_VERSION}")
+        raise errors.VersionMismatch(f"client speaks protocol {version!r}, daemon speaks {PROTOCOL_VERSION}")
 
 
 def error_reply(exc: BaseException) -> dict:

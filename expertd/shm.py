@@ -38,8 +38,12 @@ def to_dtype(name: str) -> torch.dtype:
 
 
 def segment_path(name: str, shm_dir: str = DEFAULT_SHM_DIR) -> str:
-    """The file of segment `name` ("/{namespace}.{pid}.{tag}.{i}") in `shm_dir`."""
-    return os.path.join(shm_dir, name.lstrip("/"))
+    """The file of segment `name` ("/{namespace}.{pid}.{tag}.{i}") in `shm_dir`. A name is one file name:
+    one that would leave `shm_dir` (a '/' inside, '.', '..', empty) is refused."""
+    base = name.lstrip("/")
+    if not base or "/" in base or base in (".", ".."):
+        raise ShmError(f"segment name {name!r} is not a file name in {shm_dir} (an index that names it is corrupt)")
+    return os.path.join(shm_dir, base)
 
 
 def map_segment(name: str, nbytes: int, writable: bool = False, shared_write: bool = False,

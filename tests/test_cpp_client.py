@@ -31,7 +31,7 @@ TINY = str(REPO / "checkpoints" / "tiny")
 TOKEN = "cpp-client-token-0123456789"
 APT = "apt-get install -y cmake g++ pkg-config libzmq3-dev libmsgpack-cxx-dev libxxhash-dev"
 BUILD_SUFFIXES = (".cpp", ".hpp", ".h", ".txt", ".cmake")  # what the build reads (not the docs or scripts)
-EXIT = {"DaemonNotRunning": 3, "DaemonTimeout": 4, "AuthError": 5}
+EXIT = {"BAD": 1, "DaemonNotRunning": 3, "DaemonTimeout": 4, "AuthError": 5}
 
 
 def _missing_prerequisites() -> list[str]:
@@ -135,10 +135,13 @@ def test_cpp_client_sees_what_the_python_client_sees(cpp_build, start_daemon):
             assert row["xxh3_64"] == checksum(tensor_bytes(t)), row["name"]
         assert client.verify() == []
         # the tool released its leases while it still ran (not dropped later because its process went)
-        assert got["lease"] not in got["leases_after_close"] and views["lease"] not in views["leases_after_close"]
+        assert got["lease"] not in got["leases_after_release"] and views["lease"] not in views["leases_after_release"]
+        # tensors outlive their lease: the mapping stays with them
+        assert got["valid_after_release"] is True and views["valid_after_release"] is True
+        assert got["bad"] == 0 and {t["verdict"] for t in got["tensors"]} == {"OK"}
         assert [l["client"] for l in d.status()["leases"]] == [client.lease]
     assert d.status()["leases"] == []
-    best = min(sum(r[k] for k in ("lease", "index", "tensors")) for r in got["bench_ms"])
+    best = min(r["attach"] + r["tensors"] for r in got["bench_ms"])
     print(f"\nattach (lease + index + served tensors), tiny checkpoint: C++ best of 5 {best:.2f} ms; "
           f"Python first attach {python_ms:.2f} ms (client/cpp/bench_attach.py compares best of 5)")
 
@@ -175,7 +178,7 @@ def test_refresh_moves_to_a_pushed_generation(cpp_build, start_daemon):
     row = next(t for t in got["tensors"] if t["name"] == "model.norm.weight")
     assert row["checksum"] == row["recorded"] == tensor_checksum(pushed)
     assert all(t["checksum"] == t["recorded"] for t in got["tensors"])
-    assert got["leases_after_close"] == []
+    assert got["leases_after_release"] == []
 
 
 def test_wrong_token_is_a_typed_error(cpp_build, start_daemon):
@@ -190,10 +193,10 @@ def test_wrong_token_is_a_typed_error(cpp_build, start_daemon):
 
 def test_no_daemon_fails_fast_and_typed(cpp_build, tmp_path):
     t0 = time.monotonic()
-    run = dump(cpp_build, f"ipc://{tmp_path}/nobody.sock")
+    run = dump(cpp_build, f"ipc://{tmp_path}/nobody.sock", "--timeout-ms", "30000")
     assert run.returncode == EXIT["DaemonNotRunning"], run.stderr
     assert "DaemonNotRunning: no expertd daemon is running at" in run.stderr
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 10  # at once, not after the 30 s timeout (the figure: client/cpp/bench_attach.py)
     # over tcp:// nothing tells a missing daemon from a silent one: the receive timeout does
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -227,8 +230,68 @@ def test_curve_over_tcp(cpp_build, start_daemon, tmp_path):
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout)
     assert len(got["tensors"]) == 47 and all(t["checksum"] == t["recorded"] for t in got["tensors"])
-    assert got["leases_after_close"] == []
+    assert got["leases_after_release"] == []
     # an ephemeral client key (no --client-key) connects too; without the server key nothing answers
     assert dump(cpp_build, d.endpoint, "--token", TOKEN, "--server-key", daemon_public).returncode == 0
     run = dump(cpp_build, d.endpoint, "--token", TOKEN, "--timeout-ms", "500")
     assert run.returncode == EXIT["DaemonTimeout"], run.stderr
+
+
+def _wait_for(predicate, seconds: float = 30, every: float = 0.05):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    return predicate()
+
+
+def test_kill_9_of_the_cpp_process_gets_its_lease_reaped(cpp_build, start_daemon):
+    # a lease timeout far longer than the test: only the daemon noticing the process is gone can drop the lease
+    d = start_daemon(TINY, lease_timeout_s=600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERTD_")}
+    proc = subprocess.Popen([str(cpp_build / "expertd-cpp-dump"), d.endpoint, "--hold-s", "600"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        leases = _wait_for(lambda: d.status()["leases"])
+        assert len(leases) == 1, proc.stderr.read() if proc.poll() is not None else leases
+        # the lease shows in status while held, for this process, watched (same pid namespace as the daemon)
+        assert (leases[0]["pid"], leases[0]["watched"], leases[0]["generation"]) == (proc.pid, True, 1)
+        proc.kill()  # SIGKILL: no release, no more heartbeats
+        proc.wait()
+        t0 = time.monotonic()
+        assert _wait_for(lambda: d.status()["leases"] == [], seconds=30), d.status()["leases"]
+        print(f"\nlease of the killed C++ process dropped {time.monotonic() - t0:.2f} s after it died (lease timeout 600 s)")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_corrupted_tensor_is_bad_and_the_exit_status_says_so(cpp_build, start_daemon):
+    d = start_daemon(TINY)
+    with ExpertClient(d.endpoint) as client:
+        entry = next(e for e in client.index().tensors if e.name == "model.norm.weight")
+        shm_dir = client.index().shm_dir
+    with open(os.path.join(shm_dir, entry.segment.lstrip("/")), "r+b") as f:  # root may write what workers map read-only
+        f.seek(entry.offset)
+        first = f.read(1)
+        f.seek(entry.offset)
+        f.write(bytes([first[0] ^ 0xFF]))
+    run = dump(cpp_build, d.endpoint)
+    assert run.returncode == EXIT["BAD"], run.stdout + run.stderr
+    lines = {line.split("\t")[0]: line.split("\t") for line in run.stdout.splitlines() if "\t" in line}
+    assert lines["model.norm.weight"][-1] == "BAD"
+    assert all(fields[-1] == "OK" for name, fields in lines.items() if name != "model.norm.weight")
+    assert "1 tensor(s) BAD" in run.stdout
+    assert lines["model.norm.weight"][1:3] == ["torch.bfloat16", "[320]"]
+
+
+def test_a_socket_file_nobody_listens_on_is_no_daemon(cpp_build, tmp_path):
+    path = str(tmp_path / "killed.sock")
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(path)  # what a daemon killed with -9 leaves behind
+    left.close()
+    run = dump(cpp_build, f"ipc://{path}", "--timeout-ms", "30000")
+    assert run.returncode == EXIT["DaemonNotRunning"], run.stderr
+    assert "nothing listens on its socket file" in run.stderr and "expertd start --config" in run.stderr

@@ -10,7 +10,7 @@ import zmq
 
 from expertd.client import DaemonNotRunning, DaemonTimeout, ExpertClient
 from expertd.client.connection import Connection
-from expertd.errors import DaemonError
+from expertd.errors import DaemonError, ProtocolError
 from expertd.protocol import PROTOCOL_VERSION
 
 
@@ -42,9 +42,9 @@ def raw(start_daemon, tiny_checkpoint):
     (msgpack.packb({"no": "op"}), "ProtocolError"),
     (msgpack.packb({"op": 7}), "ProtocolError"),
     (msgpack.packb({"op": "explode"}), "ProtocolError"),
-    (msgpack.packb({"op": "hello", "protocol": PROTOCOL_VERSION + 1}), "ProtocolError"),
+    (msgpack.packb({"op": "hello", "protocol": PROTOCOL_VERSION + 1}), "VersionMismatch"),
     (msgpack.packb({"op": "lease", "pid": -5}), "ProtocolError"),
-    (msgpack.packb({"op": "lease", "pid": 1, "protocol": PROTOCOL_VERSION + 1}), "ProtocolError"),
+    (msgpack.packb({"op": "lease", "pid": 1, "protocol": PROTOCOL_VERSION + 1}), "VersionMismatch"),
     (msgpack.packb({"op": "lease", "pid": 2**40}), "ProtocolError"),
     (msgpack.packb({"op": "heartbeat"}), "ProtocolError"),
     (msgpack.packb({"op": "heartbeat", "client": "nobody"}), "LeaseExpired"),
@@ -94,7 +94,8 @@ def test_no_daemon_fails_at_once_naming_the_socket(tmp_path):
 def test_a_socket_that_does_not_answer_is_a_typed_timeout(tmp_path):
     path = str(tmp_path / "stuck.sock")
     stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stuck.bind(path)  # the file exists, nobody answers
+    stuck.bind(path)
+    stuck.listen()  # the file exists and takes connections, nobody answers
     try:
         with pytest.raises(DaemonTimeout, match="did not answer attach") as info:
             ExpertClient(f"ipc://{path}", timeout=0.5)
@@ -105,6 +106,28 @@ def test_a_socket_that_does_not_answer_is_a_typed_timeout(tmp_path):
         conn.close()
     finally:
         stuck.close()
+
+
+def test_a_socket_file_nobody_listens_on_is_no_daemon(tmp_path):
+    path = str(tmp_path / "killed.sock")
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.bind(path)  # what a daemon killed with -9 leaves: the file, no listener
+    left.close()
+    started = time.monotonic()
+    with pytest.raises(DaemonNotRunning, match=r"nothing listens on its socket file .*killed\.sock.*expertd start"):
+        ExpertClient(f"ipc://{path}", timeout=30)
+    assert time.monotonic() - started < 5  # refused at once, not after the 30 s timeout
+
+
+def test_a_request_over_the_message_cap_is_refused_before_it_is_sent(start_daemon, tiny_checkpoint):
+    daemon = start_daemon(tiny_checkpoint)
+    conn = Connection(daemon.endpoint, timeout=30)
+    try:
+        with pytest.raises(ProtocolError, match=r"status is a \d+-byte request; the daemon takes requests of at most 1048576"):
+            conn.request("status", padding="x" * (1 << 20))
+        assert conn.request("status")["state"] == "serving"  # the connection still works
+    finally:
+        conn.close()
 
 
 def test_tcp_endpoint(start_daemon, tiny_checkpoint):

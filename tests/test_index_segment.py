@@ -147,6 +147,9 @@ def test_truncated_stale_or_missing_segment_is_a_typed_error(placed):
         index_segment.read({**desc, "nbytes": "many"})
     with pytest.raises(ShmError, match="does not exist"):
         index_segment.read({**desc, "segment": desc["segment"] + "x"})
+    for outside in ("/../etc/passwd", "/a/b", "/..", "///"):  # a name that would leave shm_dir
+        with pytest.raises(ShmError, match="is not a file name in /dev/shm"):
+            index_segment.read({**desc, "segment": outside})
     shm = posix_ipc.SharedMemory(desc["segment"], 0)
     os.ftruncate(shm.fd, 4096 if desc["nbytes"] > 4096 else desc["nbytes"] // 2)
     shm.close_fd()

@@ -36,9 +36,9 @@ sys.path.insert(0, str(HERE))  # helpers/, also when run as a script
 import expertd.connection as connection  # noqa: E402
 from expertd import index_segment  # noqa: E402
 from expertd.connection import Connection  # noqa: E402
-from expertd.errors import DaemonError, GenerationGone, LeaseExpired  # noqa: E402
+from expertd.errors import AuthError, DaemonError, GenerationGone, LeaseExpired, VersionMismatch  # noqa: E402
 from expertd.index import TensorIndex  # noqa: E402
-from expertd.protocol import PROTOCOL_VERSION, pack, unpack_reply  # noqa: E402
+from expertd.protocol import ERRORS, PROTOCOL_VERSION, pack, unpack_reply  # noqa: E402
 
 GOLDEN = HERE / "golden" / "protocol"
 MESSAGES = GOLDEN / "messages.json"
@@ -165,10 +165,10 @@ def run_scenario(endpoint: str) -> Recorder:
                 job = conn.request("job", job=job["job"])
             # refusals
             bad = Connection(endpoint, timeout=30, token=WRONG_TOKEN)
-            _expect(DaemonError, lambda: bad.request("status"))
+            _expect(AuthError, lambda: bad.request("status"))
             bad.close()
             _expect(LeaseExpired, lambda: conn.request("heartbeat", client="c999"))
-            _expect(DaemonError, lambda: conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION - 1))
+            _expect(VersionMismatch, lambda: conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION - 1))
             _expect(GenerationGone, lambda: conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION,
                                                          generation=99))
             _expect(DaemonError, lambda: conn.request("frobnicate"))
@@ -207,12 +207,12 @@ SELECT = {
     "error.AuthError": ("status", _error("AuthError")),
     "error.LeaseExpired": ("heartbeat", _error("LeaseExpired")),
     "error.GenerationGone": ("lease", _error("GenerationGone")),
-    "error.ProtocolError.version": ("lease", _error("ProtocolError")),
+    "error.VersionMismatch": ("lease", _error("VersionMismatch")),
     "error.ProtocolError.unknown_op": ("frobnicate", _error("ProtocolError")),
 }
 # what the daemon is sent again, as golden bytes, in this order (a fresh daemon grants lease c1 first)
 REPLAY = ("hello", "lease", "index.segment", "index.inline", "heartbeat", "status", "refresh", "error.AuthError",
-          "error.LeaseExpired", "error.GenerationGone", "error.ProtocolError.version", "error.ProtocolError.unknown_op",
+          "error.LeaseExpired", "error.GenerationGone", "error.VersionMismatch", "error.ProtocolError.unknown_op",
           "release")
 
 
@@ -379,6 +379,7 @@ def test_python_client_decodes_the_golden_replies(golden):
             with pytest.raises(DaemonError) as info:
                 unpack_reply(data, repr(entry["op"]))
             assert info.value.kind == entry["error"], name
+            assert type(info.value) is ERRORS.get(entry["error"], DaemonError), name  # typed by name, one table
         else:
             assert unpack_reply(data, repr(entry["op"])) == entry["reply"]["decoded"], name
     lease = golden["messages"]["lease"]["reply"]["decoded"]

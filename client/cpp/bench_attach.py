@@ -3,7 +3,7 @@
     python client/cpp/bench_attach.py BUILD_DIR [--checkpoint DIR] [--runs 5]
 
 BUILD_DIR holds a built `expertd-cpp-dump` (cmake -S client/cpp -B BUILD_DIR && cmake --build BUILD_DIR). An
-attach is lease + index + every served tensor as a view (C++: `Client(...)`, `index()`, `served_tensors()`;
+attach is lease + index + every served tensor as a view (C++: `client.attach()`, `lease.tensors()`;
 Python: `ExpertClient(...)`, `index()`, `served_tensors()`), timed in-process after one warm-up attach; the
 release is timed apart. Prints the best of RUNS for each.
 """
@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -64,8 +65,8 @@ def main() -> int:
         run = subprocess.run([os.path.join(args.build, "expertd-cpp-dump"), endpoint, "--json", "--bench", str(args.runs)],
                              capture_output=True, text=True, check=True)
         cpp = json.loads(run.stdout)
-        cpp_attach = [r["lease"] + r["index"] + r["tensors"] for r in cpp["bench_ms"]]
-        cpp_close = [r["close"] for r in cpp["bench_ms"]]
+        cpp_attach = [r["attach"] + r["tensors"] for r in cpp["bench_ms"]]
+        cpp_close = [r["release"] for r in cpp["bench_ms"]]
 
         py_attach, py_close = [], []
         for k in range(args.runs + 1):  # the first one warms up
@@ -85,6 +86,24 @@ def main() -> int:
         print(f"{args.checkpoint}: {n} served tensors, generation {cpp['generation']}; best of {args.runs}")
         print(f"  C++    attach {min(cpp_attach):7.2f} ms   release {min(cpp_close):6.2f} ms")
         print(f"  Python attach {min(py_attach):7.2f} ms   release {min(py_close):6.2f} ms")
+        print(f"  ratio C++/Python attach {min(cpp_attach) / min(py_attach):.2f}")
+
+        # no daemon: the whole expertd-cpp-dump process (start, libtorch loaded, DaemonNotRunning, exit) with a 30 s
+        # timeout, for a missing socket file and for one a killed daemon left behind with nothing listening
+        left = os.path.join(folder, "killed.sock")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.bind(left)
+        probe.close()
+        for what, where in (("missing socket file", os.path.join(folder, "nobody.sock")), ("socket nobody listens on", left)):
+            times = []
+            for _ in range(args.runs):
+                t0 = time.perf_counter()
+                run = subprocess.run([os.path.join(args.build, "expertd-cpp-dump"), f"ipc://{where}", "--timeout-ms", "30000"],
+                                     capture_output=True, text=True)
+                times.append((time.perf_counter() - t0) * 1000)
+                assert run.returncode == 3 and "DaemonNotRunning" in run.stderr, run.stderr
+            print(f"  no daemon ({what}): DaemonNotRunning, whole process {min(times):.0f} ms best, {max(times):.0f} ms worst "
+                  f"(timeout 30000 ms)")
     finally:
         daemon.terminate()
         daemon.wait(60)

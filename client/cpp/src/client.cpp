@@ -1,19 +1,22 @@
-// expertd::Client: lease, index segment, zero-copy tensor views, heartbeat, refresh, release.
-#include "expertd/client.hpp"
+// expertd::Client (endpoint, credentials, status, attach) and expertd::Lease (a handle on a detail::LeaseState).
+#include "expertd/client.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <chrono>
 #include <cstdlib>
-#include <stdexcept>
-#include <tuple>
+#include <utility>
+
+#include "lease_state.h"
 
 namespace expertd {
 
 namespace {
+
+const std::pair<const char*, at::ScalarType> DTYPES[] = {
+    {"torch.float8_e4m3fn", at::kFloat8_e4m3fn}, {"torch.float8_e5m2", at::kFloat8_e5m2},
+    {"torch.bfloat16", at::kBFloat16},           {"torch.float16", at::kHalf},
+    {"torch.float32", at::kFloat},               {"torch.float64", at::kDouble},
+    {"torch.int64", at::kLong},                  {"torch.int32", at::kInt},
+    {"torch.int16", at::kShort},                 {"torch.int8", at::kChar},
+    {"torch.uint8", at::kByte},                  {"torch.bool", at::kBool}};
 
 std::string resolve_endpoint(std::string endpoint) {
   if (!endpoint.empty()) return endpoint;
@@ -21,190 +24,75 @@ std::string resolve_endpoint(std::string endpoint) {
   return env != nullptr && *env != '\0' ? std::string(env) : std::string(DEFAULT_ENDPOINT);
 }
 
-std::string shape_text(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-std::optional<IndexSegment> place_of(const Value& reply) {
-  const Value* place = reply.get("index_segment");
-  if (place == nullptr || place->is_nil()) return std::nullopt;
-  return parse_index_segment(*place);
+LeaseInfo lease_info(const Value& v) {
+  LeaseInfo info;
+  info.client = v.get("client") ? v.get("client")->as_str("a status lease's client") : "";
+  if (const Value* x = v.get("pid")) info.pid = x->as_int("a status lease's pid");
+  if (const Value* x = v.get("generation"); x && !x->is_nil()) info.generation = x->as_int("a status lease's generation");
+  if (const Value* x = v.get("age_s")) info.age_s = x->as_number("a status lease's age_s");
+  if (const Value* x = v.get("idle_s")) info.idle_s = x->as_number("a status lease's idle_s");
+  if (const Value* x = v.get("watched")) info.watched = x->as_bool("a status lease's watched");
+  return info;
 }
 
 }  // namespace
 
 at::ScalarType scalar_type(const std::string& dtype) {
-  static const std::map<std::string, at::ScalarType> types = {
-      {"torch.float8_e4m3fn", at::kFloat8_e4m3fn}, {"torch.float8_e5m2", at::kFloat8_e5m2},
-      {"torch.bfloat16", at::kBFloat16},           {"torch.float16", at::kHalf},
-      {"torch.float32", at::kFloat},               {"torch.float64", at::kDouble},
-      {"torch.int64", at::kLong},                  {"torch.int32", at::kInt},
-      {"torch.int16", at::kShort},                 {"torch.int8", at::kChar},
-      {"torch.uint8", at::kByte},                  {"torch.bool", at::kBool}};
-  auto it = types.find(dtype);
-  if (it == types.end()) throw ShmError("index names unknown dtype '" + dtype + "'");
-  return it->second;
+  for (const auto& [name, type] : DTYPES)
+    if (dtype == name) return type;
+  throw ShmError("index names unknown dtype '" + dtype + "'");
 }
 
-Client::Client(std::string endpoint, Options options)
-    : endpoint_(resolve_endpoint(std::move(endpoint))), options_(std::move(options)) {
-  credentials_ = Credentials::resolve(options_.token, options_.server_key, options_.client_key);
-  ctx_ = make_context();
-  conn_ = std::make_unique<Connection>(ctx_, endpoint_, options_.timeout_ms, credentials_);
-  conn_->on_reply = [this](const Value& reply) { note_latest(reply); };
-  try {
-    connect();
-  } catch (...) {
-    conn_->close();  // e.g. refused for a wrong token: leave no socket behind
-    throw;
+const char* dtype_name(at::ScalarType type) {
+  for (const auto& [name, t] : DTYPES)
+    if (t == type) return name;
+  return "unknown";
+}
+
+// --- Client ----------------------------------------------------------------------------------------
+
+Client::Client(std::string endpoint, Options options) {
+  auto session = std::make_shared<detail::Session>();
+  session->endpoint = resolve_endpoint(std::move(endpoint));
+  if (options.timeout.count() < 1 || options.timeout.count() > INT32_MAX)
+    throw ConfigError("expertd::Options::timeout must be between 1 ms and 2^31 ms");
+  session->credentials = Credentials::resolve(options.token, options.server_key, options.client_key);
+  session->options = std::move(options);
+  session->ctx = make_context();
+  conn_ = std::make_unique<Connection>(session->ctx, session->endpoint, session->timeout_ms(), session->credentials);
+  session_ = std::move(session);
+}
+
+Client::Client(Client&&) noexcept = default;
+Client& Client::operator=(Client&&) noexcept = default;
+Client::~Client() = default;
+
+Lease Client::attach() {
+  auto state = std::make_unique<detail::LeaseState>(session_);
+  if (!session_->options.wait_ready && !state->has_index_place()) {
+    std::string id = state->lease();
+    state->close();
+    throw NotReady("daemon at " + session_->endpoint + " is still loading its first generation (lease " + id +
+                   " released; attach with wait_ready to wait for it)");
   }
-  if (options_.heartbeat) heartbeat_ = std::thread([this] { beat(); });
+  state->index();  // maps and checks the index (waits while loading): a lease in hand has its generation
+  return Lease(std::move(state));
 }
 
-Client::~Client() {
-  try {
-    close();
-  } catch (...) {
-  }
-}
-
-// --- what users call -------------------------------------------------------------------------------
-
-std::shared_ptr<const Index> Client::index() {
-  std::lock_guard<std::mutex> api(api_);
-  return index_locked();
-}
-
-std::shared_ptr<const Index> Client::index_locked() {
-  check_gone();
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (index_) return index_;
-  }
-  auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms);
-  while (true) {
-    std::optional<IndexSegment> place;
-    std::string lease;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      place = index_place_;
-      lease = lease_;
-    }
-    if (!place) {  // leased while the daemon was loading: ask for the descriptor until it has one
-      try {
-        Value reply = conn_->request("index", {{"client", lease}, {"segment", true}});
-        const Value* desc = reply.get("index_segment");
-        place = parse_index_segment(desc ? *desc : Value());
-      } catch (const NotReady&) {
-        if (std::chrono::steady_clock::now() > deadline)
-          throw DaemonTimeout("daemon at " + endpoint_ + " still loading after " +
-                              std::to_string(options_.timeout_ms / 1000) + "s");
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        continue;
-      }
-    }
-    auto index = std::make_shared<const Index>(read_index(*place));
-    std::lock_guard<std::mutex> lock(mutex_);
-    index_place_ = place;
-    generation_ = index->generation;
-    index_ = index;
-    return index;
-  }
-}
-
-std::map<std::string, at::Tensor> Client::served_tensors() {
-  std::lock_guard<std::mutex> api(api_);
-  auto index = index_locked();
-  attach();
-  std::map<std::string, at::Tensor> out;
-  for (const auto& entry : index->tensors) out.emplace(entry.name, view(entry));
-  return out;
-}
-
-std::map<std::string, at::Tensor> Client::tensors() {
-  std::lock_guard<std::mutex> api(api_);
-  auto index = index_locked();
-  attach();
-  std::map<std::string, at::Tensor> out;
-  for (const auto& [name, entry] : index->checkpoint_entries()) out.emplace(name, view(entry));
-  return out;
-}
-
-at::Tensor Client::tensor(const std::string& name) {
-  std::lock_guard<std::mutex> api(api_);
-  auto index = index_locked();
-  attach();
-  for (const auto& entry : index->tensors)
-    if (entry.name == name) return view(entry);
-  auto entries = index->checkpoint_entries();
-  auto it = entries.find(name);
-  if (it == entries.end()) throw std::out_of_range("no tensor " + name + " in generation " + std::to_string(index->generation));
-  return view(it->second);
-}
-
-std::vector<std::string> Client::verify() {
-  std::lock_guard<std::mutex> api(api_);
-  auto index = index_locked();
-  attach();
-  std::vector<std::string> bad;
-  for (const auto& entry : index->tensors) {
-    if (!entry.checksum) continue;
-    at::Tensor t = view(entry);  // checks that the entry fits its segment
-    const void* data = entry.nbytes ? t.data_ptr() : nullptr;
-    if (tensor_checksum(data, entry.nbytes, checksum_parts(*entry.checksum)) != *entry.checksum) bad.push_back(entry.name);
-  }
-  return bad;
-}
-
-std::vector<std::string> Client::refresh() {
-  std::lock_guard<std::mutex> api(api_);
-  std::shared_ptr<const Index> old;
-  bool gone;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    gone = gone_.has_value();
-  }
-  if (gone) {  // the daemon restarted without our generation: lease the latest afresh
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      old = index_;  // what the tensors handed out hold: their bytes stay valid
-    }
-    take_lease(*conn_, std::nullopt);
-  } else {
-    old = index_locked();
-  }
-  Value reply = conn_->request("refresh", {{"client", lease()}});
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    const Value* g = reply.get("generation");
-    if (g && g->is_int()) generation_ = g->as_int();
-    index_place_ = place_of(reply);
-    index_.reset();
-  }
-  auto now = index_locked();
-  std::map<std::string, std::tuple<std::string, uint64_t, uint64_t, std::vector<int64_t>, std::string>> before;
-  if (old)
-    for (const auto& t : old->tensors) before[t.name] = {t.segment, t.offset, t.nbytes, t.shape, t.dtype};
-  std::vector<std::string> changed;
-  for (const auto& t : now->tensors) {
-    auto it = before.find(t.name);
-    if (it == before.end() || it->second != std::make_tuple(t.segment, t.offset, t.nbytes, t.shape, t.dtype))
-      changed.push_back(t.name);
-  }
-  remap(*now);
-  return changed;
-}
-
-Value Client::status() {
-  std::lock_guard<std::mutex> api(api_);
-  check_gone();
-  return conn_->request("status");
+Status Client::status() {
+  Status s;
+  s.reply = conn_->request("status");
+  if (const Value* v = s.reply.get("state")) s.state = v->as_str("status state");
+  if (const Value* v = s.reply.get("pid")) s.pid = v->as_int("status pid");
+  if (const Value* v = s.reply.get("namespace")) s.namespace_ = v->as_str("status namespace");
+  if (const Value* v = s.reply.get("generation")) s.generation = v->as_int("status generation");
+  if (const Value* v = s.reply.get("latest")) s.latest = v->as_int("status latest");
+  if (const Value* v = s.reply.get("leases"))
+    for (const Value& l : v->as_array("status leases")) s.leases.push_back(lease_info(l));
+  return s;
 }
 
 Hello Client::hello() {
-  std::lock_guard<std::mutex> api(api_);
   Value reply = conn_->request("hello", {{"protocol", PROTOCOL_VERSION}});
   Hello h;
   if (const Value* v = reply.get("protocol")) h.protocol = v->as_int("protocol");
@@ -214,194 +102,41 @@ Hello Client::hello() {
   return h;
 }
 
-void Client::close() {
-  if (closed_.exchange(true)) return;
-  struct Finally {
-    Client* c;
-    ~Finally() {
-      c->conn_->close();
-      {
-        std::lock_guard<std::mutex> lock(c->mutex_);  // the heartbeat waits on mutex_: notify under it
-      }
-      c->wake_.notify_all();
-      if (c->heartbeat_.joinable()) c->heartbeat_.join();
-      std::lock_guard<std::mutex> api(c->api_);
-      std::lock_guard<std::mutex> lock(c->mutex_);
-      // this client's own mappings go (tensors already handed out keep theirs)
-      c->segments_.reset();
-      c->index_.reset();
-    }
-  } finally{this};
-  try {
-    std::lock_guard<std::mutex> api(api_);
-    conn_->request("release", {{"client", lease()}});
-  } catch (const DaemonError&) {  // the daemon is gone or already dropped us: nothing to release
-  } catch (const DaemonTimeout&) {
+const std::string& Client::endpoint() const { return session_->endpoint; }
+const Options& Client::options() const { return session_->options; }
+
+// --- Lease -----------------------------------------------------------------------------------------
+
+Lease::Lease(std::unique_ptr<detail::LeaseState> state) : state_(std::move(state)) {}
+Lease::Lease(Lease&&) noexcept = default;
+Lease& Lease::operator=(Lease&& other) noexcept {
+  if (this != &other) {
+    if (state_) state_->close();  // the lease this one held goes (LeaseState::close swallows nothing fatal)
+    state_ = std::move(other.state_);
   }
+  return *this;
+}
+Lease::~Lease() = default;  // ~LeaseState releases
+
+detail::LeaseState& Lease::state() const {
+  if (!state_) throw Error("expertd::Lease: used after it was moved from");
+  return *state_;
 }
 
-std::string Client::lease() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return lease_;
+TensorMap Lease::tensors() { return state().served_tensors(); }
+TensorMap Lease::checkpoint_tensors() { return state().checkpoint_tensors(); }
+at::Tensor Lease::tensor(const std::string& name) { return state().tensor(name); }
+std::shared_ptr<const Index> Lease::index() { return state().index(); }
+int64_t Lease::generation() const { return state().generation().value_or(0); }
+int64_t Lease::latest_generation() const { return state().latest_generation(); }
+std::vector<std::string> Lease::verify() { return state().verify(); }
+std::vector<std::string> Lease::refresh() { return state().refresh(); }
+void Lease::release() {
+  if (state_) state_->close();
 }
-
-std::optional<int64_t> Client::generation() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return generation_;
-}
-
-std::string Client::last_heartbeat_error() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return heartbeat_error_;
-}
-
-// --- internals -------------------------------------------------------------------------------------
-
-void Client::connect() {
-  Value reply = lease_request(*conn_, std::nullopt);  // handshake + lease
-  std::lock_guard<std::mutex> lock(mutex_);
-  const Value* client = reply.get("client");
-  if (client == nullptr) throw ProtocolError("the lease reply names no client");
-  lease_ = client->as_str("the lease reply's client");
-  index_place_ = place_of(reply);  // none while the daemon is still loading
-  const Value* timeout = reply.get("lease_timeout_s");
-  if (timeout == nullptr) throw ProtocolError("the lease reply has no lease_timeout_s");
-  lease_timeout_s_ = timeout->as_number("lease_timeout_s");
-  const Value* g = reply.get("generation");
-  if (g && g->is_int()) generation_ = g->as_int();
-  const Value* latest = reply.get("latest");
-  latest_ = latest && latest->is_int() ? latest->as_int() : 0;
-}
-
-Value Client::lease_request(Connection& conn, std::optional<int64_t> generation) {
-  // the pid namespace and start time let a daemon in the same pid namespace drop the lease as soon as this
-  // process is gone (not a lease timeout later)
-  long pid = static_cast<long>(::getpid());
-  auto ns = pid_namespace();
-  auto start = process_start_time(pid);
-  Value::Map fields = {{"pid", pid},
-                       {"protocol", PROTOCOL_VERSION},
-                       {"pid_ns", ns ? Value(*ns) : Value()},
-                       {"start_time", start ? Value(*start) : Value()}};
-  if (generation) fields.emplace_back("generation", *generation);
-  return conn.request("lease", std::move(fields));
-}
-
-void Client::take_lease(Connection& conn, std::optional<int64_t> generation) {
-  Value reply = lease_request(conn, generation);
-  note_latest(reply);
-  std::lock_guard<std::mutex> lock(mutex_);
-  lease_ = reply.get("client") ? reply.get("client")->as_str("the lease reply's client") : lease_;
-  gone_.reset();
-  if (!generation) {
-    index_place_ = place_of(reply);
-    index_.reset();
-  }
-}
-
-const std::map<std::string, std::shared_ptr<const Mapping>>& Client::attach() {
-  if (!segments_) {
-    auto index = index_locked();
-    std::map<std::string, std::shared_ptr<const Mapping>> segments;
-    for (const auto& s : index->segments) segments[s.name] = map_segment(s.name, s.nbytes, index->shm_dir);
-    segments_ = std::move(segments);
-  }
-  return *segments_;
-}
-
-void Client::remap(const Index& index) {
-  if (!segments_) return;
-  std::map<std::string, std::shared_ptr<const Mapping>> keep;
-  for (const auto& s : index.segments) {
-    auto it = segments_->find(s.name);
-    keep[s.name] = it != segments_->end() ? it->second : map_segment(s.name, s.nbytes, index.shm_dir);
-  }
-  segments_ = std::move(keep);
-}
-
-at::Tensor Client::view(const TensorEntry& entry) {
-  at::ScalarType type = scalar_type(entry.dtype);
-  uint64_t count = 1, itemsize = dtype_itemsize(entry.dtype);
-  bool overflow = false;
-  for (int64_t d : entry.shape) {
-    auto n = static_cast<uint64_t>(d);
-    overflow = overflow || (n != 0 && count > UINT64_MAX / n);
-    count *= n;
-  }
-  overflow = overflow || (count != 0 && itemsize > UINT64_MAX / count);
-  if (overflow || count * itemsize != entry.nbytes)
-    throw ShmError("index entry " + entry.name + ": " + shape_text(entry.shape) + " " + entry.dtype + " is not " +
-                   std::to_string(entry.nbytes) + " bytes");
-  auto it = segments_->find(entry.segment);
-  if (it == segments_->end() || entry.offset + entry.nbytes > it->second->size() || entry.offset + entry.nbytes < entry.offset)
-    throw ShmError("index entry " + entry.name + " lies outside segment " + entry.segment);
-  auto options = at::TensorOptions().dtype(type);
-  if (count == 0) return at::empty(entry.shape, options);
-  std::shared_ptr<const Mapping> mapping = it->second;
-  // the mapping lives as long as the last tensor over it: the deleter holds a reference
-  void* data = const_cast<uint8_t*>(mapping->data() + entry.offset);
-  return at::from_blob(data, entry.shape, [mapping](void*) {}, options);
-}
-
-void Client::check_gone() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (gone_) throw GenerationGone(*gone_);
-}
-
-void Client::note_latest(const Value& reply) {
-  const Value* latest = reply.get("latest");
-  if (latest == nullptr || !latest->is_int() || latest->is_negative()) return;
-  int64_t n = latest->as_int(), seen = latest_.load();
-  while (n > seen && !latest_.compare_exchange_weak(seen, n)) {
-  }
-}
-
-void Client::beat() {
-  std::unique_ptr<Connection> conn;
-  while (true) {
-    std::string lease;
-    double timeout_s;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      lease = lease_;
-      timeout_s = lease_timeout_s_;
-    }
-    int timeout_ms = std::max(1, static_cast<int>(std::min(options_.timeout_ms / 1000.0, timeout_s) * 1000));
-    if (!conn || conn->timeout_ms() != timeout_ms)
-      conn = std::make_unique<Connection>(ctx_, endpoint_, timeout_ms, credentials_);
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      auto every = std::chrono::duration<double>(std::max(0.05, timeout_s / 3));
-      if (wake_.wait_for(lock, every, [this] { return closed_.load(); })) return;
-    }
-    try {
-      note_latest(conn->request("heartbeat", {{"client", lease}}));
-    } catch (const LeaseExpired&) {
-      // the daemon forgot our lease (it restarted, or we were silent too long): take one on the generation this
-      // client reads, which a successor that adopted it keeps; if that one is gone, the next call says so
-      std::optional<int64_t> generation;
-      bool ours;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        ours = lease == lease_ && !gone_;
-        generation = generation_;
-      }
-      if (!ours) continue;
-      try {
-        take_lease(*conn, generation);
-      } catch (const GenerationGone& exc) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        gone_ = exc.what();
-        lease_lost_ = true;
-      } catch (const std::exception& exc) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        heartbeat_error_ = exc.what();
-      }
-    } catch (const std::exception& exc) {  // the thread must outlive any one failed beat
-      std::lock_guard<std::mutex> lock(mutex_);
-      heartbeat_error_ = exc.what();
-    }
-  }
-}
+std::string Lease::id() const { return state().lease(); }
+double Lease::timeout_s() const { return state().lease_timeout_s(); }
+bool Lease::lost() const { return state().lease_lost(); }
+std::string Lease::last_heartbeat_error() const { return state().last_heartbeat_error(); }
 
 }  // namespace expertd

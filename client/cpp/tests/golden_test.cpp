@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "expertd/protocol.hpp"
+#include "expertd/protocol.h"
 
 using expertd::Value;
 
@@ -200,6 +200,9 @@ bool thrown_as(const std::string& kind, const std::function<void()>& fn, std::st
   } catch (const expertd::AuthError& e) {
     got = "AuthError";
     return kind == "AuthError" && e.kind() == kind;
+  } catch (const expertd::VersionMismatch& e) {
+    got = "VersionMismatch";
+    return kind == "VersionMismatch" && e.kind() == kind;
   } catch (const expertd::LeaseExpired& e) {
     got = "LeaseExpired";
     return kind == "LeaseExpired" && e.kind() == kind;
@@ -211,7 +214,8 @@ bool thrown_as(const std::string& kind, const std::function<void()>& fn, std::st
     return kind == "NotReady";
   } catch (const expertd::DaemonError& e) {
     got = "DaemonError(" + e.kind() + ")";
-    return e.kind() == kind && kind != "AuthError" && kind != "LeaseExpired" && kind != "GenerationGone";
+    return e.kind() == kind && kind != "AuthError" && kind != "LeaseExpired" && kind != "GenerationGone" &&
+           kind != "VersionMismatch";
   } catch (const std::exception& e) {
     got = e.what();
     return false;
@@ -385,6 +389,10 @@ void test_index_segment(const Value& golden, const std::string& dir) {
   bad = *seg.get("descriptor");
   bad.set("shm_dir", "relative/dir");
   CHECK(throws<expertd::ProtocolError>([&] { expertd::parse_index_segment(bad); }, msg), "a relative shm_dir: " + msg);
+  for (const char* outside : {"/../etc/passwd", "/a/b", "/..", "///"})  // a name that would leave shm_dir
+    CHECK(throws<expertd::ShmError>([&] { expertd::segment_path(outside, "/dev/shm"); }, msg) &&
+              msg.find("is not a file name in /dev/shm") != std::string::npos,
+          std::string("segment name ") + outside + ": " + msg);
   ::unlink(path.c_str());
   CHECK(throws<expertd::ShmError>([&] { expertd::read_index(desc); }, msg), "a missing segment file: " + msg);
   ::rmdir(shm_dir.c_str());
