@@ -12,7 +12,7 @@ import time
 import torch
 import zmq
 
-from expertd import index_segment, procfs
+from expertd import index_segment, messages, procfs
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, GenerationGone, LeaseExpired, NotReady
 from expertd.index import TensorIndex
@@ -96,7 +96,8 @@ class ExpertClient:
             while True:
                 try:
                     if self._index_place is None:  # leased while the daemon was loading
-                        self._index_place = self._conn.request("index", client=self.lease, segment=True)["index_segment"]
+                        self._index_place = self._conn.send(messages.Index(client=self.lease, segment=True),
+                                                            messages.IndexSegmentReply).index_segment
                     with _gc_paused():
                         self._index = index_segment.read(self._index_place)
                     self.generation = self._index.generation
@@ -176,8 +177,8 @@ class ExpertClient:
             self._take_lease()
         else:
             old = self.index()
-        reply = self._conn.request("refresh", client=self.lease)
-        self.generation, self._index_place = reply["generation"], reply.get("index_segment")
+        reply = self._conn.send(messages.Refresh(client=self.lease), messages.IndexSegmentReply)
+        self.generation, self._index_place = reply.generation, reply.index_segment
         self._index = None
         new = self.index()
         before = {t.name: (t.segment, t.offset, t.nbytes, t.shape, t.dtype) for t in (old.tensors if old else [])}
@@ -212,7 +213,7 @@ class ExpertClient:
         if self._closed.is_set():
             raise DaemonError("this client is closed; make a new ExpertClient")
         try:
-            self._conn.request("release", client=self.lease)
+            self._conn.send(messages.Release(client=self.lease))
         except (DaemonError, DaemonTimeout):
             pass  # the daemon that granted it is gone
         self._conn.close()
@@ -236,7 +237,7 @@ class ExpertClient:
             return
         self._closed.set()
         try:
-            self._conn.request("release", client=self.lease)
+            self._conn.send(messages.Release(client=self.lease))
         except (DaemonError, DaemonTimeout):
             pass  # the daemon is gone or already dropped us: nothing to release
         finally:
@@ -257,26 +258,26 @@ class ExpertClient:
 
     def _connect(self) -> None:
         reply = self._lease_request(self._conn)  # handshake + lease
-        self.lease = reply["client"]
-        self._index_place = reply.get("index_segment")  # None while the daemon is still loading
-        self.lease_timeout_s = float(reply["lease_timeout_s"])
+        self.lease = reply.client
+        self._index_place = reply.index_segment or None  # none while the daemon is still loading
+        self.lease_timeout_s = float(reply.lease_timeout_s)
         self.lease_lost = False
-        self.latest_generation = self._announced = int(reply.get("latest") or 0)
+        self.latest_generation = self._announced = reply.latest
 
     @staticmethod
-    def _lease_request(conn, **extra) -> dict:
+    def _lease_request(conn, **extra) -> messages.LeaseReply:
         """Ask for a lease; the pid namespace and start time let a daemon in the same pid namespace drop it as soon
         as this process is gone (not a lease timeout later)."""
         pid = os.getpid()
-        return conn.request("lease", pid=pid, protocol=PROTOCOL_VERSION, pid_ns=procfs.pid_namespace(),
-                            start_time=procfs.process_start_time(pid), **extra)
+        return conn.send(messages.Lease(pid=pid, protocol=PROTOCOL_VERSION, pid_ns=procfs.pid_namespace(),
+                                        start_time=procfs.process_start_time(pid), **extra), messages.LeaseReply)
 
     def _take_lease(self, conn=None, generation: int | None = None) -> None:
         """A new lease (on `generation`, else the latest) replacing one the daemon no longer knows."""
         reply = self._lease_request(conn or self._conn, **({} if generation is None else {"generation": generation}))
-        self.lease, self._gone = reply["client"], None
+        self.lease, self._gone = reply.client, None
         if generation is None:
-            self._index_place = reply.get("index_segment")
+            self._index_place = reply.index_segment or None
             self._index = None
 
     def _resume(self, conn, lost: str) -> None:
@@ -362,7 +363,7 @@ class ExpertClient:
                 if self._closed.wait(max(0.05, timeout_s / 3)):
                     return
                 try:
-                    self._note_latest(conn.request("heartbeat", client=lease))
+                    self._note_latest(conn.send(messages.Heartbeat(client=lease)))
                     self._announce()
                 except LeaseExpired:
                     if lease == self.lease and self._gone is None:

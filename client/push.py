@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from expertd import procfs
+from expertd import messages, procfs
 from expertd.connection import Connection
 from expertd.dtypes import PACKED_SUFFIXES, SCALE_SUFFIXES
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
@@ -65,7 +65,7 @@ def _send_staged(conn, lease: str, staging: dict, tensors: dict[str, torch.Tenso
             piece = data[at: at + STAGE_MESSAGE_BYTES]
             frames = [piece[f: f + STAGE_FRAME_BYTES] for f in range(0, len(piece), STAGE_FRAME_BYTES)]
             if frames:
-                conn.request("stage", _frames=frames, client=lease, update=staging["update"], tensor=k, at=at)
+                conn.send(messages.Stage(client=lease, update=staging["update"], tensor=k, at=at), frames=frames)
         sums.append(tensor_checksum(raw))
     return sums
 
@@ -74,7 +74,7 @@ def _stage(conn, lease: str, tensors: dict[str, torch.Tensor]) -> tuple[dict, li
     """Ask for a staging area, fill it (shared memory on this host's ipc://, frames over tcp://); on a failure
     the daemon drops it at once instead of when this lease ends."""
     spec = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in tensors.items()]
-    staging = conn.request("update", client=lease, tensors=spec)
+    staging = conn.send(messages.Update(client=lease, tensors=spec))
     try:
         if conn.endpoint.startswith("tcp://"):
             return staging, _send_staged(conn, lease, staging, tensors)
@@ -86,7 +86,7 @@ def _stage(conn, lease: str, tensors: dict[str, torch.Tensor]) -> tuple[dict, li
 
 def _abort(conn, lease: str, staging: dict) -> None:
     try:
-        conn.request("abort", client=lease, update=staging["update"])
+        conn.send(messages.Abort(client=lease, update=staging["update"]))
     except Exception:  # the first failure is the one to report
         pass
 
@@ -97,7 +97,7 @@ def _wait(conn, job: dict, timeout: float, until=("building", "built")) -> dict:
         if time.monotonic() > deadline:
             raise DaemonTimeout(f"the daemon at {conn.endpoint} did not finish update job {job['job']} within {timeout:.0f}s")
         time.sleep(POLL_S)
-        job = conn.request("job", job=job["job"])
+        job = conn.send(messages.Job(job=job["job"]))
     return job
 
 
@@ -118,7 +118,7 @@ def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> 
     """Stage `tensors`, commit them and wait until the daemon publishes them; returns the generation."""
     _check(tensors)
     staging, sums = _stage(conn, lease, tensors)
-    job = conn.request("commit", client=lease, update=staging["update"], checksums=sums)
+    job = conn.send(messages.Commit(client=lease, update=staging["update"], checksums=sums))
     job = _wait(conn, job, timeout)
     if job["state"] != "published":
         raise _failed(conn, job)
@@ -161,10 +161,11 @@ def push_all(endpoints: list[str], tensors: dict[str, torch.Tensor], *, token: s
         for endpoint in endpoints:
             conn = Connection(endpoint, timeout, credentials=credentials)
             daemons.append([conn, None, None])
-            daemons[-1][1] = conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION,
-                                          pid_ns=procfs.pid_namespace(),  # a local daemon drops it if we die
-                                          start_time=procfs.process_start_time(os.getpid()))["client"]
-            index = TensorIndex.from_dict(conn.request("index")["index"])
+            daemons[-1][1] = conn.send(messages.Lease(pid=os.getpid(), protocol=PROTOCOL_VERSION,
+                                                      pid_ns=procfs.pid_namespace(),  # a local daemon drops it if we die
+                                                      start_time=procfs.process_start_time(os.getpid())),
+                                       messages.LeaseReply).client
+            index = TensorIndex.from_dict(conn.send(messages.Index())["index"])
             daemons[-1][2] = share_of(index, tensors)
         taken = {name for _, _, share in daemons for name in share}
         unserved = [name for name in tensors if name not in taken]
@@ -176,7 +177,7 @@ def push_all(endpoints: list[str], tensors: dict[str, torch.Tensor], *, token: s
         for conn, lease, _ in daemons:
             if lease is not None:
                 try:
-                    conn.request("release", client=lease)
+                    conn.send(messages.Release(client=lease))
                 except Exception:  # the daemon is gone: its lease goes with it
                     pass
             conn.close()
@@ -189,7 +190,7 @@ def _publish_everywhere(daemons, timeout: float) -> dict[str, int]:
         for conn, lease, share in daemons:
             staging, sums = _stage(conn, lease, share)
             staged.append((conn, lease, staging))
-            jobs.append(conn.request("commit", client=lease, update=staging["update"], checksums=sums, hold=True))
+            jobs.append(conn.send(messages.Commit(client=lease, update=staging["update"], checksums=sums, hold=True)))
         jobs = [_wait(conn, job, timeout, until=("building",)) for (conn, _, _), job in zip(staged, jobs)]
         for (conn, _, _), job in zip(staged, jobs):
             if job["state"] != "built":
@@ -199,7 +200,7 @@ def _publish_everywhere(daemons, timeout: float) -> dict[str, int]:
             _abort(conn, lease, staging)
         raise
     for (conn, lease, _), job in zip(staged, jobs):
-        conn.request("publish", client=lease, job=job["job"])
+        conn.send(messages.Publish(client=lease, job=job["job"]))
     done = {}
     for (conn, _, _), job in zip(staged, jobs):
         job = _wait(conn, job, timeout)

@@ -12,6 +12,7 @@ import threading
 
 import zmq
 
+from expertd import messages
 from expertd.errors import DaemonNotRunning, DaemonTimeout, ProtocolError
 from expertd.protocol import MAX_MESSAGE_BYTES, ipc_path, pack, unpack_reply
 from expertd.security import PUSH_OPS, Credentials
@@ -120,6 +121,11 @@ class Connection:
         if self.on_reply is not None:
             self.on_reply(reply)
         return reply
+
+    def send(self, request: messages.Request, reply: type[messages.Reply] | None = None, frames=()):
+        """Send a typed request (expertd.messages); the reply as `reply` (checked field by field), else its map."""
+        got = self.request(request.op, frames, **request.wire())
+        return got if reply is None else messages.read_reply(reply, got, repr(request.op))
 
     def _silence(self) -> str:
         """Why a daemon may not answer, as far as this side can tell."""

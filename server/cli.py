@@ -9,6 +9,7 @@ import os
 import sys
 
 import expertd
+from expertd import messages
 from expertd.errors import ConfigError, DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError
 from expertd.units import parse_duration, parse_size
 
@@ -141,11 +142,11 @@ def cmd_reload(args) -> int:
     conn = _connection(args)
     try:
         fields = {"checkpoint": os.path.abspath(args.checkpoint)} if args.checkpoint else {}
-        job = conn.request("reload", **fields)
+        job = conn.send(messages.Reload(**fields))
         deadline = time.monotonic() + args.wait
         while job["state"] in ("building", "built") and time.monotonic() < deadline:
             time.sleep(0.05)
-            job = conn.request("job", job=job["job"])
+            job = conn.send(messages.Job(job=job["job"]))
     finally:
         conn.close()
     if job["state"] == "failed":

@@ -19,8 +19,9 @@ import time
 
 import zmq
 
+from expertd import messages
 from expertd.errors import AuthError, ExpertdError, NotReady, ProtocolError, PushDenied
-from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, check_version, error_reply, ipc_path, pack, unpack
+from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, error_reply, ipc_path, pack, unpack
 from expertd.security import PUSH_OPS
 
 from .config import DaemonConfig
@@ -253,7 +254,10 @@ class Daemon:
         if msg["op"] in PUSH_OPS:
             self._check_push(msg)
         try:
-            return self.OPS[msg["op"]](msg)
+            request = messages.parse_request(msg)
+            if isinstance(request, messages.Stage):
+                request.frames = msg.get("_frames") or []
+            return self.OPS[msg["op"]](request)
         except ExpertdError as exc:
             return error_reply(exc)
 
@@ -273,67 +277,51 @@ class Daemon:
             raise PushDenied("this credential may only read: pushing weights needs the daemon's push_token "
                              "(ExpertClient(push_token=...) or $EXPERTD_PUSH_TOKEN)")
 
-    def op_hello(self, msg: dict) -> dict:
-        check_version(msg.get("protocol"))
-        return {"ok": True, "protocol": PROTOCOL_VERSION, "ready": self.weights.gens.latest is not None,
-                "generation": self.weights.status_generation(), "lease_timeout_s": self.cfg.lease_timeout_s}
+    def op_hello(self, req: messages.Hello) -> dict:
+        return messages.HelloReply(protocol=PROTOCOL_VERSION, ready=self.weights.gens.latest is not None,
+                                   generation=self.weights.status_generation(),
+                                   lease_timeout_s=self.cfg.lease_timeout_s).wire()
 
-    def op_status(self, msg: dict) -> dict:
+    def op_status(self, req: messages.Status) -> dict:
         return {"ok": True, **self.status()}
 
-    def op_stop(self, msg: dict) -> dict:
+    def op_stop(self, req: messages.Stop) -> dict:
         """Stop; with `keep`, leave the live generations in shared memory for a successor to adopt (a handover)."""
-        self._keep = bool(msg.get("keep"))
+        self._keep = req.keep
         self._stop.set()
-        return {"ok": True}
+        return messages.Done().wire()
 
-    def op_index(self, msg: dict) -> dict | bytes:
+    def op_index(self, req: messages.Index) -> dict | bytes:
         """The index of the generation the client's lease is on (the latest for a request without a lease):
         with `segment: true` only its index segment's descriptor (what a lease taken while loading asks
         for), else the index inline (for tools that ask over the socket)."""
         gens = self.weights.gens
-        gen = gens.generation_of(self.weights.lease_of(msg) if "client" in msg else None)
+        gen = gens.generation_of(self.weights.lease_of(req.client) if req.client is not None else None)
         if gen is None:
             raise NotReady("the daemon is still loading")
-        if msg.get("segment"):
-            return {"ok": True, "generation": gen.number, "index_segment": gen.index_place}
+        if req.segment:
+            return messages.IndexSegmentReply(generation=gen.number, index_segment=gen.index_place).wire()
         return gen.index_reply(gens.latest.number)
 
-    def op_lease(self, msg: dict) -> dict:
-        if "protocol" in msg:
-            check_version(msg["protocol"])
-        pid = msg.get("pid", 0)
-        if not isinstance(pid, int) or not 0 <= pid < 2**31:
-            raise ProtocolError("'pid' must be a non-negative integer")
+    def op_lease(self, req: messages.Lease) -> dict:
         # (newer clients) their pid namespace and process start time: a worker in ours is watched, and its lease
         # goes as soon as its process does; others (and older clients) keep the heartbeat timeout only
-        pid_ns, start_time = msg.get("pid_ns"), msg.get("start_time")
-        for key, value in (("pid_ns", pid_ns), ("start_time", start_time)):
-            if value is not None and (not isinstance(value, int) or not 0 <= value < 2**64):
-                raise ProtocolError(f"'{key}' must be a non-negative integer")
-        resume = msg.get("generation")  # a worker whose daemon restarted asks for the generation it reads
-        if resume is not None and (not isinstance(resume, int) or isinstance(resume, bool) or resume < 1):
-            raise ProtocolError("'generation' must be a positive integer")
         gens = self.weights.gens
-        lease = gens.lease(pid, start_time=watchable(pid, pid_ns, start_time), generation=resume)
-        reply = {"ok": True, "client": lease.client, "lease_timeout_s": self.cfg.lease_timeout_s,
-                 "generation": lease.generation}
+        lease = gens.lease(req.pid, start_time=watchable(req.pid, req.pid_ns, req.start_time), generation=req.generation)
         gen = gens.generation_of(lease)
-        if gen is not None:  # attach in one round trip: the worker maps and decodes the index itself
-            reply["index_segment"] = gen.index_place
-        return reply
+        # attach in one round trip: the worker maps and decodes the index itself (none while loading)
+        return messages.LeaseReply(client=lease.client, lease_timeout_s=self.cfg.lease_timeout_s,
+                                   generation=lease.generation,
+                                   index_segment=gen.index_place if gen is not None else messages.ABSENT).wire()
 
-    def op_heartbeat(self, msg: dict) -> dict:
-        lease = self.weights.lease_of(msg)
+    def op_heartbeat(self, req: messages.Heartbeat) -> dict:
+        lease = self.weights.lease_of(req.client)
         lease.seen = time.monotonic()
-        return {"ok": True, "generation": lease.generation}
+        return messages.HeartbeatReply(generation=lease.generation).wire()
 
-    def op_release(self, msg: dict) -> dict:
-        client = msg.get("client")
-        if not isinstance(client, str):
-            raise ProtocolError("op 'release' needs a string 'client' (the lease id)")
-        self.weights.gens.release(client)
-        return {"ok": True}
+    def op_release(self, req: messages.Release) -> dict:
+        self.weights.gens.release(req.client)
+        return messages.Done().wire()
 
     def status(self) -> dict:
         now = time.monotonic()

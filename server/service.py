@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from expertd import messages
 from expertd.errors import Busy, ExpertdError, NotReady, ProtocolError, UpdateRejected
 
 from . import adopt, ledger
@@ -51,10 +52,7 @@ class WeightService:
         self.load_error: BaseException | None = None
         self.build_progress = (0, 0)  # (bytes placed, bytes to place) of the latest build from a checkpoint
 
-    def lease_of(self, msg: dict) -> Lease:
-        client = msg.get("client")
-        if not isinstance(client, str):
-            raise ProtocolError(f"op {msg['op']!r} needs a string 'client' (the lease id)")
+    def lease_of(self, client: str) -> Lease:
         return self.gens.get(client)
 
     def latest(self) -> Generation:
@@ -237,26 +235,24 @@ class WeightService:
         if staging is not None:
             staging.close()
 
-    def op_refresh(self, msg: dict) -> dict:
+    def op_refresh(self, req: messages.Refresh) -> dict:
         """Move the lease to the latest generation; the reply names its index segment."""
         latest = self.latest()
-        lease = self.gens.refresh(self.lease_of(msg).client)
-        return {"ok": True, "generation": lease.generation, "index_segment": latest.index_place}
+        lease = self.gens.refresh(self.lease_of(req.client).client)
+        return messages.IndexSegmentReply(generation=lease.generation, index_segment=latest.index_place).wire()
 
-    def op_reload(self, msg: dict) -> dict:
-        checkpoint = msg.get("checkpoint") or self.cfg.checkpoint
-        if not isinstance(checkpoint, str):
-            raise ProtocolError("'checkpoint' must be a folder path")
+    def op_reload(self, req: messages.Reload) -> dict:
+        checkpoint = req.checkpoint or self.cfg.checkpoint
         self.latest()
         return {"ok": True, **self._start_reload(os.path.abspath(checkpoint)).to_dict()}
 
-    def op_update(self, msg: dict) -> dict:
+    def op_update(self, req: messages.Update) -> dict:
         """Check a push against the latest generation and hand out a staging segment to write it into."""
-        lease = self.lease_of(msg)
+        lease = self.lease_of(req.client)
         latest = self.latest()
         self._check_idle()
         self.gens.check_room()
-        pushes = plan_update(latest.index, msg.get("tensors"))
+        pushes = plan_update(latest.index, req.tensors)
         self._updates += 1
         staging = Staging(self.cfg.namespace, self._updates, pushes, lease.client, group=self.cfg.group,
                           shm_dir=self.cfg.shm_dir)
@@ -264,26 +260,26 @@ class WeightService:
         self._write_manifest("serving")
         return {"ok": True, **staging.reply()}
 
-    def _staging_of(self, msg: dict) -> Staging:
-        lease = self.lease_of(msg)
-        staging = self.staging.get(msg.get("update"))
+    def _staging_of(self, req: messages.Stage | messages.Commit | messages.Abort) -> Staging:
+        lease = self.lease_of(req.client)
+        staging = self.staging.get(req.update)
         if staging is None or staging.client != lease.client:
-            raise UpdateRejected(f"no staged update {msg.get('update')!r} of lease {lease.client!r}")
+            raise UpdateRejected(f"no staged update {req.update!r} of lease {lease.client!r}")
         return staging
 
-    def op_stage(self, msg: dict) -> dict:
+    def op_stage(self, req: messages.Stage) -> dict:
         """Write pushed bytes that came as frames of this request (an updater on another host) into its staging."""
-        staging = self._staging_of(msg)
+        staging = self._staging_of(req)
         if staging.committed:
             raise UpdateRejected(f"update {staging.number} is committed: its bytes can no longer change")
-        return {"ok": True, "written": staging.write(msg.get("tensor"), msg.get("at", 0), msg.get("_frames") or [])}
+        return {"ok": True, "written": staging.write(req.tensor, req.at, req.frames)}
 
-    def op_publish(self, msg: dict) -> dict:
+    def op_publish(self, req: messages.Publish) -> dict:
         """Publish an update committed with `hold` once it is built (every daemon of a push has built its share)."""
-        lease = self.lease_of(msg)
-        job = self.jobs.get(msg.get("job"))
+        lease = self.lease_of(req.client)
+        job = self.jobs.get(req.job)
         if job is None or not job.hold or job.client != lease.client:
-            raise UpdateRejected(f"no held update job {msg.get('job')!r} of lease {lease.client!r}")
+            raise UpdateRejected(f"no held update job {req.job!r} of lease {lease.client!r}")
         if job.state != "built":
             raise UpdateRejected(f"update job {job.number} is {job.state}, not built: it cannot be published")
         job.hold = False  # the loop publishes it between this request and the next
@@ -296,42 +292,42 @@ class WeightService:
         job.hold = False
         self._finish(job)
 
-    def op_commit(self, msg: dict) -> dict:
+    def op_commit(self, req: messages.Commit) -> dict:
         """Verify the staged bytes and build the new generation from them (a job: poll it with `job`); with
         `hold` the built generation waits for `publish` or `abort`."""
-        staging = self._staging_of(msg)
+        staging = self._staging_of(req)
         self.jobs.check_idle()
         previous, number = self.latest().built, self.gens.latest.number + 1
-        checksums = msg.get("checksums")
+        checksums = req.checksums
 
         def work():
             staged = staging.verify(checksums)
             return build_update(previous, staging, staged, generation=number, device=self.device, group=self.cfg.group)
 
         job = self._start_build("update", number, work, on_end=lambda job: self._drop_staging(staging.number))
-        job.hold, job.client = bool(msg.get("hold")), staging.client
+        job.hold, job.client = req.hold, staging.client
         staging.committed = True
         return {"ok": True, **job.to_dict()}
 
-    def op_abort(self, msg: dict) -> dict:
+    def op_abort(self, req: messages.Abort) -> dict:
         """Drop a staged update its updater will not commit (it failed after `update`), or a held one that is
         built but not published (another daemon of the same push failed): its segments go and the next
         reload or update may start."""
-        staging = self._staging_of(msg)
+        staging = self._staging_of(req)
         held = self.jobs.held()
         if staging.committed and held is not None and held.client == staging.client:
             self._cancel_held(held, "its updater aborted it")
-            return {"ok": True}
+            return messages.Done().wire()
         if staging.committed:
             raise UpdateRejected(f"update {staging.number} is committed and building: it can no longer be aborted")
         self._drop_staging(staging.number)
         self._write_manifest("serving")
-        return {"ok": True}
+        return messages.Done().wire()
 
-    def op_job(self, msg: dict) -> dict:
-        job = self.jobs.get(msg.get("job"))
+    def op_job(self, req: messages.Job) -> dict:
+        job = self.jobs.get(req.job)
         if job is None:
-            raise ProtocolError(f"no job {msg.get('job')!r} (finished jobs are kept a while, not forever)")
+            raise ProtocolError(f"no job {req.job!r} (finished jobs are kept a while, not forever)")
         return {"ok": True, **job.to_dict()}
 
     def status_generation(self) -> int:

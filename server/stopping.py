@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from expertd import messages
 from expertd.errors import DaemonError, DaemonNotRunning, ExpertdError
 
 
@@ -19,7 +20,7 @@ def cmd_stop(args) -> int:
     conn = _connection(args)
     try:
         status = conn.request("status")
-        conn.request("stop", keep=bool(getattr(args, "keep", False)))
+        conn.send(messages.Stop(keep=bool(getattr(args, "keep", False))))
     finally:
         conn.close()
     path = ipc_path(status["endpoint"])

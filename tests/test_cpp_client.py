@@ -295,3 +295,55 @@ def test_a_socket_file_nobody_listens_on_is_no_daemon(cpp_build, tmp_path):
     run = dump(cpp_build, f"ipc://{path}", "--timeout-ms", "30000")
     assert run.returncode == EXIT["DaemonNotRunning"], run.stderr
     assert "nothing listens on its socket file" in run.stderr and "expertd start --config" in run.stderr
+
+
+def test_a_loading_daemon_is_not_ready(cpp_build, tmp_path):
+    """While the first generation loads a lease reply names no index segment and `index` answers NotReady. The
+    daemon's side of this is tests/test_daemon.py's loading test; here a socket answers as such a daemon does."""
+    import threading
+
+    import zmq
+
+    from expertd.protocol import pack, unpack
+
+    endpoint = f"ipc://{tmp_path}/loading.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+    seen, done = [], threading.Event()
+
+    def answer():
+        leases = 0
+        while not done.is_set():
+            if not router.poll(50):
+                continue
+            identity, empty, frame = router.recv_multipart()
+            msg = unpack(frame)
+            seen.append(msg["op"])
+            if msg["op"] == "lease":
+                leases += 1
+                reply = {"ok": True, "client": f"c{leases}", "lease_timeout_s": 30.0, "generation": None}
+            elif msg["op"] == "index":
+                reply = {"ok": False, "error": "NotReady", "message": "the daemon is still loading"}
+            else:
+                reply = {"ok": True}
+            router.send_multipart([identity, empty, pack({**reply, "latest": 0})])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        run = dump(cpp_build, endpoint, "--no-wait")
+        assert run.returncode == 6, run.stderr
+        assert run.stderr.startswith("expertd-cpp-dump: NotReady: daemon at ") and "still loading" in run.stderr
+        assert seen[:2] == ["lease", "release"]  # the lease it took is given back
+        seen.clear()
+        run = dump(cpp_build, endpoint, "--timeout-ms", "400")  # waits for the first generation, up to the timeout
+        assert run.returncode == EXIT["DaemonTimeout"], run.stderr
+        assert "still loading after" in run.stderr
+        assert seen[0] == "lease" and seen.count("index") >= 2 and seen[-1] == "release"
+    finally:
+        done.set()
+        thread.join()
+        router.close(linger=0)
+        ctx.term()

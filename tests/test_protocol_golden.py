@@ -38,7 +38,9 @@ from expertd import index_segment  # noqa: E402
 from expertd.connection import Connection  # noqa: E402
 from expertd.errors import AuthError, DaemonError, GenerationGone, LeaseExpired, VersionMismatch  # noqa: E402
 from expertd.index import TensorIndex  # noqa: E402
-from expertd.protocol import ERRORS, PROTOCOL_VERSION, pack, unpack_reply  # noqa: E402
+from expertd import messages  # noqa: E402
+from expertd.errors import ProtocolError  # noqa: E402
+from expertd.protocol import ERRORS, OPS, PROTOCOL_VERSION, pack, unpack_reply  # noqa: E402
 
 GOLDEN = HERE / "golden" / "protocol"
 MESSAGES = GOLDEN / "messages.json"
@@ -149,7 +151,7 @@ def run_scenario(endpoint: str) -> Recorder:
                 time.sleep(0.05)
             assert rec.where("heartbeat"), "the client's heartbeat thread sent no heartbeat"
             client.status()
-            extra = ExpertClient._lease_request(conn, generation=client.generation)["client"]  # a resume
+            extra = ExpertClient._lease_request(conn, generation=client.generation).client  # a resume
             conn.request("release", client=extra)
             client.update({PUSHED: torch.full((320,), 1.5, dtype=torch.bfloat16)})  # update, commit, job
             client.refresh()
@@ -384,6 +386,39 @@ def test_python_client_decodes_the_golden_replies(golden):
             assert unpack_reply(data, repr(entry["op"])) == entry["reply"]["decoded"], name
     lease = golden["messages"]["lease"]["reply"]["decoded"]
     assert lease["index_segment"] == golden["index_segment"]["descriptor"]
+
+
+def test_every_op_is_one_typed_message_and_the_golden_requests_parse_into_them(golden):
+    assert set(messages.REQUESTS) == set(OPS)  # one class per op, in one module
+    replies = {"hello": messages.HelloReply, "lease": messages.LeaseReply, "lease.generation": messages.LeaseReply,
+               "heartbeat": messages.HeartbeatReply, "index.segment": messages.IndexSegmentReply,
+               "refresh": messages.IndexSegmentReply, "release": messages.Done, "abort": messages.Done,
+               "stop": messages.Done}
+    for name, entry in golden["messages"].items():
+        sent = entry["request"]["decoded"]
+        if name == "error.ProtocolError.unknown_op":
+            assert sent["op"] not in messages.REQUESTS
+            continue
+        if name == "error.VersionMismatch":
+            with pytest.raises(VersionMismatch, match="client speaks protocol 2, daemon speaks 3"):
+                messages.parse_request(sent)
+            continue
+        request = messages.parse_request(sent)
+        # every field the client sent is a field of the typed request, read back unchanged
+        fields = {k: v for k, v in sent.items() if k not in ("op", "token")}
+        assert {k: request.wire().get(k, "not a field") for k in fields} == fields, name
+        if name in replies:
+            reply = messages.read_reply(replies[name], entry["reply"]["decoded"], name)
+            assert {**reply.wire(), "latest": reply.latest} == entry["reply"]["decoded"], name
+    # a field of the wrong type, a missing one, one out of range: ProtocolError naming the op and the field
+    for bad, words in (({"op": "heartbeat"}, "op 'heartbeat': 'client' is missing; it must be a string"),
+                       ({"op": "lease", "pid": -1}, r"op 'lease': 'pid' must be a non-negative integer below 2\^31, got -1"),
+                       ({"op": "commit", "client": "c1", "update": 1, "checksums": [7]},
+                        r"op 'commit': 'checksums'\[0\] must be a string, got int"),
+                       ({"op": "stage", "client": "c1", "update": "1", "tensor": 0},
+                        "op 'stage': 'update' must be an integer, got '1'")):
+        with pytest.raises(ProtocolError, match=words):
+            messages.parse_request(bad)
 
 
 def test_index_segment_vector_is_what_pack_writes_and_unpack_reads(golden):

@@ -83,7 +83,7 @@ std::shared_ptr<const Index> LeaseState::index_locked() {
       } catch (const NotReady&) {
         if (std::chrono::steady_clock::now() > deadline)
           throw DaemonTimeout("daemon at " + session_->endpoint + " still loading after " +
-                              std::to_string(session_->timeout_ms() / 1000) + "s");
+                              fmt("%.1f", session_->timeout_ms() / 1000.0) + "s");
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
         continue;
       }

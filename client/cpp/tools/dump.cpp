@@ -1,5 +1,5 @@
 // expertd-cpp-dump ENDPOINT [--token T] [--json] [--views] [--timeout-ms N] [--bench N] [--hold-s S]
-//                           [--refresh] [--server-key KEY] [--client-key FILE]
+//                           [--refresh] [--no-wait] [--server-key KEY] [--client-key FILE]
 //
 // Attach to a daemon with the C++ client and print one line per served tensor (with --views per checkpoint
 // tensor): name, dtype, shape, segment, offset, the xxh3 checksum recomputed over the mapped bytes (in the form
@@ -8,7 +8,8 @@
 // (attach + tensors + release) and reports each timing. --hold-s S holds the lease S seconds first (the
 // heartbeat thread keeps it) and reports whether the daemon still lists it. --refresh then moves to the latest
 // generation and dumps that one (reporting what changed, and whether the views taken before kept their
-// bytes). With --json it also reports the leases the daemon lists right after the release.
+// bytes). --no-wait fails with NotReady at once while the daemon is still loading (else attach waits up to
+// the timeout). With --json it also reports the leases the daemon lists right after the release.
 // Exit status: 0 ok, 1 a BAD tensor (or an unexpected error), 2 usage, 3 DaemonNotRunning, 4 DaemonTimeout,
 // 5 AuthError, 6 another DaemonError, 7 ProtocolError / CorruptIndex, 8 ShmError, 9 VersionMismatch;
 // the error's type leads its message on stderr.
@@ -34,7 +35,7 @@ double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std
 int usage(const char* why) {
   std::fprintf(stderr,
                "expertd-cpp-dump: %s\nusage: expertd-cpp-dump ENDPOINT [--token T] [--json] [--views] [--timeout-ms N] "
-               "[--bench N] [--hold-s S] [--refresh] [--server-key KEY] [--client-key FILE]\n",
+               "[--bench N] [--hold-s S] [--refresh] [--no-wait] [--server-key KEY] [--client-key FILE]\n",
                why);
   return 2;
 }
@@ -71,6 +72,7 @@ int run(int argc, char** argv) {
     else if (a == "--bench") bench = std::stoi(value("--bench"));
     else if (a == "--hold-s") hold_s = std::stod(value("--hold-s"));
     else if (a == "--refresh") refresh = true;
+    else if (a == "--no-wait") options.wait_ready = false;
     else if (a == "--server-key") options.server_key = value("--server-key");
     else if (a == "--client-key") options.client_key = value("--client-key");
     else if (a == "-h" || a == "--help") return usage("attach to an expertd daemon and dump what it serves"), 0;
