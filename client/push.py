@@ -127,21 +127,22 @@ def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> 
 
 def share_of(index: TensorIndex, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The part of a pushed state dict that a daemon serving `index` takes: tensors it serves by served or
-    checkpoint name (FP8 ones with their scales, MXFP4 as blocks and scales), a whole fused expert block cut
-    to the experts it holds."""
+    checkpoint name (FP8 ones with their scales, MXFP4 as blocks and scales), a whole fused expert block (or
+    its blocks, scales) cut to the experts it holds."""
     served = {t.name: t for t in index.tensors}
     names = index.checkpoint_entries()
     out = {}
     for name, t in tensors.items():
-        entry = served.get(name)
-        if entry is not None and entry.experts is not None and list(t.shape) != entry.shape \
-                and t.ndim and t.shape[0] == entry.experts.total:
-            out[name] = torch.cat([t[first: first + count] for first, count in entry.experts.ranges])
-        elif entry is not None or name in names or any(
-                name.endswith(suffix) and name[: -len(suffix)] in served for suffix in PACKED_SUFFIXES):
+        base = next((name[: -len(s)] for s in PACKED_SUFFIXES + SCALE_SUFFIXES
+                     if name.endswith(s) and name[: -len(s)] in served), name)
+        entry = served.get(base)
+        block = entry.experts if entry is not None else None
+        if block is not None and t.ndim and t.shape[0] == block.total != entry.shape[0]:
+            out[name] = torch.cat([t[first: first + count] for first, count in block.ranges])
+        elif entry is not None or name in names:
             out[name] = t  # as served, or quantized in the checkpoint's format (MXFP4 blocks and scales of it)
     out.update({n: t for n, t in tensors.items() for suffix in SCALE_SUFFIXES
-                if n.endswith(suffix) and n[: -len(suffix)] in out})
+                if n.endswith(suffix) and n[: -len(suffix)] in out and n not in out})
     return out
 
 

@@ -10,6 +10,7 @@ index, updates and the worker's binder read the geometry from it and never recom
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .errors import ExpertdError, ProtocolError
@@ -133,3 +134,14 @@ class ExpertBlock:
         if not isinstance(total, int) or any(a < 0 or b < 1 or a + b > total for a, b in ranges):
             raise ProtocolError(f"malformed expert block {data!r}: ranges must lie within {total} experts")
         return cls(total, ranges)
+
+
+def expert_sharded(config: dict):
+    """Whether a parameter name is an expert stack that transformers' expert parallelism splits by expert: the
+    model's `base_model_ep_plan` entries of style `grouped_gemm` (gpt-oss: `gate_up_proj`, its bias, ...)."""
+    from expertd.hf import model_config
+
+    plan = getattr(model_config(config), "base_model_ep_plan", None) or {}
+    patterns = [re.compile(r"(?:^|\.)" + re.escape(key).replace(r"\*", r"\d+") + "$")
+                for key, style in plan.items() if style == "grouped_gemm"]
+    return lambda name: any(p.search(name) for p in patterns)

@@ -65,11 +65,11 @@ def write_part(out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor | None
 def dequantized(ckpt: Checkpoint, src: Source, device: torch.device | str = "cpu") -> torch.Tensor:
     """One source read whole, as the daemon serves it: dequantized by its format, or as stored (tools: convert,
     inspect, evaluate)."""
-    data = ckpt.read(src.info.name)
+    data = ckpt.load(src.info)
     if src.scale is None:
         return data
     out = torch.empty(src.shape, dtype=torch.bfloat16)
-    write_part(out, data, ckpt.read(src.scale.name), name=src.info.name, block=src.block, kind=src.kind,
+    write_part(out, data, ckpt.load(src.scale), name=src.info.name, block=src.block, kind=src.kind,
                device=torch.device(device))
     return out
 

@@ -230,6 +230,17 @@ class Generations:
         self.latest = gen
         self.retire()
 
+    def adopt(self, gens: list[Generation], leases: list[dict]) -> None:
+        """Serve a predecessor's generations (oldest first; the last is the latest) under their numbers, re-grant
+        its leases, and hold each generation one lease timeout for the workers that re-take theirs."""
+        for gen in gens:
+            self.live[gen.number] = gen
+        self.latest = gens[-1]
+        self.restore(leases)
+        for number in self.live:
+            self.hold(number)
+        self.retire()
+
     def retire(self) -> list[int]:
         """Drop old generations no lease holds; unlink their segments that no live generation uses."""
         pinned = self.pinned()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ import torch
 from expertd.dtypes import DEQUANTIZED, FP8
 from expertd.errors import MissingTensorError, ScaleError, ShapeError, UnsupportedDtypeError
 from expertd.hf import Assembly, checkpoint_assembly, expert_name
-from expertd.partition import ExpertBlock, ExpertParallel
+from expertd.partition import ExpertBlock, ExpertParallel, expert_sharded
 
 from .quantization import SCALE_DTYPES, Codec, Mxfp4, UnsupportedQuantization, quantization_format
 from .reader import Checkpoint, TensorInfo
@@ -54,6 +54,13 @@ class Source:
     def shape(self) -> tuple[int, ...]:
         return self.served_shape or self.info.shape
 
+    def rows(self, first: int, count: int) -> "Source":
+        """Experts [first, first + count) of a pre-fused expert stack (outermost dimension the experts, in the
+        weight and its aux alike): the same checkpoint tensor, fewer rows read."""
+        return replace(
+            self, info=self.info.rows(first, count), scale=self.scale.rows(first, count) if self.scale else None,
+            served_shape=(count, *self.served_shape[1:]) if self.served_shape else None)
+
 
 @dataclass
 class PlannedTensor:
@@ -71,6 +78,11 @@ class PlannedTensor:
     @property
     def source_shape(self) -> tuple[int, ...]:
         return self.sources[0].shape
+
+    @property
+    def source_names(self) -> list[str]:
+        """The checkpoint names it is made of, each once (a partitioned pre-fused stack reads rows of one)."""
+        return list(dict.fromkeys(s.name for s in self.sources))
 
 
 @dataclass
@@ -222,6 +234,7 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: Expe
     served = codec.logical(ckpt.tensors)  # {name the model sees: (stored tensor, aux tensor)}
     assembly, unused, expected = checkpoint_assembly(config, list(served))
     planned: list[PlannedTensor] = []
+    by_expert = expert_sharded(config) if partition is not None else None
     if isinstance(codec, Mxfp4):  # scales without their blocks: say so, not that the decoded tensor is missing
         check_aux(ckpt, codec)
 
@@ -251,7 +264,12 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: Expe
             continue
         if not how.patterns:
             src = source(how.sources[0], param, shape, f"the model's {param!r}")
-            planned.append(PlannedTensor(param, shape, served_dtype(src), [src]))
+            if partition is not None and by_expert(param):  # a pre-fused expert stack (gpt-oss): its ranks' rows
+                share = _share(partition, src, shape, param)
+                planned.append(PlannedTensor(param, (share.count, *shape[1:]), served_dtype(src),
+                                             [src.rows(first, count) for first, count in share.ranges], experts=share))
+            else:
+                planned.append(PlannedTensor(param, shape, served_dtype(src), [src]))
             continue
         per_expert = len(how.patterns)
         experts = len(how.sources) // per_expert
@@ -286,8 +304,21 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: Expe
 
     if check_values:
         check_scales(ckpt, [s.scale for t in planned for s in t.sources if s.scale is not None])
-    layout = "transformers-fused" if any(len(t.sources) > 1 or t.computed for t in planned) else "checkpoint"
+    layout = "transformers-fused" if any(len(t.source_names) > 1 or t.computed for t in planned) else "checkpoint"
     return Plan(model_type, layout, codec, planned, partition)
+
+
+def _share(partition: ExpertParallel, src: Source, shape: tuple[int, ...], param: str) -> ExpertBlock:
+    """The experts of a pre-fused stack `param` [E, ...] a partition serves; the stored tensor (and its aux) must
+    have the experts outermost too, so each rank's experts are one contiguous run of its bytes."""
+    experts = shape[0]
+    partition.check_experts(experts, param)
+    for info in (src.info, src.scale):
+        if info is not None and (not info.shape or info.shape[0] != experts):
+            raise ShapeError(f"a partitioned daemon serves some experts of {param} {list(shape)}, but this stored "
+                             f"tensor {list(info.shape)} does not have its {experts} experts outermost",
+                             file=info.file, tensor=info.name)
+    return ExpertBlock(experts, tuple(partition.ranges(experts)))
 
 
 _EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")

@@ -232,7 +232,7 @@ def build(
                 out_checksum = combined_checksum([out_digest for _, out_digest in results])
             entries.append(TensorEntry(
                 planned.name, where.segment, where.offset, planned.nbytes, list(planned.shape), str(planned.dtype),
-                [] if planned.computed is not None else [s.name for s in planned.sources], checksum=out_checksum,
+                [] if planned.computed is not None else planned.source_names, checksum=out_checksum,
                 experts=planned.experts,
             ))
             parts[planned.name] = part_digests

@@ -44,6 +44,13 @@ class TensorInfo:
     nbytes: int
     offset: int = 0  # where the data starts in the file
 
+    def rows(self, first: int, count: int) -> "TensorInfo":
+        """Rows [first, first + count) of the outermost dimension: contiguous bytes of the same file (an expert
+        stack's share, for a partitioned daemon)."""
+        row = self.nbytes // self.shape[0]
+        return TensorInfo(self.name, self.file, self.dtype, (count, *self.shape[1:]), count * row,
+                          self.offset + first * row)
+
 
 def _reject_duplicate_keys(pairs):
     seen = {}
@@ -241,7 +248,7 @@ class Checkpoint:
         """A read-only tensor over the tensor's bytes in a mapping of its file: no copy, pages come in as
         they are touched. Falls back to `read` where the data is not aligned for its dtype."""
         if info.nbytes == 0 or info.offset % info.dtype.itemsize:
-            return self.read(info.name)
+            return self.load(info)
         data = self._maps.get(info.file)
         if data is None:
             try:
@@ -281,6 +288,16 @@ class Checkpoint:
             done += got
         with self._lock:
             self.bytes_read += want
+
+    def load(self, info: TensorInfo) -> torch.Tensor:
+        """The tensor `info` describes, read through safetensors: the whole checkpoint tensor, or the rows of it
+        that `info` (made by `TensorInfo.rows`) covers."""
+        whole = self.read(info.name)
+        base = self.tensors[info.name]
+        if info.offset == base.offset and info.shape == base.shape:
+            return whole
+        first = (info.offset - base.offset) // (base.nbytes // base.shape[0])
+        return whole[first: first + info.shape[0]]
 
     def read(self, name: str) -> torch.Tensor:
         """Read one tensor into memory through safetensors (mmap-backed)."""

@@ -92,15 +92,8 @@ class WeightService:
         """Serve the adopted generations under their numbers, re-grant the predecessor's leases, hold every adopted
         generation a lease timeout for workers that re-take theirs, then check the checkpoint in the background:
         a changed one becomes the next generation (incrementally)."""
-        for record in adopted.records:
-            built = Built(adopt.arena_of(record, self.cfg.group), record.index, record.parts, record.known)
-            gen = Generation(built, place_index(record.index, self.cfg.group))
-            self.gens.live[gen.number] = gen
-            self.gens.latest = gen
-        self.gens.restore(adopted.leases)
-        for number in self.gens.live:
-            self.gens.hold(number)
-        self.gens.retire()
+        self.gens.adopt([Generation(Built(adopt.arena_of(r, self.cfg.group), r.index, r.parts, r.known),
+                                    place_index(r.index, self.cfg.group)) for r in adopted.records], adopted.leases)
         latest = self.gens.latest
         publish(latest.index, self.cfg.index_path)
         self.first_generation = latest.number

@@ -53,6 +53,19 @@ def qwen3(tmp_path_factory) -> tuple[str, str]:
     return folder, write_reference_bf16(folder, str(root / "bf16"))
 
 
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> tuple[str, str]:
+    """A tiny gpt-oss checkpoint as released (MXFP4 blocks and scales, expert stacks pre-fused [E, ...] in the
+    checkpoint) and its bf16 reference."""
+    from expertd.server.tools.requantize import write_mxfp4
+
+    root = tmp_path_factory.mktemp("ep-gpt-oss")
+    folder = str(root / "mxfp4")
+    generate_model_type(folder, "gpt_oss", fp8=False)
+    write_mxfp4(folder)
+    return folder, write_reference_bf16(folder, str(root / "bf16"))
+
+
 def experts_of(folder: str) -> int:
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
@@ -78,6 +91,37 @@ def test_plan_serves_dense_tensors_and_only_its_ranks_experts(dsv3):
     assert {t.name for t in dense} <= {t.name for t in part.tensors}
     expert_bytes = sum(t.nbytes for t in whole.tensors if ".experts." in t.name)
     assert part.nbytes == whole.nbytes - expert_bytes // 2
+    ckpt.close()
+
+
+def test_pre_fused_expert_stacks_serve_only_their_ranks_rows(gpt_oss):
+    """gpt-oss stores each layer's experts as one [E, ...] tensor (MXFP4 blocks, scales, biases): a partitioned
+    daemon reads only its ranks' rows of them, and serves exactly those rows of what the whole stack decodes to."""
+    from expertd.server.filling import dequantized
+
+    folder, _ = gpt_oss
+    whole_ckpt, whole = prepare(folder)
+    ckpt, part = prepare(folder, ExpertParallel(4, (1, 3)))
+    total = experts_of(folder)
+    quarter = total // 4
+    by_name = {t.name: t for t in whole.tensors}
+    stacks = [t for t in part.tensors if t.experts is not None]
+    assert {t.name.rsplit(".", 1)[-1] for t in stacks} == {"gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                           "down_proj_bias"}
+    for t in stacks:
+        assert t.experts == ExpertBlock(total, ((quarter, quarter), (3 * quarter, quarter)))
+        assert t.shape == (total // 2, *by_name[t.name].shape[1:]) and t.source_names == by_name[t.name].source_names
+        rows = dequantized(whole_ckpt, by_name[t.name].sources[0])
+        served = torch.cat([dequantized(ckpt, s) for s in t.sources])
+        assert torch.equal(served, torch.cat([rows[quarter: 2 * quarter], rows[3 * quarter:]])), t.name
+        read = sum(s.info.nbytes + (s.scale.nbytes if s.scale else 0) for s in t.sources)
+        stored = by_name[t.name].sources[0]
+        assert read * 2 == stored.info.nbytes + (stored.scale.nbytes if stored.scale else 0)  # half the bytes read
+    expert_bytes = sum(t.nbytes for t in stacks)
+    assert part.nbytes == whole.nbytes - expert_bytes
+    assert [t.name for t in part.tensors if t.experts is None] == [t.name for t in whole.tensors
+                                                                    if t.name not in {s.name for s in stacks}]
+    whole_ckpt.close()
     ckpt.close()
 
 
@@ -153,7 +197,8 @@ def reports(out, ranks) -> list[dict]:
 
 
 @pytest.mark.parametrize("family, partition", [("dsv3", {"size": 2}), ("qwen3", {"size": 2}), ("dsv3", None),
-                                               ("qwen3", {"size": 4, "ranks": [0, 1, 2, 3]})])
+                                               ("qwen3", {"size": 4, "ranks": [0, 1, 2, 3]}),
+                                               ("gpt_oss", {"size": 2})])
 def test_one_host_torchrun_logits_equal_transformers_ep(family, partition, request, start_daemon, namespace, tmp_path):
     """One daemon serving every expert (EP ranks of the workers' size, of another size, or no partition at all),
     two torchrun workers: logits torch.equal to from_pretrained of the bf16 reference with the same
@@ -387,6 +432,41 @@ def test_update_on_a_partitioned_daemon_names_every_tensor_it_does_not_serve(dsv
     message = str(err.value)
     assert all(repr(name) in message for name in theirs) and "EP ranks [0] of 2" in message
     assert d.status()["generation"] == 1
+
+
+def test_a_partitioned_gpt_oss_daemon_serves_its_rows_and_takes_its_rows_of_a_push(gpt_oss, start_daemon):
+    """A daemon serving EP rank 1 of 2 of gpt-oss: its expert stacks are the second half of each whole stack,
+    bit for bit; push_all of whole MXFP4 blocks and scales (all experts) gives it its rows only."""
+    from safetensors import safe_open
+
+    from expertd.client import ExpertClient, push_all
+    from expertd.server.filling import dequantized
+
+    folder, _ = gpt_oss
+    total = experts_of(folder)
+    half = total // 2
+    whole_ckpt, whole = prepare(folder)
+    stacks = {t.name: dequantized(whole_ckpt, t.sources[0]) for t in whole.tensors if ".mlp.experts." in t.name}
+    whole_ckpt.close()
+    d = start_daemon(folder, expert_parallel={"size": 2, "ranks": [1]})
+    with ExpertClient(d.endpoint) as client:
+        served = client.served_tensors()
+        entries = {e.name: e for e in client.index().tensors}
+        for name, rows in stacks.items():
+            assert entries[name].experts.to_dict() == {"total": total, "ranges": [[half, half]]}
+            assert torch.equal(served[name], rows[half:]), name
+        assert client.verify() == []
+    name = "model.layers.0.mlp.experts.down_proj"
+    shard = next(f for f in glob.glob(os.path.join(folder, "*.safetensors"))
+                 if name + "_blocks" in safe_open(f, framework="pt").keys())
+    with safe_open(shard, framework="pt") as f:
+        blocks, scales = f.get_tensor(name + "_blocks"), f.get_tensor(name + "_scales")
+    pushed = torch.flip(blocks, dims=[0]).contiguous()  # expert e gets expert E-1-e's codes
+    flipped_scales = torch.flip(scales, dims=[0]).contiguous()
+    assert push_all([d.endpoint], {name + "_blocks": pushed, name + "_scales": flipped_scales}) == {d.endpoint: 2}
+    with ExpertClient(d.endpoint) as client:
+        assert client.generation == 2
+        assert torch.equal(client.served_tensors()[name], torch.flip(stacks[name], dims=[0])[half:])
 
 
 def test_expert_block_rows():

@@ -111,7 +111,7 @@ Lease::Lease(std::unique_ptr<detail::LeaseState> state) : state_(std::move(state
 Lease::Lease(Lease&&) noexcept = default;
 Lease& Lease::operator=(Lease&& other) noexcept {
   if (this != &other) {
-    if (state_) state_->close();  // the lease this one held goes (LeaseState::close swallows nothing fatal)
+    state_.reset();  // the lease this one held goes (~LeaseState releases it, errors swallowed)
     state_ = std::move(other.state_);
   }
   return *this;
