@@ -317,8 +317,11 @@ def write_json_atomic(path: str, data: dict, indent: int | None = 1, sort_keys: 
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
+        # dumps, not dump: json.dump always encodes in Python, dumps in C when there is no indent (~6x faster
+        # for the ledger's records, ~14 MB at DeepSeek-V3's counts)
+        text = json.dumps(data, indent=indent, sort_keys=sort_keys, separators=None if indent is not None else (",", ":"))
         with open(tmp, "x") as f:
-            json.dump(data, f, indent=indent, sort_keys=sort_keys, separators=None if indent is not None else (",", ":"))
+            f.write(text)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())

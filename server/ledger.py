@@ -96,6 +96,6 @@ def read(run_dir: str, namespace: str, number: int) -> Record:
     return record
 
 
-def _tuple(value):
-    """JSON's lists back to the tuples identities are made of (shapes nested)."""
-    return tuple(_tuple(v) for v in value) if isinstance(value, list) else value
+def _tuple(value: list) -> tuple:
+    """JSON's lists back to the tuple a source identity is (its shape the one list inside)."""
+    return tuple(tuple(v) if isinstance(v, list) else v for v in value)
