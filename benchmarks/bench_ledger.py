@@ -96,7 +96,7 @@ def main() -> int:
         t_write = best(lambda: ledger.write(folder, built, "load", conditions), args.runs)
         t_read = best(lambda: ledger.read(folder, "bench", 1), args.runs)
         size = os.path.getsize(ledger.record_path(folder, "bench", 1))
-        print(f"DeepSeek-V3 counts: {len(built.index.tensors)} served tensors, "
+        print(f"{args.layers} layers ({args.dense} dense), {args.experts} experts: {len(built.index.tensors)} served tensors, "
               f"{sum(len(p) for p in built.parts.values())} part digests, {len(built.known)} source identities")
         print(f"  index JSON publish   {t_index * 1000:8.1f} ms ({os.path.getsize(index_path) / 1e6:.1f} MB)")
         print(f"  ledger record write  {t_write * 1000:8.1f} ms ({size / 1e6:.1f} MB)   ratio to the index publish "

@@ -104,6 +104,15 @@ def test_bench_formats_on_given_checkpoints(tmp_path):
     assert all(row["seconds"] > 0 and row["served_gb"] > 0 for row in result["F2"].values())
 
 
+def test_bench_ledger_writes_and_reads_a_record_of_the_counts_asked():
+    text = run("bench_ledger.py", "--layers", "4", "--dense", "1", "--experts", "8", "--runs", "1")
+    # 4 layers x 5 attention tensors + 1 dense layer's 3 MLP weights + 3 MoE layers x (2 fused + 3 shared) = 38;
+    # one digest per source: 20 + 3 + 3 x (16 gate/up + 8 down + 3 shared) = 104, two identities each
+    assert "38 served tensors, 104 part digests, 208 source identities" in text, text
+    assert re.search(r"ledger record write +[\d.]+ ms .*ratio to the index publish [\d.]+", text), text
+    assert re.search(r"ledger record read +[\d.]+ ms", text), text
+
+
 def test_bench_restart_on_a_given_checkpoint(tmp_path):
     """R1 adopts (the script exits unless the successor serves generation 1) beside a fresh start; R2 restarts the
     daemon under a worker doing forward passes."""
