@@ -465,7 +465,7 @@ def test_a_partitioned_gpt_oss_daemon_serves_its_rows_and_takes_its_rows_of_a_pu
     flipped_scales = torch.flip(scales, dims=[0]).contiguous()
     assert push_all([d.endpoint], {name + "_blocks": pushed, name + "_scales": flipped_scales}) == {d.endpoint: 2}
     with ExpertClient(d.endpoint) as client:
-        assert client.generation == 2
+        assert client.index().generation == 2
         assert torch.equal(client.served_tensors()[name], torch.flip(stacks[name], dims=[0])[half:])
 
 
