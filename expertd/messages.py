@@ -62,9 +62,9 @@ def _check(where: str, name: str, value, meta: dict):
         return None
     nil = " (or nil)" if meta["nil"] else ""
     shown = repr(value) if len(repr(value)) <= 40 else type(value).__name__
-    if kind is not None and not _is(kind, value):
-        raise ProtocolError(f"{where}: '{name}' must be {_words(meta)}{nil}, got {shown}")
-    if kind is int and ((meta["lo"] is not None and value < meta["lo"]) or (meta["hi"] is not None and value >= meta["hi"])):
+    wrong = kind is not None and not _is(kind, value)
+    if wrong or (kind is int and ((meta["lo"] is not None and value < meta["lo"])
+                                  or (meta["hi"] is not None and value >= meta["hi"]))):
         raise ProtocolError(f"{where}: '{name}' must be {_words(meta)}{nil}, got {shown}")
     if meta["items"] is not None:
         for i, item in enumerate(value):

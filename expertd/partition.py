@@ -63,6 +63,12 @@ class ExpertParallel:
         per = experts // self.size
         return [(r * per, per) for r in self.ranks]
 
+    def block(self, experts: int, param: str) -> "ExpertBlock":
+        """The experts of a stack of `experts` (parameter `param`) this partition serves; PartitionError when its
+        size does not divide them."""
+        self.check_experts(experts, param)
+        return ExpertBlock(experts, tuple(self.ranges(experts)))
+
     def serves(self, expert: int, experts: int) -> bool:
         return expert // (experts // self.size) in self.ranks
 

@@ -296,7 +296,7 @@ class Daemon:
         with `segment: true` only its index segment's descriptor (what a lease taken while loading asks
         for), else the index inline (for tools that ask over the socket)."""
         gens = self.weights.gens
-        gen = gens.generation_of(self.weights.lease_of(req.client) if req.client is not None else None)
+        gen = gens.generation_of(gens.get(req.client) if req.client is not None else None)
         if gen is None:
             raise NotReady("the daemon is still loading")
         if req.segment:
@@ -315,7 +315,7 @@ class Daemon:
                                    index_segment=gen.index_place if gen is not None else messages.ABSENT).wire()
 
     def op_heartbeat(self, req: messages.Heartbeat) -> dict:
-        lease = self.weights.lease_of(req.client)
+        lease = self.weights.gens.get(req.client)
         lease.seen = time.monotonic()
         return messages.HeartbeatReply(generation=lease.generation).wire()
 

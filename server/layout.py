@@ -284,8 +284,7 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: Expe
         part = (shape[1] // per_expert, *shape[2:])
         names, share = how.sources, None
         if partition is not None:
-            partition.check_experts(experts, param)
-            share = ExpertBlock(experts, tuple(partition.ranges(experts)))
+            share = partition.block(experts, param)
             names = [n for e in share.experts() for n in how.sources[e * per_expert: (e + 1) * per_expert]]
             shape = (share.count, *shape[1:])
         srcs = [source(n, param, part, f"one expert's part of {param} {list(shape)}:") for n in names]
@@ -312,13 +311,13 @@ def _share(partition: ExpertParallel, src: Source, shape: tuple[int, ...], param
     """The experts of a pre-fused stack `param` [E, ...] a partition serves; the stored tensor (and its aux) must
     have the experts outermost too, so each rank's experts are one contiguous run of its bytes."""
     experts = shape[0]
-    partition.check_experts(experts, param)
+    share = partition.block(experts, param)
     for info in (src.info, src.scale):
         if info is not None and (not info.shape or info.shape[0] != experts):
             raise ShapeError(f"a partitioned daemon serves some experts of {param} {list(shape)}, but this stored "
                              f"tensor {list(info.shape)} does not have its {experts} experts outermost",
                              file=info.file, tensor=info.name)
-    return ExpertBlock(experts, tuple(partition.ranges(experts)))
+    return share
 
 
 _EXPERT = re.compile(r"^(.*\.experts\.)(\d+)(\..+)$")

@@ -21,7 +21,7 @@ from expertd.errors import Busy, ExpertdError, NotReady, ProtocolError, UpdateRe
 from . import adopt, ledger
 from .arena import segment_name, unlink_segment
 from .config import DaemonConfig
-from .generations import Generation, Generations, Lease, place_index
+from .generations import Generation, Generations, place_index
 from .jobs import Job, Jobs, forget_frames
 from .filling import default_threads
 from .loader import Built, Cancelled, build, prepare, publish, rebuild_tensors
@@ -51,9 +51,6 @@ class WeightService:
         self.first_generation = 1
         self.load_error: BaseException | None = None
         self.build_progress = (0, 0)  # (bytes placed, bytes to place) of the latest build from a checkpoint
-
-    def lease_of(self, client: str) -> Lease:
-        return self.gens.get(client)
 
     def latest(self) -> Generation:
         if self.gens.latest is None:
@@ -231,7 +228,7 @@ class WeightService:
     def op_refresh(self, req: messages.Refresh) -> dict:
         """Move the lease to the latest generation; the reply names its index segment."""
         latest = self.latest()
-        lease = self.gens.refresh(self.lease_of(req.client).client)
+        lease = self.gens.refresh(req.client)
         return messages.IndexSegmentReply(generation=lease.generation, index_segment=latest.index_place).wire()
 
     def op_reload(self, req: messages.Reload) -> dict:
@@ -241,7 +238,7 @@ class WeightService:
 
     def op_update(self, req: messages.Update) -> dict:
         """Check a push against the latest generation and hand out a staging segment to write it into."""
-        lease = self.lease_of(req.client)
+        lease = self.gens.get(req.client)
         latest = self.latest()
         self._check_idle()
         self.gens.check_room()
@@ -254,7 +251,7 @@ class WeightService:
         return {"ok": True, **staging.reply()}
 
     def _staging_of(self, req: messages.Stage | messages.Commit | messages.Abort) -> Staging:
-        lease = self.lease_of(req.client)
+        lease = self.gens.get(req.client)
         staging = self.staging.get(req.update)
         if staging is None or staging.client != lease.client:
             raise UpdateRejected(f"no staged update {req.update!r} of lease {lease.client!r}")
@@ -269,7 +266,7 @@ class WeightService:
 
     def op_publish(self, req: messages.Publish) -> dict:
         """Publish an update committed with `hold` once it is built (every daemon of a push has built its share)."""
-        lease = self.lease_of(req.client)
+        lease = self.gens.get(req.client)
         job = self.jobs.get(req.job)
         if job is None or not job.hold or job.client != lease.client:
             raise UpdateRejected(f"no held update job {req.job!r} of lease {lease.client!r}")
