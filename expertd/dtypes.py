@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .errors import UnsupportedDtypeError
-
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek's block scale of an FP8 weight `NAME` is stored as `NAME_scale_inv`
 SCALE_SUFFIXES = (SCALE_SUFFIX, "_scale")  # an FP8 weight's scale: DeepSeek's, compressed-tensors'
 PACKED_SUFFIXES = ("_blocks", "_scales")  # MXFP4: a served `NAME` is stored as `NAME_blocks` + `NAME_scales`
@@ -32,10 +30,3 @@ FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # FP8 as checkpoints store it
 DEQUANTIZED = torch.float8_e4m3fn  # what DeepSeek-V3 block scales (and the kernels) are for
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
-
-def from_name(name: str) -> torch.dtype:
-    """The torch dtype an index entry names ("torch.bfloat16")."""
-    try:
-        return BY_NAME[name]
-    except KeyError:
-        raise UnsupportedDtypeError(f"dtype {name!r} is not one expertd serves (known: {', '.join(BY_NAME)})") from None

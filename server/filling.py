@@ -222,6 +222,11 @@ def _stream_mxfp4(part: Part, output: Output, ckpt: Checkpoint, src: Source, sca
     return "xxh3_64:" + src_hash.hexdigest(), "xxh3_64:" + out_hash.hexdigest()
 
 
+def part_digest(weight: str, scale: str | None) -> str:
+    """A source part's digest as builds record and compare it: the weight's checksum, joined with its scale's."""
+    return weight if scale is None else f"{weight}+{scale}"
+
+
 def source_digest(ckpt: Checkpoint, src: Source, known: dict) -> tuple[str, dict]:
     """(digest of a source part, identities learned): the weight's checksum (skipped when its identity
     is known from the last build) joined with its scale's."""
@@ -229,12 +234,11 @@ def source_digest(ckpt: Checkpoint, src: Source, known: dict) -> tuple[str, dict
     digest = known.get(weight_id)
     if digest is None:
         digest = tensor_checksum(ckpt.view(src.info))
-    ids = {weight_id: digest}
+    ids, scale_digest = {weight_id: digest}, None
     if src.scale is not None:
         scale_digest = tensor_checksum(ckpt.view(src.scale))
         ids[ckpt.identity(src.scale)] = scale_digest
-        digest = f"{digest}+{scale_digest}"
-    return digest, ids
+    return part_digest(digest, scale_digest), ids
 
 
 class Part:
@@ -306,12 +310,11 @@ def _fill_one(part: Part, output: Output, ckpt: Checkpoint, device: torch.device
     src = part.src
     scale = ckpt.view(src.scale) if src.scale is not None else None
     digest, out_digest = stream_part(part, output, ckpt, src, scale, device=device)
-    ids = {ckpt.identity(src.info): digest}
+    ids, scale_digest = {ckpt.identity(src.info): digest}, None
     if scale is not None:
         scale_digest = tensor_checksum(scale)
         ids[ckpt.identity(src.scale)] = scale_digest
-        digest = f"{digest}+{scale_digest}"
-    return digest, ids, out_digest
+    return part_digest(digest, scale_digest), ids, out_digest
 
 
 def _memory(address: int, nbytes: int) -> memoryview:

@@ -30,7 +30,9 @@ from expertd.shm import map_segment, segment_bytes, view
 
 from .arena import Arena
 from .compute import compute, source_tensor
-from .filling import OrderedPool, Part, batches, default_threads, dequantized, fill, source_digest, write_part
+from .filling import (
+    OrderedPool, Part, batches, default_threads, dequantized, fill, part_digest, source_digest, write_part,
+)
 from .layout import Plan, plan_checkpoint
 from .reader import Checkpoint
 
@@ -347,10 +349,10 @@ def _computed(ckpt: Checkpoint, planned, out: torch.Tensor, config, dev: torch.d
         data = ckpt.view(src.info)
         scale = ckpt.view(src.scale) if src.scale is not None else None
         ids[ckpt.identity(src.info)] = digest = tensor_checksum(data)
+        scale_digest = None
         if scale is not None:
             ids[ckpt.identity(src.scale)] = scale_digest = tensor_checksum(scale)
-            digest = f"{digest}+{scale_digest}"
-        digests.append(digest)
+        digests.append(part_digest(digest, scale_digest))
         tensors.append(source_tensor(data, scale, src, planned.dtype, write_part, device=dev))
     out.copy_(compute(planned, tensors, config))
     return [(digests, ids, tensor_checksum(out))]

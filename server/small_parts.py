@@ -140,6 +140,6 @@ def fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tupl
         output.before_flush = None
     results = []
     for p, (digest, out_digest), scale_digest in zip(parts, digests, scale_digests):
-        results.append((f"{digest}+{scale_digest}",
+        results.append((filling.part_digest(digest, scale_digest),
                         {ckpt.identity(p.src.info): digest, ckpt.identity(p.src.scale): scale_digest}, out_digest))
     return results

@@ -157,7 +157,6 @@ class Staging:
         self.client = client
         self.committed = False  # a build from it is under way: it goes when that ends
         self.pushes = pushes
-        self.created = time.monotonic()
         flat = [t for p in pushes for t in ((p, p.scale) if p.scale else (p,))]
         # one segment for all: each tensor starts on a page, so it needs the page-rounded sizes
         self.arena = Arena(namespace, f"u{number}", segment_bytes=sum(placed_size(t.nbytes) for t in flat),
