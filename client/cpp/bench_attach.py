@@ -101,7 +101,9 @@ def main() -> int:
                 run = subprocess.run([os.path.join(args.build, "expertd-cpp-dump"), f"ipc://{where}", "--timeout-ms", "30000"],
                                      capture_output=True, text=True)
                 times.append((time.perf_counter() - t0) * 1000)
-                assert run.returncode == 3 and "DaemonNotRunning" in run.stderr, run.stderr
+                if run.returncode != 3 or "DaemonNotRunning" not in run.stderr:
+                    raise SystemExit(f"expected DaemonNotRunning (exit 3) with no daemon, got exit {run.returncode}: "
+                                     f"{run.stderr.strip()}")
             print(f"  no daemon ({what}): DaemonNotRunning, whole process {min(times):.0f} ms best, {max(times):.0f} ms worst "
                   f"(timeout 30000 ms)")
     finally:
