@@ -15,13 +15,14 @@ import zmq
 from expertd import index_segment, messages, procfs
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, GenerationGone, LeaseExpired, NotReady
-from expertd.index import TensorIndex
+from expertd.index import SegmentEntry, TensorIndex
 from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
 from expertd.security import Credentials
 from expertd.shm import map_segments, view
 
 from .parallel import bind_sharded, check_partition
 from .restore import restore
+from .variants import fetch, log_casts
 from .views import IndexViews
 
 log = logging.getLogger("expertd.client")
@@ -304,25 +305,38 @@ class ExpertClient:
     def _bind(self, model, index: TensorIndex, dtype: torch.dtype, strict: bool, only: set[str] | None = None):
         """Bind an index's views with the dtypes `from_pretrained(dtype=dtype)` gives (a private copy where the
         served dtype differs): transformers 5.x models by served names, 4.x models by checkpoint names."""
-        from expertd.hf import loaded_dtypes
+        from expertd.hf_dtypes import loaded_dtypes
 
         want = loaded_dtypes(model, dtype)
         views = IndexViews(index, self._attach(), want, only)
+        need = views.mismatched(want)
+        if need:
+            self._variants(index, need, views)
         from expertd.hf_distributed import is_dtensor, reset_fsdp_shards, reshard
 
         if getattr(model.config, "distributed_config", None) is not None:
             reshard(model)  # a refresh after forward passes: FSDP2's root holds gathered parameters until then
         sharded = {name for name, p in model.named_parameters() if is_dtensor(p)}
         if not sharded:
-            return restore(model, views, strict=strict, dtypes=want, unexpected=False)
-        # transformers' parallelism made DTensors of the sharded parameters: each gets its rank's shard of the
-        # served tensor; the rest (buffers, unsharded parameters) binds as in any model
-        shards = bind_sharded(model, views, {e.name: e for e in index.tensors}, only)
-        result = restore(model, views, strict=strict, dtypes=want, unexpected=False, skip=sharded)
-        result.names += shards
-        result.bound += len(shards)
-        reset_fsdp_shards(model)
+            result = restore(model, views, strict=strict, dtypes=want, unexpected=False)
+        else:
+            # transformers' parallelism made DTensors of the sharded parameters: each gets its rank's shard of the
+            # served tensor; the rest (buffers, unsharded parameters) binds as in any model
+            shards = bind_sharded(model, views, {e.name: e for e in index.tensors}, only)
+            result = restore(model, views, strict=strict, dtypes=want, unexpected=False, skip=sharded)
+            result.names += shards
+            result.bound += len(shards)
+            reset_fsdp_shards(model)
+        log_casts(model, dtype, index, views, need)
         return result
+
+    def _variants(self, index: TensorIndex, need: dict[str, tuple[str, str]], views: IndexViews) -> None:
+        """Map the dtype variants `need` names, made by the daemon once per host (`variants.fetch`)."""
+        entries = fetch(self._conn, self.lease, index, need)
+        new = {e.segment: e.offset + e.nbytes for e in entries if e.segment not in self._segments}
+        self._segments.update(map_segments([SegmentEntry(name, nbytes) for name, nbytes in new.items()],
+                                           writable=self.copy_on_write, shm_dir=index.shm_dir))
+        views.variants.update({(e.name, e.dtype): e for e in entries})
 
     def _remap(self, index: TensorIndex) -> None:
         """Map the segments a new index adds; forget those it no longer uses (views keep theirs alive)."""

@@ -2,29 +2,31 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 import torch
 
-from expertd.index import TensorIndex
-from expertd.shm import view
-
-log = logging.getLogger("expertd.client")
+from expertd.index import TensorEntry, TensorIndex
+from expertd.shm import to_dtype, view
 
 
 class IndexViews(Mapping):
     """An index's tensors as views: served tensors by the model's names, then checkpoint tensors by
     checkpoint name (derived only when a name is asked for that is not served, as a 4.x model's are).
 
-    A view whose dtype differs from what `dtypes` wants for that name becomes a private copy.
-    `only` restricts it to these served tensors (and the checkpoint views inside them).
+    Where `dtypes` wants another dtype for a name than the one served, the view is taken from the dtype
+    variant the daemon made of its served tensor (`variants`: (served name, dtype) -> its entry), or, where
+    there is none, is a private copy (named in `copies`). `only` restricts it to these served tensors (and the
+    checkpoint views inside them).
     """
 
     def __init__(self, index: TensorIndex, segments: dict[str, torch.Tensor],
                  dtypes: dict[str, torch.dtype] | None = None, only: set[str] | None = None):
         self.index, self.segments, self.dtypes, self.only = index, segments, dtypes or {}, only
         self.served = {e.name: e for e in index.tensors if only is None or e.name in only}
+        self.variants: dict[tuple[str, str], TensorEntry] = {}
+        self.copies: list[str] = []  # names bound to a private copy (no variant of their served tensor)
+        self.cast: list[str] = []  # names bound to a variant
         self._checkpoint = None
 
     def _entry(self, name: str):
@@ -36,6 +38,16 @@ class IndexViews(Mapping):
             entry = self._checkpoint.get(name)
         return entry
 
+    def mismatched(self, names) -> dict[str, tuple[str, str]]:
+        """Of `names`, those whose wanted dtype differs from the served one: name -> (served tensor, wanted dtype)."""
+        out = {}
+        for name in names:
+            want = self.dtypes.get(name)
+            entry = self._entry(name) if want is not None else None
+            if entry is not None and entry.dtype != str(want):
+                out[name] = (entry.base or entry.name, str(want))
+        return out
+
     def __contains__(self, name) -> bool:
         return self._entry(name) is not None
 
@@ -43,12 +55,25 @@ class IndexViews(Mapping):
         entry = self._entry(name)
         if entry is None:
             raise KeyError(name)
-        tensor = view(self.segments, entry)
         want = self.dtypes.get(name)
-        if want is not None and tensor.dtype != want:
-            log.warning("%s is served as %s but the model needs %s: using a private copy", name, tensor.dtype, want)
-            tensor = tensor.to(want)
-        return tensor
+        if want is None or entry.dtype == str(want):
+            return view(self.segments, entry)
+        cast = self.variants.get((entry.base or entry.name, str(want)))
+        if cast is None:
+            self.copies.append(name)
+            return view(self.segments, entry).to(want)
+        self.cast.append(name)
+        return view(self.segments, self._within(entry, cast, want))
+
+    def _within(self, entry: TensorEntry, cast: TensorEntry, want: torch.dtype) -> TensorEntry:
+        """Where `entry` (a served tensor, or a checkpoint view inside one) lies in its served tensor's variant."""
+        if entry.base is None:
+            return cast
+        base = self.served.get(entry.base) or next(t for t in self.index.tensors if t.name == entry.base)
+        first = (entry.offset - base.offset) // to_dtype(entry.dtype).itemsize
+        count = entry.nbytes // to_dtype(entry.dtype).itemsize
+        return TensorEntry(entry.name, cast.segment, cast.offset + first * want.itemsize, count * want.itemsize,
+                           list(entry.shape), str(want))
 
     def __iter__(self):
         self._entry("")  # derive the checkpoint names

@@ -106,6 +106,10 @@ class UpdateRejected(DaemonError):
     """An update names unknown tensors, or its shapes, dtypes or staged bytes do not fit."""
 
 
+class VariantRejected(DaemonError):
+    """A dtype variant was asked for a tensor the generation does not serve, or in a dtype that is not a float type."""
+
+
 class DaemonTimeout(ExpertdError, TimeoutError):
     """The daemon did not answer within the client's timeout."""
 

@@ -15,6 +15,7 @@ import torch
 
 from .errors import CheckpointError
 from .fusion import Fusion
+from .hf_dtypes import SERVED_DTYPE, loaded_dtypes
 
 # Used only where transformers' conversion mapping cannot be read. A fusion applies only to
 # parameters the built model has, so it is harmless for 4.x models with per-expert modules.
@@ -132,30 +133,6 @@ def model_state(config: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
 
-def _keep_in_fp32(model, dtype: torch.dtype) -> list[str]:
-    """Module-name patterns that `from_pretrained(dtype=dtype)` keeps in float32."""
-    if hasattr(model, "_get_dtype_plan"):  # transformers 5.x
-        return list(model._get_dtype_plan(dtype))
-    # transformers 4.x applies the same two class attributes itself
-    keep = []
-    if getattr(model, "_keep_in_fp32_modules", None) and dtype == torch.float16:
-        keep += list(model._keep_in_fp32_modules)
-    if getattr(model, "_keep_in_fp32_modules_strict", None) and dtype in (torch.float16, torch.bfloat16):
-        keep += list(model._keep_in_fp32_modules_strict)
-    return keep
-
-
-def loaded_dtypes(model, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """The dtype `from_pretrained(dtype=dtype)` gives each floating parameter and buffer of `model`."""
-    keep = _keep_in_fp32(model, dtype)
-    pattern = re.compile("|".join(re.escape(p) for p in keep)) if keep else None
-    out = {}
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if tensor.is_floating_point():
-            out[name] = torch.float32 if pattern is not None and pattern.search(name) else dtype
-    return out
-
-
 @dataclass
 class Assembly:
     """How one model parameter is built from checkpoint tensors, as transformers' own loading builds it.
@@ -217,16 +194,17 @@ def natural_key(part_key):
 def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[str], dict]:
     """Map checkpoint names onto the parameters of the model a config describes, the way transformers'
     own loading does (renames, prefix changes, expert stacks); returns ({param: Assembly}, unused names,
-    {param or persistent buffer: (shape, dtype)}).
+    {param or persistent buffer: (shape, the dtype `from_pretrained(dtype=SERVED_DTYPE)` gives it)}).
 
     transformers 5.x: its complete conversion mapping for the model (`get_model_conversion_mapping`).
     4.x has none: checkpoint names are parameter names there.
     """
-    model = empty_model(config, meta=True)
+    model = empty_model(config, SERVED_DTYPE, meta=True)
     meta = model.state_dict()
     tied = tied_aliases(model)  # served once, under the name transformers loads, unless the checkpoint has both
     present = set(names)
-    state = {k: (tuple(v.shape), v.dtype) for k, v in meta.items() if k not in tied or k in present}
+    loaded = loaded_dtypes(model, SERVED_DTYPE)
+    state = {k: (tuple(v.shape), loaded.get(k, v.dtype)) for k, v in meta.items() if k not in tied or k in present}
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import (

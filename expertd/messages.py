@@ -220,8 +220,21 @@ class Job(Request):
     job: int = F(int, required=True)
 
 
+# the dtypes a served tensor may be cast to for a worker whose transformers loads it so (`variant`)
+VARIANT_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
+
+
+@dataclass
+class Variant(Request):
+    op: ClassVar[str] = "variant"
+    client: str = F(str, required=True)
+    tensors: list = F(list, required=True, items=dict)  # [{name: served name, dtype: one of VARIANT_DTYPES}]
+    generation: int | None = F(int, None, lo=1)  # default: the generation the lease reads
+
+
 REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (
-    Hello, Index, Lease, Release, Heartbeat, Status, Stop, Refresh, Reload, Update, Stage, Commit, Publish, Abort, Job)}
+    Hello, Index, Lease, Release, Heartbeat, Status, Stop, Refresh, Reload, Update, Stage, Commit, Publish, Abort, Job,
+    Variant)}
 
 
 def parse_request(msg: dict) -> Request:
@@ -273,6 +286,12 @@ class HeartbeatReply(Reply):
 class IndexSegmentReply(Reply):  # `index` with segment, and `refresh`
     generation: int = F(int, required=True)
     index_segment: dict = F(dict, required=True)
+
+
+@dataclass
+class VariantReply(Reply):
+    generation: int = F(int, required=True)
+    tensors: list = F(list, required=True, items=dict)  # one index entry per requested variant, in request order
 
 
 @dataclass

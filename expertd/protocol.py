@@ -31,7 +31,7 @@ DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
 MAX_MESSAGE_BYTES = 1 << 20  # requests larger than this are refused unread
 
 OPS = ("hello", "index", "lease", "release", "heartbeat", "status", "stop", "refresh",
-       "reload", "update", "stage", "commit", "publish", "abort", "job")
+       "reload", "update", "stage", "commit", "publish", "abort", "job", "variant")
 # `stage` is the one request with more frames than its message: the pushed bytes, each frame at most
 # STAGE_FRAME_BYTES (under the socket's per-frame cap MAX_MESSAGE_BYTES with room for CURVE's encryption
 # overhead: libzmq checks the cap on the encrypted frame), a message at most STAGE_MESSAGE_BYTES of one tensor.
@@ -42,7 +42,7 @@ STAGE_MESSAGE_BYTES = 64 * STAGE_FRAME_BYTES
 # any other error name arrives as a plain DaemonError carrying that name in `kind`.
 ERRORS = {cls.__name__: cls for cls in (
     errors.NotReady, errors.LeaseExpired, errors.Busy, errors.GenerationLimit, errors.GenerationGone,
-    errors.UpdateRejected, errors.PushDenied, errors.AuthError, errors.VersionMismatch,
+    errors.UpdateRejected, errors.PushDenied, errors.AuthError, errors.VersionMismatch, errors.VariantRejected,
 )}
 
 

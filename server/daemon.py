@@ -52,7 +52,7 @@ class Daemon:
             "hello": self.op_hello, "status": self.op_status, "stop": self.op_stop, "index": self.op_index,
             "lease": self.op_lease, "heartbeat": self.op_heartbeat, "release": self.op_release,
             "refresh": w.op_refresh, "reload": w.op_reload, "update": w.op_update, "commit": w.op_commit, "job": w.op_job,
-            "abort": w.op_abort, "stage": w.op_stage, "publish": w.op_publish,
+            "abort": w.op_abort, "stage": w.op_stage, "publish": w.op_publish, "variant": w.op_variant,
         }
 
     # --- lifecycle -------------------------------------------------------------------------

@@ -77,6 +77,16 @@ class Generation:
         self.number = built.index.generation
         self.index_place = index_place  # the index segment's descriptor, as lease replies carry it
         self._reply: tuple[int, bytes] | None = None
+        self.variants: dict[tuple[str, str], object] = {}  # (served name, dtype) -> variants.Variant
+        self._variant_numbers = itertools.count()
+
+    def next_variant(self) -> int:
+        """The number of this generation's next variant segment (`/{namespace}.{pid}.v{N}.{k}`)."""
+        return next(self._variant_numbers)
+
+    def drop_variant(self, variant) -> None:
+        """Unlink a variant's segment that no request got (its request failed after it was cast)."""
+        unlink_segment(variant.entry.segment, self.index.shm_dir)
 
     def index_reply(self, latest: int) -> bytes:
         """The packed reply of the `index` op (the index inline, for tools that ask over the socket), built once
@@ -86,7 +96,9 @@ class Generation:
         return self._reply[1]
 
     def segments(self) -> set[str]:
-        return {s.name for s in self.index.segments}
+        """Every segment this generation uses: its tensors' and its dtype variants'."""
+        return {s.name for s in self.index.segments} | {v.entry.segment for v in self.variants.values()
+                                                         if v.entry is not v.of}
 
     def drop_index(self) -> None:
         """Unlink the index segment (the generation retires); workers that mapped it have decoded it already."""
@@ -285,5 +297,6 @@ class Generations:
             rows.append({
                 "generation": n, "tensors": len(gen.index.tensors), "bytes": gen.nbytes, "bytes_shared_with_latest": shared,
                 "leases": [{"client": l.client, "pid": l.pid} for l in pinned.get(n, [])],
+                "variants": [v.status() for v in gen.variants.values() if v.entry is not v.of],
             })
         return rows

@@ -70,6 +70,12 @@ class PlannedTensor:
     sources: list[Source] = field(default_factory=list)
     computed: Assembly | None = None  # set when transformers' conversion is more than a rename or a stack
     experts: ExpertBlock | None = None  # an expert stack of which a partitioned daemon serves some experts
+    decoded: torch.dtype | None = None  # the dtype its sources decode to, when the model loads it as `dtype` (a cast)
+
+    @property
+    def whole(self) -> bool:
+        """Made from all its sources at once (computed, or cast after decoding), not part by part in place."""
+        return self.computed is not None or self.decoded is not None
 
     @property
     def nbytes(self) -> int:
@@ -292,6 +298,11 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: Expe
         if len(dtypes) != 1:
             raise ShapeError(f"experts of {param} mix dtypes {sorted(map(str, dtypes))}", file=srcs[0].info.file, tensor=srcs[0].name)
         planned.append(PlannedTensor(param, shape, dtypes.pop(), srcs, experts=share))
+
+    for t in planned:  # served in the dtype the model loads it as (transformers' keep-in-fp32 rules)
+        want = expected[t.name][1]
+        if want != t.dtype and want.is_floating_point and t.dtype.is_floating_point:
+            t.decoded, t.dtype = t.dtype, want
 
     check_aux(ckpt, codec)  # after the model's own tensors, so a missing weight is named as such
 

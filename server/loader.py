@@ -29,10 +29,8 @@ from expertd.partition import ExpertParallel
 from expertd.shm import map_segment, segment_bytes, view
 
 from .arena import Arena
-from .compute import compute, source_tensor
-from .filling import (
-    OrderedPool, Part, batches, default_threads, dequantized, fill, part_digest, source_digest, write_part,
-)
+from .compute import build_whole
+from .filling import OrderedPool, Part, batches, default_threads, dequantized, fill, source_digest
 from .layout import Plan, plan_checkpoint
 from .reader import Checkpoint
 
@@ -183,16 +181,16 @@ def build(
             if prev[slot] is not None and digests[slot] == previous.parts[planned.name]:
                 advance(planned.nbytes)
                 return  # unchanged: the new index points at the same bytes
-            where = arena.add(planned.nbytes, slot, reserve=planned.computed is not None)
+            where = arena.add(planned.nbytes, slot, reserve=planned.whole)
             out = arena.tensor(where, planned.shape, planned.dtype)
-            pending = n if planned.computed is None else 1
+            pending = 1 if planned.whole else n
             slots[slot] = [where, out, [None] * pending, pending]
-            if planned.computed is not None:
-                if "config" not in context:
+            if planned.whole:
+                if planned.computed is not None and "config" not in context:
                     from expertd.hf import model_config
 
                     context["config"] = model_config(ckpt.config)
-                yield (slot, 0, planned.nbytes), _computed, ckpt, planned, out, context["config"], dev
+                yield (slot, 0, planned.nbytes), build_whole, ckpt, planned, out, context.get("config"), dev
                 return
             chunks = out.view(n, *planned.source_shape) if n > 1 else out.view(1, *planned.shape)
             step = planned.nbytes // n
@@ -227,7 +225,7 @@ def build(
                 parts[planned.name] = digests[slot]
                 continue
             where, _, results, _ = slots[slot]
-            if planned.computed is not None:
+            if planned.whole:
                 part_digests, out_checksum = results[0]
             else:
                 part_digests = [digest for digest, _ in results]
@@ -341,23 +339,6 @@ def _unchanged(ckpt: Checkpoint, plan: Plan, previous: Built | None, pool: Order
     return prev, digests
 
 
-def _computed(ckpt: Checkpoint, planned, out: torch.Tensor, config, dev: torch.device):
-    """A computed tensor (transformers converts it with more than a rename or a stack): its sources read
-    whole, dequantized, converted by transformers' own ops, written; [(source digests, checksum)]."""
-    digests, tensors, ids = [], [], {}
-    for src in planned.sources:
-        data = ckpt.view(src.info)
-        scale = ckpt.view(src.scale) if src.scale is not None else None
-        ids[ckpt.identity(src.info)] = digest = tensor_checksum(data)
-        scale_digest = None
-        if scale is not None:
-            ids[ckpt.identity(src.scale)] = scale_digest = tensor_checksum(scale)
-        digests.append(part_digest(digest, scale_digest))
-        tensors.append(source_tensor(data, scale, src, planned.dtype, write_part, device=dev))
-    out.copy_(compute(planned, tensors, config))
-    return [(digests, ids, tensor_checksum(out))]
-
-
 def rebuild_tensors(ckpt: Checkpoint, plan, names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
     """Served tensors `names` made anew from the checkpoint, as a build makes them (a successor repairing what it
     adopted: the caller keeps them only where they hash to the recorded checksum); names the plan lacks are left out."""
@@ -367,11 +348,11 @@ def rebuild_tensors(ckpt: Checkpoint, plan, names: list[str], device: torch.devi
         planned = by_name.get(name)
         if planned is None:
             continue
-        if planned.computed is not None:
+        if planned.whole:
             from expertd.hf import model_config
 
             result = torch.empty(planned.shape, dtype=planned.dtype)
-            _computed(ckpt, planned, result, model_config(ckpt.config), device)
+            build_whole(ckpt, planned, result, model_config(ckpt.config) if planned.computed is not None else None, device)
         else:
             result = torch.cat([dequantized(ckpt, src, device).reshape(-1) for src in planned.sources])
         out[name] = result.view(planned.shape)

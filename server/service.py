@@ -16,9 +16,9 @@ import time
 import torch
 
 from expertd import messages
-from expertd.errors import Busy, ExpertdError, NotReady, ProtocolError, UpdateRejected
+from expertd.errors import Busy, ExpertdError, GenerationGone, NotReady, ProtocolError, UpdateRejected
 
-from . import adopt, ledger
+from . import adopt, ledger, variants
 from .arena import segment_name, unlink_segment
 from .config import DaemonConfig
 from .generations import Generation, Generations, place_index
@@ -313,6 +313,19 @@ class WeightService:
         self._drop_staging(staging.number)
         self._write_manifest("serving")
         return messages.Done().wire()
+
+    def op_variant(self, req: messages.Variant) -> dict:
+        """Dtype variants of served tensors for a worker whose transformers loads them in another dtype: cast once
+        per host into the lease's generation (or `generation`, which must be live), reused by every later ask."""
+        lease = self.gens.get(req.client)
+        number = req.generation if req.generation is not None else self.gens.generation_of(lease).number
+        gen = self.gens.live.get(number)
+        if gen is None:
+            raise GenerationGone(f"generation {number} is not served any more (live: {sorted(self.gens.live)}): its "
+                                 "variants went with it; refresh() and ask again")
+        others = [g for g in self.gens.live.values() if g is not gen]
+        made = variants.make(gen, others, req.tensors, group=self.cfg.group)
+        return messages.VariantReply(generation=gen.number, tensors=[v.to_wire() for v in made]).wire()
 
     def op_job(self, req: messages.Job) -> dict:
         job = self.jobs.get(req.job)

@@ -171,7 +171,7 @@ class Doctor:
 
     def add_model(self, model) -> None:
         """The dtype each parameter and buffer of `model` holds, and what from_pretrained would give it."""
-        from expertd.hf import loaded_dtypes
+        from expertd.hf_dtypes import loaded_dtypes
 
         self.sources["model"] = f"{type(model).__name__} (expected dtypes of from_pretrained(dtype={dtype_name(self.dtype)}))"
         want = loaded_dtypes(model, self.dtype)
@@ -190,7 +190,8 @@ class Doctor:
 
     def add_expected(self, config: dict) -> None:
         """Without a model: what from_pretrained(dtype=...) would give each parameter of the config's model."""
-        from expertd.hf import empty_model, loaded_dtypes
+        from expertd.hf import empty_model
+        from expertd.hf_dtypes import loaded_dtypes
 
         model = empty_model(config, self.dtype)
         state = set(model.state_dict().keys())

@@ -33,7 +33,8 @@ def load_checkpoint_model(folder: str, dtype: torch.dtype = torch.bfloat16):
     """A model built from a checkpoint folder: FP8 weights dequantized by the reference kernel (one copy)."""
     from expertd.client import restore
     from expertd.fusion import parts_of
-    from expertd.hf import empty_model, fusions_for, loaded_dtypes
+    from expertd.hf import empty_model, fusions_for
+    from expertd.hf_dtypes import loaded_dtypes
     from expertd.kernels import dequant_mxfp4_reference, scale_shape, weight_dequant_reference
 
     from ..layout import make_source

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 
 from expertd.dtypes import SCALE_SUFFIX
 from expertd.fusion import parts_of
-from expertd.hf import fusions_for, loaded_dtypes, model_state
+from expertd.hf import fusions_for, model_state
+from expertd.hf_dtypes import loaded_dtypes
 from expertd.kernels import quantize_fp8_blockwise
 
 from ..layout import is_fp8_weight
@@ -220,9 +221,14 @@ def generate_model_type(folder: str, model_type: str, fp8: bool | None = None, s
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
-    # bf16, but float32 where from_pretrained keeps it (e.g. e_score_correction_bias, F32 in DeepSeek's releases)
-    dtypes = loaded_dtypes(model, torch.bfloat16)
+    config = tiny_config(model_type, **overrides)
+    model = AutoModelForCausalLM.from_config(config)
+    # as releases store them: bf16, but float32 where transformers keeps a tensor in fp32 (e.g. DeepSeek's
+    # e_score_correction_bias, F32 in its releases), except routers: releases store `gate.weight` in bf16 even
+    # where transformers (DeepSeek-V3 since 5.24) loads it as float32
+    with torch.device("meta"):
+        dtypes = loaded_dtypes(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), torch.bfloat16)
+    dtypes = {k: torch.bfloat16 if k.endswith("gate.weight") else v for k, v in dtypes.items()}
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
             if name in dtypes:
