@@ -153,6 +153,13 @@ class ExpertClient:
         from .simulate import simulate_from_env; simulate_from_env(model)  # EXPERTD_SIMULATE_*: simulated formats
         return model
 
+    def private_tensors(self, model) -> list[str]:
+        """Names of `model`'s parameters and loaded buffers that are not in this daemon's shared memory (read-only
+        shared mappings of its segments): [] for a model `load_model()` gave."""
+        from .residency import private_tensors
+
+        return private_tensors(model, self.index().shm_dir)
+
     def status(self) -> dict:
         self._check_gone()
         return self._conn.request("status")
@@ -160,7 +167,7 @@ class ExpertClient:
     def restore(self, model, dtype: torch.dtype | None = None, strict: bool = True):
         """Bind this client's views into a model you built (transformers 4.x per-expert or 5.x fused
         modules), with the dtypes `from_pretrained(dtype=dtype)` gives (default: the model's dtype);
-        where that differs from the served dtype the parameter gets a private copy."""
+        where that differs from the served dtype the parameter maps the daemon's dtype variant of it."""
         dtype = dtype or getattr(model, "dtype", torch.bfloat16)
         self._model_dtypes[id(model)] = dtype
         with _gc_paused():

@@ -56,9 +56,13 @@ def run_worker(endpoint: str, new_tokens: int, wait: float = 0.0, daemon: subpro
         prompt = torch.tensor([[0, 5, 17, 42]])
         with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
-        shared = sum(p.numel() * p.element_size() for p in model.parameters())
+        from expertd.client.residency import shared_bytes
+
+        shared = shared_bytes(model, client.index().shm_dir)  # only what really lies in the daemon's segments
+        private = client.private_tensors(model)
         print(f"attached in {attached * 1000:.1f} ms (a first attach in this process: imports and the model's "
-              f"construction included); {shared / 2**20:.1f} MiB of weights in shared memory")
+              f"construction included); {shared / 2**20:.1f} MiB of weights in shared memory, "
+              f"{len(private)} tensor(s) private{': ' + ', '.join(private[:4]) if private else ''}")
         print(f"dtypes: {sorted({str(p.dtype) for p in model.parameters()})}")
         print(f"generated: {out[0].tolist()}")
 

@@ -30,13 +30,13 @@ def keep_in_fp32(model, dtype: torch.dtype) -> dict[str, str]:
 
 def _matcher(patterns):
     """What `from_pretrained` matches keep-in-fp32 patterns with: 5.x a glob alternation (`*` any run, searched),
-    4.x the escaped names, searched."""
+    4.x each module name between dots or the name's ends (4.57's `keep_in_fp32_regex`), searched."""
     if not patterns:
         return None
     try:
         from transformers.core_model_loading import build_glob_alternation
     except ImportError:
-        return re.compile("|".join(re.escape(p) for p in patterns))
+        return re.compile("|".join(rf"((^|\.){p}($|\.))" for p in patterns))
     return build_glob_alternation(list(patterns))[0]
 
 

@@ -75,26 +75,22 @@ def wheel(tmp_path_factory) -> str:
     return build_wheel(tmp_path_factory.mktemp("build"))
 
 
-TF4 = "transformers==4.57.6"  # the last 4.x, still pinned by many inference stacks
-
-
 @pytest.fixture(scope="session")
 def tf4_python(wheel) -> str:
     """The python of a virtualenv with transformers 4.57 and the client's needs (made once, cached in
     ~/.cache/expertd), with this tree's wheel installed afresh each session."""
-    from helpers.install import PIP, TORCH, run
+    from helpers.venvs import TF4, install_wheel, transformers_venv
 
-    venv = os.path.join(os.path.expanduser("~"), ".cache", "expertd", f"venv-{TF4.replace('==', '-')}")
-    python = os.path.join(venv, "bin", "python")
-    ready = os.path.join(venv, ".expertd-ready")
-    if not os.path.exists(ready):
-        run([sys.executable, "-m", "venv", "--clear", venv], cwd="/")
-        run([python, *PIP, "install", TORCH], cwd=venv)
-        run([python, *PIP, "install", TF4, "accelerate>=1.0", "safetensors>=0.4", "pyzmq>=25", "msgpack>=1.0",
-             "xxhash>=3"], cwd=venv)
-        open(ready, "w").close()
-    run([python, *PIP, "install", "--no-deps", "--force-reinstall", wheel], cwd=venv)
-    return python
+    return install_wheel(transformers_venv(TF4), wheel)
+
+
+@pytest.fixture(scope="session")
+def tf_previous_python(wheel) -> str:
+    """The python of a virtualenv with the transformers release before the newest (5.23) and the daemon's needs, so
+    that daemon and worker can run on neighbouring releases in either direction (cached like `tf4_python`)."""
+    from helpers.venvs import TF_PREVIOUS, install_wheel, transformers_venv
+
+    return install_wheel(transformers_venv(TF_PREVIOUS, server=True), wheel)
 
 
 @pytest.fixture(scope="session")

@@ -34,8 +34,8 @@ def write_config(folder, checkpoint: str, namespace: str, **extra) -> str:
     return save_config(folder, daemon_settings(folder, checkpoint, namespace, **extra))
 
 
-def expertd_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "expertd.server.cli", *args]
+def expertd_cmd(*args: str, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "expertd.server.cli", *args]
 
 
 def refused_start(folder, checkpoint: str, namespace: str, *needles: str) -> str:
@@ -67,20 +67,23 @@ class DaemonProcess:
     """`expertd start --config config`, told the endpoint and token it serves (it never reads the config back)."""
 
     def __init__(self, config: str, endpoint: str, token: str | None = None, namespace: str | None = None,
-                 stdout=subprocess.PIPE, stderr=subprocess.PIPE):
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, python: str = sys.executable):
         self.config = config
         self.endpoint = endpoint
         self.token = token
         self.namespace = namespace
-        self.proc = subprocess.Popen(expertd_cmd("start", "--config", config), stdout=stdout, stderr=stderr, text=True)
+        # `python`: another virtualenv's (a daemon on another transformers release), run from outside this tree
+        cwd = None if python == sys.executable else os.path.dirname(config)
+        self.proc = subprocess.Popen(expertd_cmd("start", "--config", config, python=python), stdout=stdout,
+                                     stderr=stderr, text=True, cwd=cwd)
 
     @classmethod
     def launch(cls, folder, checkpoint: str, namespace: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-               **extra) -> DaemonProcess:
-        """Write folder/expertd.yaml (see `daemon_settings`) and start a daemon on it."""
+               python: str = sys.executable, **extra) -> DaemonProcess:
+        """Write folder/expertd.yaml (see `daemon_settings`) and start a daemon on it (with `python`'s expertd)."""
         settings = daemon_settings(folder, checkpoint, namespace, **extra)
         return cls(save_config(folder, settings), settings["endpoint"], settings.get("auth_token"), namespace,
-                   stdout=stdout, stderr=stderr)
+                   stdout=stdout, stderr=stderr, python=python)
 
     def status(self, timeout: float = 2.0) -> dict | None:
         """The daemon's status reply, or None when it does not answer."""

@@ -1,0 +1,157 @@
+"""Zero copy whatever transformers the daemon and the worker run: the newest release a fresh install resolves,
+4.57 (per-expert modules) and the release before the newest (5.23, whose DeepSeek-V3 loads routers in bf16
+where 5.24 keeps them in float32), daemon and worker in real virtualenvs, real shared memory.
+
+Every worker's logits are `torch.equal` to its own `from_pretrained(dtype=bfloat16)` of the bf16 reference,
+its dtypes are that load's, and every parameter and loaded buffer lies in a read-only shared mapping: a
+tensor the worker's release loads in another dtype than the daemon serves is the daemon's dtype variant,
+cast once per host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from expertd import messages
+from expertd.client.connection import Connection
+from expertd.errors import GenerationGone, VariantRejected
+from expertd.server.tools.generate import generate, generate_model_type
+from helpers.inputs import INPUT_IDS
+from helpers.reference import write_reference_bf16
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "release_worker.py")
+
+FAMILIES = {
+    "deepseek_v3": lambda folder: generate(folder, preset="tiny", seed=0, shards=3),
+    "deepseek_v3_counts": lambda folder: generate(folder, preset="dsv3-counts", seed=0, shards=8),
+    "qwen3_moe": lambda folder: generate_model_type(folder, "qwen3_moe"),
+    "gpt_oss": lambda folder: generate_model_type(folder, "gpt_oss"),
+}
+ROUTERS = {"deepseek_v3", "deepseek_v3_counts"}  # where 5.23 / 4.57 and 5.24 disagree on a dtype
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(family, checkpoint, its bf16 reference), made once per module."""
+    root = tmp_path_factory.mktemp(request.param)
+    checkpoint = str(root / "ckpt")
+    FAMILIES[request.param](checkpoint)
+    return request.param, checkpoint, write_reference_bf16(checkpoint, str(root / "bf16"))
+
+
+def run_workers(pythons: list[str], endpoint: str, reference: str, cwd) -> list[dict]:
+    """Run release_worker.py under each python at once (all attached together); their JSON reports."""
+    procs = [subprocess.Popen([python, WORKER, endpoint, reference, json.dumps(INPUT_IDS)], cwd=str(cwd),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for python in pythons]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+def check_report(report: dict, release: str) -> None:
+    assert report["transformers"].startswith(release), report["transformers"]
+    assert report["equal"], f"logits differ from transformers {release}'s own from_pretrained"
+    assert report["dtypes"] == report["ref_dtypes"]
+    assert report["private"] == []  # every parameter and loaded buffer: the daemon's read-only shared memory
+    assert report["tensors"] > 0
+
+
+def cast_lines(report: dict) -> list[str]:
+    return [line for line in report["log"] if "dtype variants" in line or "private copies" in line]
+
+
+def test_newest_daemon_serves_every_release(family, tf4_python, tf_previous_python, start_daemon, tmp_path):
+    name, checkpoint, reference = family
+    import transformers
+
+    daemon = start_daemon(checkpoint)
+    # four workers at once: this environment's release (the newest), 4.57, and the release before twice
+    pythons = [sys.executable, tf4_python, tf_previous_python, tf_previous_python]
+    newest, old4, previous, previous2 = run_workers(pythons, daemon.endpoint, reference, tmp_path)
+    check_report(newest, transformers.__version__)
+    check_report(old4, "4.57")
+    check_report(previous, "5.23")
+    check_report(previous2, "5.23")
+    assert cast_lines(newest) == []  # the daemon serves what this release loads: nothing to cast
+    variants = daemon.status()["generations"][0]["variants"]
+    if name in ROUTERS:
+        # 5.24 keeps the routers in float32, the others load them in bf16: each asked for bf16 variants, in one
+        # line per attach, and the daemon cast each router once for all of them
+        for report in (old4, previous, previous2):
+            (line,) = cast_lines(report)
+            assert "dtype variants the daemon cast once" in line and "gate.weight" in line, line
+        gates = [v for v in variants if v["name"].endswith("mlp.gate.weight")]
+        assert gates and len(gates) == len(variants)
+        assert {(v["served_dtype"], v["dtype"]) for v in gates} == {("torch.float32", "torch.bfloat16")}
+        assert len({v["name"] for v in gates}) == len(gates)  # once per host, whichever worker asked first
+
+
+def test_previous_daemon_serves_the_newest_worker(family, tf_previous_python, start_daemon, tmp_path, namespace):
+    name, checkpoint, reference = family
+    import transformers
+
+    daemon = start_daemon(checkpoint, python=tf_previous_python)
+    (report,) = run_workers([sys.executable], daemon.endpoint, reference, tmp_path)
+    check_report(report, transformers.__version__)
+    if name in ROUTERS:  # 5.23 serves routers in bf16; this release wants float32: variants, not copies
+        (line,) = cast_lines(report)
+        assert "float32" not in line.split("served as")[0] and "_keep_in_fp32_modules_strict" in line, line
+        variants = daemon.status()["generations"][0]["variants"]
+        assert variants and {(v["served_dtype"], v["dtype"]) for v in variants} == {("torch.bfloat16", "torch.float32")}
+
+
+def _lease(conn: Connection) -> str:
+    return conn.send(messages.Lease(pid=os.getpid(), protocol=3), messages.LeaseReply).client
+
+
+def test_variant_refusals_and_lifetime(tiny_checkpoint, start_daemon, namespace):
+    daemon = start_daemon(tiny_checkpoint)
+    conn = Connection(daemon.endpoint, timeout=60)
+    try:
+        lease = _lease(conn)
+        ask = lambda tensors, **kw: conn.send(messages.Variant(client=lease, tensors=tensors, **kw),  # noqa: E731
+                                              messages.VariantReply)
+        with pytest.raises(VariantRejected, match=r"no tensor 'model.nope.weight' in generation 1.*'torch.float32'"):
+            ask([{"name": "model.nope.weight", "dtype": "torch.float32"}])
+        with pytest.raises(VariantRejected, match=r"'torch.int8' asked for 'model.norm.weight' is not a float type"):
+            ask([{"name": "model.norm.weight", "dtype": "torch.int8"}])
+        assert daemon.status()["generations"][0]["variants"] == []  # a refused request makes nothing
+
+        reply = ask([{"name": "model.norm.weight", "dtype": "torch.float16"}])
+        (entry,) = reply.tensors
+        assert entry["dtype"] == "torch.float16" and entry["served_dtype"] == "torch.bfloat16"
+        path = f"/dev/shm{entry['segment']}"
+        assert os.path.exists(path) and oct(os.stat(path).st_mode & 0o777) == "0o600"
+        assert ask([{"name": "model.norm.weight", "dtype": "torch.float16"}]).tensors == [entry]  # made once
+        (listed,) = daemon.status()["generations"][0]["variants"]
+        assert listed["segment"] == entry["segment"]
+
+        only1 = ask([{"name": "model.layers.1.mlp.gate.weight", "dtype": "torch.bfloat16"}]).tensors[0]
+        conn.send(messages.Reload())  # generation 2 (the same checkpoint: every tensor shared with 1)
+        for _ in range(600):
+            if daemon.status()["generation"] == 2 and daemon.status()["state"] == "serving":
+                break
+            time.sleep(0.1)
+        # a variant asked while both live is generation 1's cast, reused (the same bytes), not a second one
+        assert ask([{"name": "model.norm.weight", "dtype": "torch.float16"}], generation=2).tensors == [entry]
+        conn.send(messages.Refresh(client=lease), messages.IndexSegmentReply)  # generation 1 retires
+        with pytest.raises(GenerationGone, match="generation 1 is not served any more"):
+            ask([{"name": "model.norm.weight", "dtype": "torch.float16"}], generation=1)
+        assert os.path.exists(path)  # generation 2 uses it too
+        assert not os.path.exists(f"/dev/shm{only1['segment']}")  # generation 1's alone: freed as it retired
+        ask([{"name": "model.layers.0.input_layernorm.weight", "dtype": "torch.float32"}], generation=2)
+        (gen2,) = daemon.status()["generations"]
+        assert {v["name"] for v in gen2["variants"]} == {"model.norm.weight", "model.layers.0.input_layernorm.weight"}
+    finally:
+        conn.close()
+    assert daemon.stop() == 0
+    assert not os.path.exists(path)  # freed with the generation
