@@ -27,10 +27,22 @@ from helpers.reference import write_reference_bf16
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "release_worker.py")
 
+def released_qwen3_moe(folder: str) -> None:
+    """A tiny Qwen3-MoE whose config.json also names its experts as the released configs do (`num_experts`, which
+    4.57 reads; transformers 5.24's save_pretrained writes only its new `num_local_experts`)."""
+    generate_model_type(folder, "qwen3_moe")
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["num_experts"] = config.get("num_local_experts", config.get("num_experts"))
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
 FAMILIES = {
     "deepseek_v3": lambda folder: generate(folder, preset="tiny", seed=0, shards=3),
     "deepseek_v3_counts": lambda folder: generate(folder, preset="dsv3-counts", seed=0, shards=8),
-    "qwen3_moe": lambda folder: generate_model_type(folder, "qwen3_moe"),
+    "qwen3_moe": released_qwen3_moe,
     "gpt_oss": lambda folder: generate_model_type(folder, "gpt_oss"),
 }
 ROUTERS = {"deepseek_v3", "deepseek_v3_counts"}  # where 5.23 / 4.57 and 5.24 disagree on a dtype
@@ -89,10 +101,10 @@ def test_newest_daemon_serves_every_release(family, tf4_python, tf_previous_pyth
         for report in (old4, previous, previous2):
             (line,) = cast_lines(report)
             assert "dtype variants the daemon cast once" in line and "gate.weight" in line, line
-        gates = [v for v in variants if v["name"].endswith("mlp.gate.weight")]
-        assert gates and len(gates) == len(variants)
-        assert {(v["served_dtype"], v["dtype"]) for v in gates} == {("torch.float32", "torch.bfloat16")}
-        assert len({v["name"] for v in gates}) == len(gates)  # once per host, whichever worker asked first
+        # (4.57 also loads the e_score_correction_bias 5.x keeps in float32 as bf16)
+        assert {v["name"].rsplit(".mlp.", 1)[1] for v in variants} == {"gate.weight", "gate.e_score_correction_bias"}
+        assert {(v["served_dtype"], v["dtype"]) for v in variants} == {("torch.float32", "torch.bfloat16")}
+        assert len({v["name"] for v in variants}) == len(variants)  # once per host, whichever worker asked first
 
 
 def test_previous_daemon_serves_the_newest_worker(family, tf_previous_python, start_daemon, tmp_path, namespace):
