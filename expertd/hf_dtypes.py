@@ -64,3 +64,14 @@ def dtype_reason(model, dtype: torch.dtype, name: str) -> str:
     want = loaded_dtypes(model, dtype).get(name, dtype)
     return (f"transformers {transformers.__version__} {type(model).__name__} loads it as {want} (no keep-in-fp32 "
             f"pattern matches it)")
+
+
+def expected_dtypes(model, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """`loaded_dtypes` judged on a fresh skeleton of the model's class and config (on the meta device): what
+    `from_pretrained(dtype=dtype)` would give, even for a model cast since it was built (`model.float()`)."""
+    try:
+        with torch.device("meta"):
+            fresh = type(model)._from_config(model.config, dtype=dtype)
+    except Exception:  # not a transformers model built from a config: judge the model itself
+        return loaded_dtypes(model, dtype)
+    return loaded_dtypes(fresh, dtype)

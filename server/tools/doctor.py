@@ -9,8 +9,11 @@ such as DeepSeek-V3's `e_score_correction_bias`, in fp32). A disagreement is a f
 - error: the stages are inconsistent (the index disagrees with the checkpoint or with shared memory,
   the model holds another dtype than from_pretrained would give, FP8 bytes served unscaled, a
   parameter still on the meta device). `expertd doctor` exits 1.
-- warning: a cast that works but costs something (served bf16, model needs fp32: a private copy
-  instead of shared memory; a stored fp32 tensor rounded to bf16 on load). Exit 1 with --strict.
+  A model tensor that is not in the daemon's read-only shared memory (a private copy) is an error too:
+  `expertd doctor --load-model` exits 1 naming each one and why.
+- warning: a cast that works but costs something (a stored fp32 tensor rounded to bf16 once at build, as
+  from_pretrained rounds it; served in another dtype than the model needs, so workers map the daemon's
+  dtype variant, cast once per host). Exit 1 with --strict.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from ..reader import Checkpoint
 log = logging.getLogger("expertd.doctor")
 
 STAGES = ("checkpoint", "served", "index", "shm", "model")
+
+
+def _itemsize(name: str) -> int:
+    return getattr(torch, name).itemsize
 
 
 def dtype_name(dtype: torch.dtype | str | None) -> str | None:
@@ -111,7 +118,7 @@ class Doctor:
         self.rows: dict[str, Row] = {}
         self.findings: list[Finding] = []
         self.sources: dict[str, str] = {}
-        self.shared_storages: set[int] | None = None  # storages of the daemon's segments, once attached
+        self.shm_dir: str | None = None  # the daemon's segments' folder, once attached
 
     def row(self, name: str) -> Row:
         if name not in self.rows:
@@ -161,7 +168,7 @@ class Doctor:
         except ShmError as exc:
             self.find("error", "shm-unreadable", client.endpoint, str(exc))
             views = {}
-        self.shared_storages = {v.untyped_storage().data_ptr() for v in views.values() if v.numel()}
+        self.shm_dir = index.shm_dir
         for entry in index.tensors:
             row = self.row(entry.name)
             row.index = dtype_name(entry.dtype)
@@ -171,10 +178,15 @@ class Doctor:
 
     def add_model(self, model) -> None:
         """The dtype each parameter and buffer of `model` holds, and what from_pretrained would give it."""
-        from expertd.hf_dtypes import loaded_dtypes
+        from expertd.hf_dtypes import expected_dtypes
 
         self.sources["model"] = f"{type(model).__name__} (expected dtypes of from_pretrained(dtype={dtype_name(self.dtype)}))"
-        want = loaded_dtypes(model, self.dtype)
+        want = expected_dtypes(model, self.dtype)
+        private = None
+        if self.shm_dir is not None:  # with a daemon: what lies in its read-only shared memory (variants included)
+            from expertd.client.residency import private_tensors
+
+            private = set(private_tensors(model, self.shm_dir))
         state = set(model.state_dict().keys())
         members = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in state]
         for name, tensor in members:
@@ -185,8 +197,8 @@ class Doctor:
             row.expected = dtype_name(want.get(name))
             if tensor.device.type == "meta":
                 self.find("error", "model-meta", name, "still on the meta device: no weights were bound to it")
-            if self.shared_storages is not None and tensor.device.type == "cpu":
-                row.shared = tensor.untyped_storage().data_ptr() in self.shared_storages
+            if private is not None and tensor.device.type == "cpu":
+                row.shared = name not in private
 
     def add_expected(self, config: dict) -> None:
         """Without a model: what from_pretrained(dtype=...) would give each parameter of the config's model."""
@@ -210,7 +222,7 @@ class Doctor:
     def _compare(self, r: Row) -> None:
         if r.checkpoint and r.checkpoint.startswith("float8") and "+scale" not in r.checkpoint:
             self.find("error", "fp8-unscaled", r.name, f"stored as {r.checkpoint} without its scale")
-        if r.served and r.index and r.served != r.index:
+        if r.served and r.index and r.served != r.index and r.expected is None:  # (a model's tensor: its release's dtype)
             self.find("error", "index-vs-checkpoint", r.name,
                       f"the daemon's index says {r.index}, the checkpoint ({r.checkpoint}) is served as {r.served}: "
                       "the daemon serves another checkpoint or casts silently")
@@ -224,11 +236,18 @@ class Doctor:
             self.find("error", "model-vs-expected", r.name,
                       f"the model holds {r.model}, from_pretrained(dtype={dtype_name(self.dtype)}) gives {r.expected}"
                       + (f"; served as {upstream}" if upstream else ""))
-        elif upstream and target and upstream != target and not upstream.startswith("float8"):
-            what = "a private copy, not shared memory" if r.index else "cast on load"
-            self.find("warning", "cast-on-restore", r.name, f"served as {upstream}, the model holds {target}: {what}")
-        elif r.shared is False and r.model == upstream and r.index:
-            self.find("warning", "private-copy", r.name, f"the model's {r.model} tensor is a copy, not the shared view")
+        elif r.shared is False and r.index:
+            why = (f"served as {upstream}, the model holds {r.model}: no dtype variant was mapped (a daemon that makes "
+                   "none?)" if upstream != r.model else f"the model's {r.model} tensor is a copy of the shared view")
+            self.find("error", "private-copy", r.name, f"a private copy, not the daemon's shared memory ({why})")
+        elif r.model is None and upstream and target and upstream != target and not upstream.startswith("float8"):
+            self.find("warning", "variant-needed", r.name, f"served as {upstream}, from_pretrained(dtype="
+                      f"{dtype_name(self.dtype)}) gives {target}: workers map the daemon's dtype variant (cast once "
+                      "per host)")
+        if r.checkpoint and r.served and "+scale" not in r.checkpoint and "|" not in r.checkpoint and \
+                _itemsize(r.checkpoint) > _itemsize(r.served):
+            self.find("warning", "cast-at-build", r.name, f"stored as {r.checkpoint}, served as {r.served} (what "
+                      f"from_pretrained(dtype={dtype_name(self.dtype)}) gives it): rounded once at build")
         if r.index is None and r.served is None and r.model is not None and "daemon" in self.sources:
             self.find("error", "missing-in-index", r.name, "the model has this tensor, the daemon serves nothing for it")
 

@@ -34,6 +34,7 @@ def main() -> None:
     logging.getLogger("expertd.client").addHandler(lines)
     logging.getLogger("expertd.client").setLevel(logging.INFO)
     ref = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.bfloat16)
+    ids = ids % ref.config.get_text_config().vocab_size  # presets with a vocabulary smaller than the ids
     with ExpertClient(endpoint) as client:
         model = client.load_model()
         private = client.private_tensors(model)
