@@ -66,6 +66,7 @@ def worker_logits(workers, endpoint: str, namespace: str, out_dir: str):
     worker = workers(endpoint, timeout=60, namespace=namespace, model=True, save=out_dir)
     assert worker.hello["ready"], worker.proc.stderr.read()
     assert worker.hello["outside"] == [], "parameters outside shared memory"
+    assert worker.hello["writable_maps"] == 0, "a segment mapped writable"
     worker.ask("exit")
     assert worker.proc.wait(60) == 0, worker.proc.stderr.read()
     return torch.load(os.path.join(out_dir, "logits.pt"))
