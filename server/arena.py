@@ -1,7 +1,8 @@
 """The shared-memory arena: POSIX segments the daemon creates, fills and finally unlinks.
 
 Segment names are `/{namespace}.{pid}.{tag}.{i}`: `tag` is the generation that created the
-segment (`u{n}` for the staging segment of update n, `i{n}` for generation n's packed index).
+segment (`u{n}` for the staging segment of update n, `i{n}` for generation n's packed index, `v{n}` for
+generation n's dtype variants, see `variants`).
 This module builds and parses them.
 The loader gives every served tensor a segment of its own, so a retired generation's bytes are
 freed by unlinking whole segments, while workers still holding old views keep valid pages.
@@ -57,7 +58,7 @@ def segment_name(namespace: str, pid: int, tag: int | str, i: int) -> str:
 
 def segment_pattern(namespace: str) -> re.Pattern:
     """Matches a segment's file name in its shm_dir; group 1 is the owner pid."""
-    return re.compile(rf"^{re.escape(namespace)}\.(\d+)\.(\d+|[ui]\d+)\.(\d+)$")
+    return re.compile(rf"^{re.escape(namespace)}\.(\d+)\.(\d+|[uiv]\d+)\.(\d+)$")
 
 
 def unlink_segment(name: str, shm_dir: str = SHM_DIR) -> bool:

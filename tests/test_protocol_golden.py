@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE))  # helpers/, also when run as a script
 import expertd.connection as connection  # noqa: E402
 from expertd import index_segment  # noqa: E402
 from expertd.connection import Connection  # noqa: E402
-from expertd.errors import AuthError, DaemonError, GenerationGone, LeaseExpired, VersionMismatch  # noqa: E402
+from expertd.errors import AuthError, DaemonError, GenerationGone, LeaseExpired, VariantRejected, VersionMismatch  # noqa: E402,E501
 from expertd.index import TensorIndex  # noqa: E402
 from expertd import messages  # noqa: E402
 from expertd.errors import ProtocolError  # noqa: E402
@@ -144,6 +144,7 @@ def run_scenario(endpoint: str) -> Recorder:
             conn.request("hello", protocol=PROTOCOL_VERSION)
             client = ExpertClient(endpoint, token=TOKEN)  # lease (the handshake too)
             client.served_tensors()
+            conn.request("variant", client=client.lease, tensors=[{"name": "model.norm.weight", "dtype": "torch.float32"}])
             conn.request("index", client=client.lease, segment=True)  # what a lease taken while loading asks
             conn.request("index")  # the index inline (tools, push_all)
             deadline = time.monotonic() + 5 * LEASE_TIMEOUT_S
@@ -173,6 +174,8 @@ def run_scenario(endpoint: str) -> Recorder:
             _expect(VersionMismatch, lambda: conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION - 1))
             _expect(GenerationGone, lambda: conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION,
                                                          generation=99))
+            _expect(VariantRejected, lambda: conn.request("variant", client=client.lease,
+                                                          tensors=[{"name": "model.nope.weight", "dtype": "torch.float32"}]))
             _expect(DaemonError, lambda: conn.request("frobnicate"))
             client.close()  # release
             conn.request("stop")
@@ -211,9 +214,12 @@ SELECT = {
     "error.GenerationGone": ("lease", _error("GenerationGone")),
     "error.VersionMismatch": ("lease", _error("VersionMismatch")),
     "error.ProtocolError.unknown_op": ("frobnicate", _error("ProtocolError")),
+    "variant": ("variant", lambda x: x.ok),
+    "error.VariantRejected": ("variant", _error("VariantRejected")),
 }
 # what the daemon is sent again, as golden bytes, in this order (a fresh daemon grants lease c1 first)
-REPLAY = ("hello", "lease", "index.segment", "index.inline", "heartbeat", "status", "refresh", "error.AuthError",
+REPLAY = ("hello", "lease", "variant", "error.VariantRejected", "index.segment", "index.inline", "heartbeat", "status",
+          "refresh", "error.AuthError",
           "error.LeaseExpired", "error.GenerationGone", "error.VersionMismatch", "error.ProtocolError.unknown_op",
           "release")
 
@@ -393,7 +399,7 @@ def test_every_op_is_one_typed_message_and_the_golden_requests_parse_into_them(g
     replies = {"hello": messages.HelloReply, "lease": messages.LeaseReply, "lease.generation": messages.LeaseReply,
                "heartbeat": messages.HeartbeatReply, "index.segment": messages.IndexSegmentReply,
                "refresh": messages.IndexSegmentReply, "release": messages.Done, "abort": messages.Done,
-               "stop": messages.Done}
+               "stop": messages.Done, "variant": messages.VariantReply}
     for name, entry in golden["messages"].items():
         sent = entry["request"]["decoded"]
         if name == "error.ProtocolError.unknown_op":
