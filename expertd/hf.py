@@ -322,13 +322,26 @@ def _targets(layer: str, targets) -> list[str]:
     return [prefix + t + suffix for t in targets]
 
 
-def convert(assembly: Assembly, collected: dict[str, list[torch.Tensor]], config) -> torch.Tensor:
+class _ParameterDtypes:
+    """What a conversion op may ask of the model (5.24's Inkling2UnpadVocab: the parameter's dtype), no model built."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def get_parameter(self, name: str):
+        return self
+
+
+def convert(assembly: Assembly, collected: dict[str, list[torch.Tensor]], config,
+            dtype: torch.dtype = SERVED_DTYPE) -> torch.Tensor:
     """A computed parameter from its source tensors ({source pattern: tensors in order}), by applying the
-    converter's operations in order exactly as transformers' `WeightConverter.convert` does."""
+    converter's operations in order exactly as transformers' `WeightConverter.convert` does (an op that asks for
+    the parameter's dtype is told `dtype`)."""
     conv = assembly.converter
     for op in conv.operations:
         collected = op.convert(collected, source_patterns=conv.source_patterns, target_patterns=conv.target_patterns,
-                               full_layer_name=assembly.layer, model=None, config=config, missing_keys=None)
+                               full_layer_name=assembly.layer, model=_ParameterDtypes(dtype), config=config,
+                               missing_keys=None)
     prefix, _, suffix = next((assembly.layer.partition(k) for k in collected if k in assembly.layer), ("", "", ""))
     results = {prefix + k + suffix: v for k, v in collected.items()}
     result = results.get(assembly.param)

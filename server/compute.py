@@ -39,7 +39,7 @@ def compute(planned: PlannedTensor, tensors: list[torch.Tensor], config) -> torc
         if keys:
             collected[pattern] = tensors[k: k + len(keys)]
             k += len(keys)
-    result = convert(how, collected, config)
+    result = convert(how, collected, config, planned.decoded or planned.dtype)
     first = planned.sources[0].info
     if tuple(result.shape) != planned.shape:
         raise ShapeError(

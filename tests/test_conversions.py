@@ -42,8 +42,9 @@ def test_plan_computes_what_from_pretrained_loads(model_checkpoint, namespace):
     model_type, folder, _, state = model_checkpoint
     ckpt, plan = prepare(folder)
     computed = [t for t in plan.tensors if t.computed is not None]
-    assert computed and {type(op).__name__ for t in computed for op in t.computed.converter.operations} == {
-        COMPUTED_MODEL_TYPES[model_type]}
+    # (5.24's inkling2_text also unpads its vocabulary with an op of its own: more ops may appear, never fewer)
+    assert computed and COMPUTED_MODEL_TYPES[model_type] in {
+        type(op).__name__ for t in computed for op in t.computed.converter.operations}
     built = build(ckpt, plan, namespace=namespace, generation=1, device="cpu")
     try:
         from expertd.shm import map_segment, segment_bytes, view

@@ -14,6 +14,7 @@ from expertd.server.tools.generate import FP8_SCALE_DTYPES, MOE_MODEL_TYPES, gen
 from helpers.forward import forward_logits
 from helpers.inputs import INPUT_IDS
 from helpers.reference import write_reference_bf16
+from helpers.releases import CANNOT_RUN_4_57, check_report, run_workers, with_released_keys
 from helpers.workers import worker_logits
 
 
@@ -44,24 +45,23 @@ def test_transformers4_worker_maps_every_tensor(model_checkpoint, tf4_python, st
     """The same family's checkpoint, served by this release's daemon, to a worker on transformers 4.57: every
     parameter and loaded buffer in read-only shared memory (variants where 4.57 loads another dtype), logits
     equal to 4.57's own from_pretrained of the bf16 reference."""
-    import json
+    import os
     import subprocess
-
-    from test_transformers_releases import WORKER, check_report
 
     model_type, folder, _ = model_checkpoint
     known = subprocess.run([tf4_python, "-c", f"from transformers import AutoConfig; AutoConfig.for_model({model_type!r})"],
                            capture_output=True, text=True, timeout=300)
     if known.returncode != 0:
         pytest.skip(f"transformers 4.57 has no model type {model_type!r}")
+    if model_type in CANNOT_RUN_4_57:
+        pytest.skip(CANNOT_RUN_4_57[model_type])
+    with_released_keys(folder)
     reference = str(tmp_path.parent / f"{model_type}-bf16")
-    if not __import__("os").path.exists(reference):
+    if not os.path.exists(reference):
         write_reference_bf16(folder, reference)
     daemon = start_daemon(folder)
-    proc = subprocess.run([tf4_python, WORKER, daemon.endpoint, reference, json.dumps(INPUT_IDS)], cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    check_report(json.loads(proc.stdout.strip().splitlines()[-1]), "4.57")
+    (report,) = run_workers([tf4_python], daemon.endpoint, reference, tmp_path)
+    check_report(report, "4.57")
 
 
 def test_fp8_families_are_quantized_with_their_scale_dtype(model_checkpoint):

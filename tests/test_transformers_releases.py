@@ -10,9 +10,7 @@ cast once per host.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import time
 
@@ -22,21 +20,12 @@ from expertd import messages
 from expertd.client.connection import Connection
 from expertd.errors import GenerationGone, VariantRejected
 from expertd.server.tools.generate import generate, generate_model_type
-from helpers.inputs import INPUT_IDS
+from helpers.releases import check_report, run_workers, with_released_keys
 from helpers.reference import write_reference_bf16
 
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "release_worker.py")
-
 def released_qwen3_moe(folder: str) -> None:
-    """A tiny Qwen3-MoE whose config.json also names its experts as the released configs do (`num_experts`, which
-    4.57 reads; transformers 5.24's save_pretrained writes only its new `num_local_experts`)."""
     generate_model_type(folder, "qwen3_moe")
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
-        config = json.load(f)
-    config["num_experts"] = config.get("num_local_experts", config.get("num_experts"))
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2)
+    with_released_keys(folder)
 
 
 FAMILIES = {
@@ -55,26 +44,6 @@ def family(request, tmp_path_factory):
     checkpoint = str(root / "ckpt")
     FAMILIES[request.param](checkpoint)
     return request.param, checkpoint, write_reference_bf16(checkpoint, str(root / "bf16"))
-
-
-def run_workers(pythons: list[str], endpoint: str, reference: str, cwd) -> list[dict]:
-    """Run release_worker.py under each python at once (all attached together); their JSON reports."""
-    procs = [subprocess.Popen([python, WORKER, endpoint, reference, json.dumps(INPUT_IDS)], cwd=str(cwd),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for python in pythons]
-    reports = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, err[-3000:]
-        reports.append(json.loads(out.strip().splitlines()[-1]))
-    return reports
-
-
-def check_report(report: dict, release: str) -> None:
-    assert report["transformers"].startswith(release), report["transformers"]
-    assert report["equal"], f"logits differ from transformers {release}'s own from_pretrained"
-    assert report["dtypes"] == report["ref_dtypes"]
-    assert report["private"] == []  # every parameter and loaded buffer: the daemon's read-only shared memory
-    assert report["tensors"] > 0
 
 
 def cast_lines(report: dict) -> list[str]:

@@ -193,6 +193,8 @@ def tiny_config(model_type: str, **overrides):
     if "kv_lora_rank" in defaults:  # MLA: the head dims come from the rope/nope split
         values.pop("head_dim", None)
     values.update((k, v) for k, v in TOKEN_IDS.items() if defaults.get(k) is not None)
+    if defaults.get("unpadded_vocab_size"):  # Inkling2 (5.24): the vocabulary before its padding rows, no larger
+        values["unpadded_vocab_size"] = values["vocab_size"]
     values.update(overrides)
     rope = defaults.get("rope_parameters") or {}
     if rope.get("original_max_position_embeddings") and rope.get("factor") and "max_position_embeddings" in values:
