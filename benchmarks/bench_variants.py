@@ -40,6 +40,8 @@ shm_dir, ns = client.index().shm_dir, client.index().namespace
 private = client.private_tensors(model)
 tensors = model_tensors(model)
 touched = sum(float(t.float().abs().sum()) for t in tensors.values())
+print(json.dumps({"ready": True}), flush=True)
+sys.stdin.readline()  # every worker attached and touched everything: now each one's share is what it keeps
 pss = 0
 with open("/proc/self/smaps") as f:
     mine = False
@@ -80,7 +82,13 @@ def attach_all(pythons: list[str], endpoint: str) -> list[dict]:
     """Workers under `pythons`, all attached at once; their reports."""
     procs = [subprocess.Popen([p, "-c", WORKER, endpoint], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True, cwd="/") for p in pythons]
-    reports = [json.loads(p.stdout.readline()) for p in procs]
+    for p in procs:
+        json.loads(p.stdout.readline())  # attached
+    reports = []
+    for p in procs:
+        p.stdin.write("measure\n")
+        p.stdin.flush()
+        reports.append(json.loads(p.stdout.readline()))
     for p in procs:
         p.communicate("exit\n", timeout=120)
     return reports

@@ -119,6 +119,12 @@ def cmd_status(args) -> int:
     for gen in status.get("generations", []):
         print(f"  generation {gen['generation']:<4} {gen['tensors']} tensors, {gen['bytes']:,} bytes "
               f"({gen['bytes_shared_with_latest']:,} shared with the latest), {len(gen['leases'])} lease(s)")
+        variants = gen.get("variants") or []
+        if variants:  # casts made once for workers whose transformers loads some tensors in another dtype
+            kinds = sorted({f"{v['served_dtype'].removeprefix('torch.')} -> {v['dtype'].removeprefix('torch.')}"
+                            for v in variants})
+            print(f"    variants  {len(variants)} tensor(s), {sum(v['nbytes'] for v in variants):,} bytes "
+                  f"({', '.join(kinds)})")
     job = status.get("job")
     if job:
         print(f"  last build  {_job_line(job)}")

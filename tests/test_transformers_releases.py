@@ -11,6 +11,7 @@ cast once per host.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
@@ -115,6 +116,9 @@ def test_variant_refusals_and_lifetime(tiny_checkpoint, start_daemon, namespace)
         assert ask([{"name": "model.norm.weight", "dtype": "torch.float16"}]).tensors == [entry]  # made once
         (listed,) = daemon.status()["generations"][0]["variants"]
         assert listed["segment"] == entry["segment"]
+        text = subprocess.run([sys.executable, "-m", "expertd.server.cli", "status", "--endpoint", daemon.endpoint],
+                              capture_output=True, text=True, timeout=120).stdout
+        assert "variants  1 tensor(s), 640 bytes (bfloat16 -> float16)" in text, text
 
         only1 = ask([{"name": "model.layers.1.mlp.gate.weight", "dtype": "torch.bfloat16"}]).tensors[0]
         conn.send(messages.Reload())  # generation 2 (the same checkpoint: every tensor shared with 1)
