@@ -2,7 +2,8 @@
 
     python benchmarks/bench_attach.py [--workdir /tmp/expertd-bench] [--reps 3]
 
-A1  the ~1 GB DeepSeek-V3-shaped checkpoint (preset bench-1g)
+A1  the ~1 GB DeepSeek-V3-shaped checkpoint (preset bench-1g), and in the same fresh processes
+    `from_pretrained(dtype=bf16)` of its bf16 twin (best of 3 per process): from_pretrained / cold, goal >= 60x
 A2  DeepSeek-V3's real counts at tiny dims (preset dsv3-counts: 61 layers, 256 routed experts, the MTP
     layer, ~92k checkpoint tensors)
 
@@ -38,13 +39,29 @@ from expertd.client import ExpertClient
 import transformers.conversion_mapping as cm
 t0 = time.perf_counter()
 client = ExpertClient(sys.argv[1], heartbeat=False)
-model = client.load_model()
 t1 = time.perf_counter()
-again = client.load_model()
+client.index()
 t2 = time.perf_counter()
-print(json.dumps({"cold_ms": (t1 - t0) * 1e3, "warm_ms": (t2 - t1) * 1e3, "tensors": len(client.index().tensors),
-                  "conversion_mapping_built": cm._checkpoint_conversion_mapping_cache is not None}))
+client._attach()
+t3 = time.perf_counter()
+model = client.load_model()
+t4 = time.perf_counter()
+again = client.load_model()
+t5 = time.perf_counter()
+out = {"cold_ms": (t4 - t0) * 1e3, "warm_ms": (t5 - t4) * 1e3, "tensors": len(client.index().tensors),
+       "phases_ms": {"lease": (t1 - t0) * 1e3, "index": (t2 - t1) * 1e3, "map": (t3 - t2) * 1e3,
+                     "model+bind": (t4 - t3) * 1e3},
+       "private": len(client.private_tensors(model)),
+       "conversion_mapping_built": cm._checkpoint_conversion_mapping_cache is not None}
 client.close()
+if len(sys.argv) > 3:  # the baseline in the same process: from_pretrained of the bf16 twin, best of 3
+    times = []
+    for _ in range(3):
+        s = time.perf_counter()
+        AutoModelForCausalLM.from_pretrained(sys.argv[3], dtype=torch.bfloat16)
+        times.append((time.perf_counter() - s) * 1e3)
+    out["from_pretrained_ms"] = min(times)
+print(json.dumps(out))
 """
 
 
@@ -57,7 +74,15 @@ def ensure(workdir: str, name: str, preset: str) -> str:
     return path
 
 
-def measure(workdir: str, name: str, checkpoint: str, reps: int) -> dict:
+def ensure_bf16(workdir: str, checkpoint: str) -> str:
+    path = checkpoint + "-bf16"
+    if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        print(f"converting {checkpoint} to bf16 for the from_pretrained baseline (once) ...", flush=True)
+        subprocess.run(expertd_cmd("convert", checkpoint, path), check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+def measure(workdir: str, name: str, checkpoint: str, reps: int, bf16: str | None = None) -> dict:
     daemon = DaemonProcess.launch(os.path.join(workdir, f"attach-{name}"), checkpoint, f"bencha{name}{os.getpid()}",
                                   stdout=subprocess.DEVNULL)
     try:
@@ -66,15 +91,27 @@ def measure(workdir: str, name: str, checkpoint: str, reps: int) -> dict:
             model_type = json.load(f)["model_type"]
         runs = []
         for _ in range(reps):
-            out = subprocess.run([sys.executable, "-c", WORKER, daemon.endpoint, model_type], capture_output=True,
-                                 text=True, check=True, timeout=900)
+            out = subprocess.run([sys.executable, "-c", WORKER, daemon.endpoint, model_type, *([bf16] if bf16 else [])],
+                                 capture_output=True, text=True, check=True, timeout=900)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     finally:
         daemon.stop()
     cold = statistics.median(r["cold_ms"] for r in runs)
     warm = statistics.median(r["warm_ms"] for r in runs)
-    return {"cold_ms": cold, "warm_ms": warm, "ratio": cold / warm, "served_tensors": runs[0]["tensors"],
-            "views": status["views"], "conversion_mapping_built": any(r["conversion_mapping_built"] for r in runs)}
+    out = {"cold_ms": cold, "warm_ms": warm, "ratio": cold / warm, "served_tensors": runs[0]["tensors"],
+           "views": status["views"], "conversion_mapping_built": any(r["conversion_mapping_built"] for r in runs),
+           "phases_ms": {k: statistics.median(r["phases_ms"][k] for r in runs) for k in runs[0]["phases_ms"]},
+           "private": max(r["private"] for r in runs), "transformers": transformers_version()}
+    if bf16:  # per process: its own from_pretrained (best of 3) over its own cold attach; the median of those
+        out["from_pretrained_ms"] = statistics.median(r["from_pretrained_ms"] for r in runs)
+        out["from_pretrained_vs_cold"] = statistics.median(r["from_pretrained_ms"] / r["cold_ms"] for r in runs)
+    return out
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def main() -> int:
@@ -86,13 +123,20 @@ def main() -> int:
     print(f"machine: {machine()}", flush=True)
     results = {}
     for key, name, preset in (("A1", "bench-1g", "bench-1g"), ("A2", "dsv3-counts", "dsv3-counts")):
-        results[key] = measure(args.workdir, name, ensure(args.workdir, name, preset), args.reps)
+        checkpoint = ensure(args.workdir, name, preset)
+        bf16 = ensure_bf16(args.workdir, checkpoint) if key == "A1" else None
+        results[key] = measure(args.workdir, name, checkpoint, args.reps, bf16)
         print(key, json.dumps(results[key]), flush=True)
     print("\n| id | checkpoint | cold (first load_model) | warm (repeat) | cold / warm | goal |\n|---|---|---|---|---|---|")
     for key, what in (("A1", "~1 GB bench model"), ("A2", "DeepSeek-V3 counts, tiny dims")):
         r = results[key]
         print(f"| {key} | {what} ({r['served_tensors']} served, {r['views']} views) | {r['cold_ms']:.1f} ms | "
               f"{r['warm_ms']:.1f} ms | {r['ratio']:.2f} | <= 2 |")
+    a1 = results["A1"]
+    print(f"\nA1 from_pretrained(bf16 twin) / cold first load_model(), per process: {a1['from_pretrained_vs_cold']:.0f}x "
+          f"({a1['from_pretrained_ms']:.0f} ms vs {a1['cold_ms']:.1f} ms; goal >= 60x); cold attach spent (ms, medians): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in a1["phases_ms"].items())
+          + f"; private tensors {a1['private']}; transformers {a1['transformers']}")
     return 0
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import os
 import threading
@@ -21,28 +19,13 @@ from expertd.security import Credentials
 from expertd.shm import map_segments, view
 
 from .parallel import bind_sharded, check_partition
+from .quiet import attaching
 from .restore import restore
 from .variants import fetch, log_casts
 from .views import IndexViews
 
 log = logging.getLogger("expertd.client")
 
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """No cyclic GC while attach allocates its many small objects.
-
-    In a worker that has torch and transformers loaded, one full collection walks millions of
-    objects (~0.25 s here) and attach would pay it at random; it runs after, at a time that is ours.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class ExpertClient:
@@ -99,7 +82,7 @@ class ExpertClient:
                     if self._index_place is None:  # leased while the daemon was loading
                         self._index_place = self._conn.send(messages.Index(client=self.lease, segment=True),
                                                             messages.IndexSegmentReply).index_segment
-                    with _gc_paused():
+                    with attaching():
                         self._index = index_segment.read(self._index_place)
                     self.generation = self._index.generation
                     break
@@ -136,7 +119,7 @@ class ExpertClient:
         from expertd.hf import empty_model
 
         index = self.index()
-        with _gc_paused():
+        with attaching(one_thread=True):
             model = empty_model(index.config, dtype)
             ep_rank, ep_size = None, 1
             if distributed_config is not None:
@@ -170,7 +153,7 @@ class ExpertClient:
         where that differs from the served dtype the parameter maps the daemon's dtype variant of it."""
         dtype = dtype or getattr(model, "dtype", torch.bfloat16)
         self._model_dtypes[id(model)] = dtype
-        with _gc_paused():
+        with attaching():
             return self._bind(model, self.index(), dtype, strict)
 
     def refresh(self, model=None) -> list[str]:
