@@ -26,7 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from helpers.daemon import DaemonProcess, expertd_cmd  # noqa: E402
+from helpers.daemon import DaemonProcess  # noqa: E402
+from bench_loader import ensure_preset  # noqa: E402
 from run_all import machine  # noqa: E402
 
 WORKER = r"""
@@ -59,15 +60,6 @@ client.close()
 """
 
 ROUTERS_BYTES = 58 * 256 * 7168 * 4  # DeepSeek-V3's routers as float32
-
-
-def generate(workdir: str, name: str, preset: str, shards: int) -> str:
-    path = os.path.join(workdir, name)
-    if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
-        print(f"generating {name} (once) ...", flush=True)
-        subprocess.run(expertd_cmd("generate", path, "--preset", preset, "--shards", str(shards)), check=True,
-                       stdout=subprocess.DEVNULL)
-    return path
 
 
 def daemon(workdir: str, name: str, checkpoint: str) -> DaemonProcess:
@@ -151,8 +143,8 @@ def main() -> int:
     os.makedirs(args.workdir, exist_ok=True)
     previous = args.previous if os.path.exists(args.previous) else None
     print(f"machine: {machine()}", flush=True)
-    counts = generate(args.workdir, "dsv3-counts", "dsv3-counts", 163)
-    big = generate(args.workdir, "bench-1g", "bench-1g", 4)
+    counts = ensure_preset(args.workdir, "dsv3-counts", "dsv3-counts", 163)
+    big = ensure_preset(args.workdir, "bench-1g", "bench-1g", 4)
 
     d = daemon(args.workdir, "counts", counts)
     try:
@@ -174,10 +166,12 @@ def main() -> int:
         v = variant_rate(d)
     finally:
         d.stop()
-    print(f"V3  variant build: {v['tensors']} bf16 tensors -> float32, {v['bytes'] / 2**20:.0f} MiB in {v['seconds']:.2f}s "
-          f"= {v['gbps']:.2f} GB/s (fill limit beside it {fill:.2f} GB/s, ratio {v['gbps'] / fill:.2f}); asked again: "
-          f"{v['again_s'] * 1e3:.1f} ms (made once). DeepSeek-V3's 58 routers ({ROUTERS_BYTES / 2**20:.0f} MiB fp32) at "
-          f"this rate: {ROUTERS_BYTES / 1e9 / v['gbps']:.2f}s once per host", flush=True)
+    routers_s = ROUTERS_BYTES / 1e9 / v["gbps"]
+    print(f"V3  variant build: {v['tensors']} bf16 tensors -> float32, {v['bytes'] / 2**20:.0f} MiB in "
+          f"{v['seconds']:.2f}s = {v['gbps']:.2f} GB/s; the fill limit beside it {fill:.2f} GB/s (ratio "
+          f"{v['gbps'] / fill:.2f}); the same request again {v['again_s'] * 1e3:.1f} ms (made once). DeepSeek-V3's 58 "
+          f"routers ({ROUTERS_BYTES / 2**20:.0f} MiB as float32) at this rate: {routers_s:.2f}s, once per host",
+          flush=True)
     return 0
 
 
