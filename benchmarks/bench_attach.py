@@ -2,8 +2,9 @@
 
     python benchmarks/bench_attach.py [--workdir /tmp/expertd-bench] [--reps 3]
 
-A1  the ~1 GB DeepSeek-V3-shaped checkpoint (preset bench-1g), and in the same fresh processes
-    `from_pretrained(dtype=bf16)` of its bf16 twin (best of 3 per process): from_pretrained / cold, goal >= 60x
+A1  the ~1 GB DeepSeek-V3-shaped checkpoint (preset bench-1g), and, interleaved with its attaches, fresh processes
+    prepared the same way timing `from_pretrained(dtype=bf16)` of its bf16 twin (first call, and best of 3):
+    from_pretrained's first call / the cold attach, goal >= 60x
 A2  DeepSeek-V3's real counts at tiny dims (preset dsv3-counts: 61 layers, 256 routed experts, the MTP
     layer, ~92k checkpoint tensors)
 
@@ -54,14 +55,22 @@ out = {"cold_ms": (t4 - t0) * 1e3, "warm_ms": (t5 - t4) * 1e3, "tensors": len(cl
        "private": len(client.private_tensors(model)),
        "conversion_mapping_built": cm._checkpoint_conversion_mapping_cache is not None}
 client.close()
-if len(sys.argv) > 3:  # the baseline in the same process: from_pretrained of the bf16 twin, best of 3
-    times = []
-    for _ in range(3):
-        s = time.perf_counter()
-        AutoModelForCausalLM.from_pretrained(sys.argv[3], dtype=torch.bfloat16)
-        times.append((time.perf_counter() - s) * 1e3)
-    out["from_pretrained_ms"] = min(times)
 print(json.dumps(out))
+"""
+
+# the baseline, in a fresh process of its own prepared the same way: from_pretrained of the bf16 twin, its first
+# call (what a worker starting up pays, like the cold attach) and the best of three
+BASELINE = r"""
+import importlib, json, sys, time
+import torch, transformers
+from transformers import AutoModelForCausalLM
+importlib.import_module(f"transformers.models.{sys.argv[2]}.modeling_{sys.argv[2]}")
+times = []
+for _ in range(3):
+    s = time.perf_counter()
+    AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+    times.append((time.perf_counter() - s) * 1e3)
+print(json.dumps({"first_ms": times[0], "best_ms": min(times)}))
 """
 
 
@@ -91,9 +100,13 @@ def measure(workdir: str, name: str, checkpoint: str, reps: int, bf16: str | Non
             model_type = json.load(f)["model_type"]
         runs = []
         for _ in range(reps):
-            out = subprocess.run([sys.executable, "-c", WORKER, daemon.endpoint, model_type, *([bf16] if bf16 else [])],
-                                 capture_output=True, text=True, check=True, timeout=900)
+            out = subprocess.run([sys.executable, "-c", WORKER, daemon.endpoint, model_type], capture_output=True,
+                                 text=True, check=True, timeout=900)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            if bf16:  # interleaved with the attaches, so both see the same load
+                out = subprocess.run([sys.executable, "-c", BASELINE, bf16, model_type], capture_output=True,
+                                     text=True, check=True, timeout=900)
+                runs[-1].update(json.loads(out.stdout.strip().splitlines()[-1]))
     finally:
         daemon.stop()
     cold = statistics.median(r["cold_ms"] for r in runs)
@@ -102,9 +115,10 @@ def measure(workdir: str, name: str, checkpoint: str, reps: int, bf16: str | Non
            "views": status["views"], "conversion_mapping_built": any(r["conversion_mapping_built"] for r in runs),
            "phases_ms": {k: statistics.median(r["phases_ms"][k] for r in runs) for k in runs[0]["phases_ms"]},
            "private": max(r["private"] for r in runs), "transformers": transformers_version()}
-    if bf16:  # per process: its own from_pretrained (best of 3) over its own cold attach; the median of those
-        out["from_pretrained_ms"] = statistics.median(r["from_pretrained_ms"] for r in runs)
-        out["from_pretrained_vs_cold"] = statistics.median(r["from_pretrained_ms"] / r["cold_ms"] for r in runs)
+    if bf16:  # each rep: a fresh process's first from_pretrained (and its best of 3) over a fresh process's cold attach
+        for key in ("first_ms", "best_ms"):
+            out[f"from_pretrained_{key}"] = statistics.median(r[key] for r in runs)
+            out[f"{key[:-3]}_vs_cold"] = statistics.median(r[key] / r["cold_ms"] for r in runs)
     return out
 
 
@@ -133,8 +147,9 @@ def main() -> int:
         print(f"| {key} | {what} ({r['served_tensors']} served, {r['views']} views) | {r['cold_ms']:.1f} ms | "
               f"{r['warm_ms']:.1f} ms | {r['ratio']:.2f} | <= 2 |")
     a1 = results["A1"]
-    print(f"\nA1 from_pretrained(bf16 twin) / cold first load_model(), per process: {a1['from_pretrained_vs_cold']:.0f}x "
-          f"({a1['from_pretrained_ms']:.0f} ms vs {a1['cold_ms']:.1f} ms; goal >= 60x); cold attach spent (ms, medians): "
+    print(f"\nA1 from_pretrained(bf16 twin) / cold first load_model(), fresh processes: first call "
+          f"{a1['first_vs_cold']:.0f}x ({a1['from_pretrained_first_ms']:.0f} ms vs {a1['cold_ms']:.1f} ms; goal >= 60x), "
+          f"best of 3 {a1['best_vs_cold']:.0f}x ({a1['from_pretrained_best_ms']:.0f} ms); cold attach spent (ms, medians): "
           + ", ".join(f"{k} {v:.1f}" for k, v in a1["phases_ms"].items())
           + f"; private tensors {a1['private']}; transformers {a1['transformers']}")
     return 0
