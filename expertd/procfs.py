@@ -41,3 +41,13 @@ def pid_namespace() -> int | None:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
+
+
+def runs_expertd(pid: int) -> bool | None:
+    """Whether process `pid` runs expertd (its command line names it); None when /proc cannot tell (gone, or
+    another user's process hidden). One rule for the reaper (which treats "cannot tell" as live) and `stop`."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"expertd" in f.read()
+    except OSError:
+        return None

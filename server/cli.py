@@ -14,54 +14,11 @@ from expertd.errors import ConfigError, DaemonError, DaemonNotRunning, DaemonTim
 from expertd.units import parse_duration, parse_size
 
 from . import stopping
+from .config import connection_of as _connection, target_of as _target
+from .starting import cmd_start, ep_ranks_override  # noqa: F401  (ep_ranks_override: tests import it here)
 
 EXIT_ERROR = 2  # a user mistake or no daemon: one line on stderr says what is wrong and the fix
 EXIT_LOADING = 3  # `status --wait`: the daemon answers but is still loading its first generation
-
-
-def _target(args):
-    from .config import resolve_target
-
-    return resolve_target(getattr(args, "endpoint", None), getattr(args, "config", None), getattr(args, "token", None),
-                          getattr(args, "server_key", None))
-
-
-def _connection(args):
-    from expertd.connection import Connection
-
-    target = _target(args)
-    return Connection(target.daemon_endpoint, timeout=args.timeout, credentials=target.credentials)
-
-
-def cmd_start(args) -> int:
-    from .config import load_config
-    from .daemon import Daemon
-
-    cfg = load_config(args.config)
-    if args.no_progress:
-        cfg.progress = False
-    if args.ep_ranks:
-        cfg.expert_parallel = ep_ranks_override(cfg, args.ep_ranks)
-    return Daemon(cfg).run()
-
-
-def ep_ranks_override(cfg, value: str):
-    """`--ep-ranks 0,1` (or `@FILE` holding them, e.g. a node label an init container wrote) over the config's
-    `expert_parallel.ranks`: one config for every host of a deployment."""
-    from expertd.partition import ExpertParallel, PartitionError, parse_ranks
-
-    if cfg.expert_parallel is None:
-        raise ConfigError("--ep-ranks needs `expert_parallel: {size: N}` in the config (the EP world size)")
-    if value.startswith("@"):
-        try:
-            with open(value[1:]) as f:
-                value = f.read()
-        except OSError as exc:
-            raise ConfigError(f"--ep-ranks {value}: cannot read {value[1:]}: {exc.strerror}") from None
-    try:
-        return ExpertParallel.from_config({"size": cfg.expert_parallel.size, "ranks": parse_ranks(value)}, "--ep-ranks")
-    except PartitionError as exc:
-        raise ConfigError(str(exc)) from None
 
 
 def _wait_status(args) -> dict:

@@ -227,3 +227,19 @@ def resolve_target(endpoint: str | None = None, config: str | None = None, token
 def _resolve(path: str, base_dir: str) -> str:
     path = os.path.expanduser(path)
     return path if os.path.isabs(path) else os.path.normpath(os.path.join(base_dir, path))
+
+
+def target_of(args) -> Target:
+    """`resolve_target` for a CLI command's parsed arguments (whichever of --endpoint, --config, --token,
+    --server-key it has)."""
+    return resolve_target(getattr(args, "endpoint", None), getattr(args, "config", None), getattr(args, "token", None),
+                          getattr(args, "server_key", None))
+
+
+def connection_of(args, timeout: float | None = None):
+    """The control connection a CLI command's arguments name (timeout: `args.timeout` unless given)."""
+    from expertd.connection import Connection
+
+    target = target_of(args)
+    return Connection(target.daemon_endpoint, timeout=args.timeout if timeout is None else timeout,
+                      credentials=target.credentials)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from expertd.errors import ConfigError
 from expertd.index import (
-    DEFAULT_SHM_DIR, SegmentEntry, TensorEntry, TensorIndex, combined_checksum, tensor_checksum, write_json_atomic,
+    DEFAULT_SHM_DIR, SegmentEntry, TensorEntry, TensorIndex, combined_checksum, write_json_atomic,
 )
 from expertd.partition import ExpertParallel
 from expertd.shm import map_segment, segment_bytes, view

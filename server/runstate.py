@@ -25,6 +25,7 @@ import zmq
 import expertd
 from expertd.errors import ExpertdError
 from expertd.index import write_json_atomic
+from expertd import procfs
 from expertd.procfs import process_start_time
 from expertd.protocol import ipc_path, pack
 
@@ -163,12 +164,7 @@ class RunState:
     @staticmethod
     def _is_expertd(pid: int) -> bool:
         """A live pid owns its segments unless the pid was reused by a program that is not expertd."""
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            return True  # cannot tell: never touch what may be live
-        return b"expertd" in cmdline
+        return procfs.runs_expertd(pid) is not False  # cannot tell: never touch what may be live
 
 
 def endpoint_answers(ctx: zmq.Context, endpoint: str, timeout_ms: int = 500) -> bool:

@@ -15,7 +15,7 @@ def cmd_stop(args) -> int:
 
     from expertd.protocol import ipc_path
 
-    from .cli import _connection
+    from .config import connection_of as _connection
 
     conn = _connection(args)
     try:
@@ -50,12 +50,9 @@ def _running(pid: int) -> bool:
 
 def _answers(args) -> bool:
     """Whether a daemon still answers on the endpoint `args` names (a tcp:// daemon on another host)."""
-    from expertd.connection import Connection
+    from .config import connection_of
 
-    from .cli import _target
-
-    target = _target(args)
-    conn = Connection(target.daemon_endpoint, timeout=0.5, credentials=target.credentials)
+    conn = connection_of(args, timeout=0.5)
     try:
         conn.request("status")
         return True
@@ -66,16 +63,14 @@ def _answers(args) -> bool:
 
 
 def _is_daemon(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"expertd" in f.read()
-    except OSError:
-        return False
+    from expertd.procfs import runs_expertd
+
+    return runs_expertd(pid) is True
 
 
 def cmd_restart(args) -> int:
     """Hand the running daemon's generations over (`stop --keep`) and start a successor that adopts them."""
-    from .cli import cmd_start
+    from .starting import cmd_start
     from .config import load_config
 
     cfg = load_config(args.config)

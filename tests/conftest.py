@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 import uuid
 
 import pytest
