@@ -12,10 +12,8 @@ the thread count.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
-import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -24,12 +22,12 @@ import xxhash
 
 from expertd.index import checksum, tensor_bytes, tensor_checksum
 
-from .arena import Arena, Placement
+from .arena import Arena
 from .layout import Source
+from .parts import CHUNK_BYTES, Output, Part, buffer, memory_at, part_digest
 from .reader import Checkpoint
+from .small_parts import fill_small
 
-CHUNK_BYTES = 1 << 20  # output bytes dequantized and hashed at a time: source and result stay in cache
-HASH_BYTES = 256 << 10  # a small part's result is hashed in pieces of this size, each while it is in L2
 BATCH_BYTES = 8 << 20  # output bytes per pool task: small parts go in batches, a large part alone
 BATCH_ITEMS = 256
 
@@ -93,72 +91,6 @@ def row_pieces(m: int, row_bytes: int, block_rows: int, cuda: bool):
             yield r0, min(b1, r0 + target), min(b1, r0 + target) - r0
 
 
-_local = threading.local()
-
-
-def _buffer(nbytes: int, which: str = "read") -> torch.Tensor:
-    """This thread's reusable buffer `which` ("read": sources, "out": results on their way to `pwrite`),
-    at least `nbytes` long: it stays in cache from read to dequant to write."""
-    buf = getattr(_local, which, None)
-    if buf is None or buf.numel() < nbytes:
-        buf = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
-        setattr(_local, which, buf)
-    return buf[:nbytes]
-
-
-class Output:
-    """Where one batch's results go, by address.
-
-    On tmpfs each result is made in this thread's buffer while it is in cache and leaves with `pwrite`:
-    the kernel then takes each fresh page without zeroing it first, where a write through the mapping
-    has it zero the page and then writes it again (placing bytes this way ran ~1.5x faster here).
-    Back-to-back results of one segment leave in one call. On hugetlbfs (no write()) and for the GPU
-    path (results copied back by torch) results are written straight through the daemon's mapping
-    instead (`direct`)."""
-
-    def __init__(self, arena: Arena, direct: bool):
-        self.arena, self.direct = arena, direct
-        self.where: Placement | None = None
-        self.start = self.used = 0  # pending bytes [start, start + used) of `where`, at the buffer's head
-        self.buf = None if direct else _buffer(CHUNK_BYTES, "out")
-        self.before_flush = None  # called before pending bytes leave: whoever writes them late finishes first
-
-    def at(self, part: Part, offset: int, nbytes: int) -> int:
-        """The address to write bytes [offset, offset + nbytes) of `part`'s result to (valid until the next call)."""
-        if self.direct:
-            return part.out.data_ptr() + offset
-        pos = part.offset + offset
-        if self.where is not part.where or pos != self.start + self.used or self.used + nbytes > self.buf.numel():
-            self.flush()
-            if nbytes > self.buf.numel():
-                self.buf = _buffer(nbytes, "out")
-            self.where, self.start = part.where, pos
-        address = self.buf.data_ptr() + self.used
-        self.used += nbytes
-        return address
-
-    def tensor(self, part: Part, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
-        """`at` as a tensor, for torch to write into."""
-        if not nbytes:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(_memory(self.at(part, offset, nbytes), nbytes), dtype=dtype).view(shape)
-
-    def copy(self, part: Part, data: memoryview) -> None:
-        """`part`'s whole result, already made elsewhere (an older generation's bytes)."""
-        if self.direct:
-            _memory(part.out.data_ptr(), len(data))[:] = data
-        else:
-            self.flush()
-            self.arena.pwrite(part.where, part.offset, data)
-
-    def flush(self) -> None:
-        if self.before_flush is not None:
-            self.before_flush()
-        if self.used:
-            self.arena.pwrite(self.where, self.start, _memory(self.buf.data_ptr(), self.used))
-        self.where, self.used = None, 0
-
-
 def stream_part(part: Part, output: Output, ckpt: Checkpoint, src: Source, scale: torch.Tensor | None, *,
                 device: torch.device) -> tuple[str, str]:
     """Write one part chunk by chunk: read (`preadv`), hash the source chunk, dequantize or copy it,
@@ -168,7 +100,7 @@ def stream_part(part: Part, output: Output, ckpt: Checkpoint, src: Source, scale
     if scale is None:  # stored bytes: read straight into place; source and result are the same bytes
         for b0 in range(0, info.nbytes, CHUNK_BYTES):
             nbytes = min(CHUNK_BYTES, info.nbytes - b0)
-            into = _memory(output.at(part, b0, nbytes), nbytes)
+            into = memory_at(output.at(part, b0, nbytes), nbytes)
             ckpt.read_into(info, b0, into)
             src_hash.update(into)
         digest = "xxh3_64:" + src_hash.hexdigest()
@@ -181,7 +113,7 @@ def stream_part(part: Part, output: Output, ckpt: Checkpoint, src: Source, scale
     rows_per_scale, cols_per_scale = src.block
     grid = scale.float().reshape(-(-m // rows_per_scale), -(-n // cols_per_scale))
     for r0, r1, rows in row_pieces(m, n * item, rows_per_scale, device.type == "cuda"):
-        piece = _buffer((r1 - r0) * n) if device.type != "cuda" else torch.empty((r1 - r0) * n, dtype=torch.uint8)
+        piece = buffer((r1 - r0) * n) if device.type != "cuda" else torch.empty((r1 - r0) * n, dtype=torch.uint8)
         ckpt.read_into(info, r0 * n, tensor_bytes(piece))
         src_hash.update(tensor_bytes(piece))
         dst = output.tensor(part, r0 * n * item, (r1 - r0) * n * item, part.out.dtype, (r1 - r0, n))
@@ -206,7 +138,7 @@ def _stream_mxfp4(part: Part, output: Output, ckpt: Checkpoint, src: Source, sca
     step = max(1, CHUNK_BYTES // max(1, 32 * rows * 2)) if device.type != "cuda" else groups
     src_hash, out_hash = xxhash.xxh3_64(), xxhash.xxh3_64()
     for e in range(matrices):
-        blocks = _buffer(per_matrix) if device.type != "cuda" else torch.empty(per_matrix, dtype=torch.uint8)
+        blocks = buffer(per_matrix) if device.type != "cuda" else torch.empty(per_matrix, dtype=torch.uint8)
         ckpt.read_into(info, e * per_matrix, tensor_bytes(blocks))
         src_hash.update(tensor_bytes(blocks))
         blocks = blocks.view(rows, groups, width)
@@ -222,11 +154,6 @@ def _stream_mxfp4(part: Part, output: Output, ckpt: Checkpoint, src: Source, sca
     return "xxh3_64:" + src_hash.hexdigest(), "xxh3_64:" + out_hash.hexdigest()
 
 
-def part_digest(weight: str, scale: str | None) -> str:
-    """A source part's digest as builds record and compare it: the weight's checksum, joined with its scale's."""
-    return weight if scale is None else f"{weight}+{scale}"
-
-
 def source_digest(ckpt: Checkpoint, src: Source, known: dict) -> tuple[str, dict]:
     """(digest of a source part, identities learned): the weight's checksum (skipped when its identity
     is known from the last build) joined with its scale's."""
@@ -239,22 +166,6 @@ def source_digest(ckpt: Checkpoint, src: Source, known: dict) -> tuple[str, dict
         scale_digest = tensor_checksum(ckpt.view(src.scale))
         ids[ckpt.identity(src.scale)] = scale_digest
     return part_digest(digest, scale_digest), ids
-
-
-class Part:
-    """Part k of a served tensor: its `nbytes` at byte `offset` of `where`, filled from `src`, or from `old`
-    bytes. `out`, its place in the daemon's writable mapping, is made only where it is written through."""
-
-    __slots__ = ("src", "block", "k", "where", "offset", "nbytes", "old", "digest")
-
-    def __init__(self, src: Source, block: torch.Tensor, k: int, where: Placement, offset: int, nbytes: int):
-        self.src, self.block, self.k, self.where, self.offset, self.nbytes = src, block, k, where, offset, nbytes
-        self.old: torch.Tensor | None = None  # an older generation's bytes of this part (its source did not change)
-        self.digest: str | None = None  # the source digest, when already known
-
-    @property
-    def out(self) -> torch.Tensor:
-        return self.block[self.k]
 
 
 def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device) -> list[tuple[str, dict, str]]:
@@ -277,8 +188,6 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device
         else:
             results[i] = _fill_one(part, output, ckpt, device)
     if small:
-        from .small_parts import fill_small
-
         for i, result in zip(small, fill_small([parts[i] for i in small], output, ckpt)):
             results[i] = result
     output.flush()
@@ -315,11 +224,6 @@ def _fill_one(part: Part, output: Output, ckpt: Checkpoint, device: torch.device
         scale_digest = tensor_checksum(scale)
         ids[ckpt.identity(src.scale)] = scale_digest
     return part_digest(digest, scale_digest), ids, out_digest
-
-
-def _memory(address: int, nbytes: int) -> memoryview:
-    """The bytes at `address` as a writable buffer (no tensor made)."""
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
 
 
 def batches(items, size_of):

@@ -13,8 +13,7 @@ import xxhash
 
 from expertd.index import checksum, checksum_text, tensor_bytes
 
-from . import filling
-from .filling import Output, Part, _memory
+from .parts import HASH_BYTES, Output, Part, memory_at, part_digest
 from .layout import check_scale_values
 from .reader import Checkpoint
 
@@ -48,7 +47,7 @@ class SpanReader:
         if alone:
             base = self._read(None, None, 0, sum(i.nbytes for i in alone))
             for info in alone:
-                ckpt.read_into(info, 0, _memory(base, info.nbytes))
+                ckpt.read_into(info, 0, memory_at(base, info.nbytes))
                 self.at[info.file, info.offset] = base
                 base += info.nbytes
 
@@ -63,7 +62,7 @@ class SpanReader:
         return self.at[info.file, info.offset]
 
     def bytes(self, info) -> memoryview:
-        return _memory(self.at[info.file, info.offset], info.nbytes)
+        return memory_at(self.at[info.file, info.offset], info.nbytes)
 
 
 def fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tuple[str, dict, str]]:
@@ -88,7 +87,7 @@ def fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tupl
         scale_digests = []
         for src_at, dst_at, size in desc.tolist():
             ctypes.memmove(dst_at, src_at, size)
-            scale_digests.append(checksum(_memory(dst_at, size)))
+            scale_digests.append(checksum(memory_at(dst_at, size)))
     scales = scale_buf.view(scale_dtype).float()
     bad = ~(torch.isfinite(scales) & (scales > 0))
     if bool(bad.any()):  # name the first part with a bad scale, as planning would
@@ -114,7 +113,7 @@ def fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tupl
         else:
             for i, (x, y, m, n, first_block, rows, cols) in pending:
                 native.gather(x, lut_ptr + first_block * row, y, n, (rows, cols), 0, m)
-                digests[i] = (checksum(_memory(x, m * n)), checksum(_memory(y, 2 * m * n)))
+                digests[i] = (checksum(memory_at(x, m * n)), checksum(memory_at(y, 2 * m * n)))
         pending.clear()
 
     output.before_flush = run
@@ -124,15 +123,15 @@ def fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tupl
             info = p.src.info
             m, n = info.shape
             weight_ptr = source.address(info)
-            if p.nbytes <= filling.HASH_BYTES:
+            if p.nbytes <= HASH_BYTES:
                 pending.append((i, [weight_ptr, output.at(p, 0, p.nbytes), m, n, first, *p.src.block]))
             else:
-                out_hash, rows = xxhash.xxh3_64(), max(1, filling.HASH_BYTES // max(1, 2 * n))
+                out_hash, rows = xxhash.xxh3_64(), max(1, HASH_BYTES // max(1, 2 * n))
                 for r0 in range(0, m, rows):  # each piece hashed while it is in L2
                     r1 = min(m, r0 + rows)
                     out_ptr = output.at(p, r0 * n * 2, (r1 - r0) * n * 2)
                     native.gather(weight_ptr, lut_ptr + first * row, out_ptr - r0 * n * 2, n, p.src.block, r0, r1)
-                    out_hash.update(_memory(out_ptr, (r1 - r0) * n * 2))
+                    out_hash.update(memory_at(out_ptr, (r1 - r0) * n * 2))
                 digests[i] = (checksum(source.bytes(info)), "xxh3_64:" + out_hash.hexdigest())
             first += sizes[i] // scale_dtype.itemsize
         run()
@@ -140,6 +139,6 @@ def fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tupl
         output.before_flush = None
     results = []
     for p, (digest, out_digest), scale_digest in zip(parts, digests, scale_digests):
-        results.append((filling.part_digest(digest, scale_digest),
+        results.append((part_digest(digest, scale_digest),
                         {ckpt.identity(p.src.info): digest, ckpt.identity(p.src.scale): scale_digest}, out_digest))
     return results
