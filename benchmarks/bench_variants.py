@@ -34,12 +34,12 @@ WORKER = r"""
 import json, os, sys
 import torch, transformers
 from expertd.client import ExpertClient
-from expertd.client.residency import model_tensors
+from expertd.hf_dtypes import loaded_tensors
 client = ExpertClient(sys.argv[1])
 model = client.load_model()
 shm_dir, ns = client.index().shm_dir, client.index().namespace
 private = client.private_tensors(model)
-tensors = model_tensors(model)
+tensors = loaded_tensors(model)
 touched = sum(float(t.float().abs().sum()) for t in tensors.values())
 print(json.dumps({"ready": True}), flush=True)
 sys.stdin.readline()  # every worker attached and touched everything: now each one's share is what it keeps

@@ -299,9 +299,7 @@ class ExpertClient:
 
         want = loaded_dtypes(model, dtype)
         views = IndexViews(index, self._attach(), want, only)
-        transient = {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
-                     for name in module._non_persistent_buffers_set}  # computed at init, never served
-        need = views.mismatched(n for n in want if n not in transient)
+        need = views.mismatched(want)
         if need:
             self._variants(index, need, views)
         from expertd.hf_distributed import is_dtensor, reset_fsdp_shards, reshard

@@ -23,37 +23,28 @@ def shared_ranges(shm_dir: str) -> list[tuple[int, int]]:
     return sorted(ranges)
 
 
-def model_tensors(model) -> dict:
-    """A model's parameters and the buffers its state_dict holds (what `from_pretrained` would load), by name."""
-    state = set(model.state_dict().keys())
-    out = dict(model.named_parameters())
-    out.update((k, v) for k, v in model.named_buffers() if k in state)
+def residency(model, shm_dir: str) -> list[tuple[str, object, bool]]:
+    """(name, tensor, whether it lies in a read-only shared mapping of `shm_dir`) for every tensor `from_pretrained`
+    would load into the model (`hf_dtypes.loaded_tensors`)."""
+    from expertd.hf_dtypes import loaded_tensors
+
+    ranges = shared_ranges(shm_dir)
+    starts = [lo for lo, _ in ranges]
+    out = []
+    for name, t in loaded_tensors(model).items():
+        lo = t.data_ptr()
+        k = bisect.bisect_right(starts, lo) - 1
+        out.append((name, t, t.numel() == 0 or (k >= 0 and lo + t.numel() * t.element_size() <= ranges[k][1])))
     return out
 
 
 def private_tensors(model, shm_dir: str) -> list[str]:
     """Names of the model's parameters and loaded buffers not lying in a read-only shared mapping of `shm_dir`."""
-    ranges = shared_ranges(shm_dir)
-    starts = [lo for lo, _ in ranges]
-    out = []
-    for name, t in model_tensors(model).items():
-        if t.numel() == 0:
-            continue
-        lo = t.data_ptr()
-        hi = lo + t.numel() * t.element_size()
-        k = bisect.bisect_right(starts, lo) - 1
-        if k < 0 or hi > ranges[k][1]:
-            out.append(name)
-    return out
+    return [name for name, _, shared in residency(model, shm_dir) if not shared]
 
 
 def shared_bytes(model, shm_dir: str) -> int:
     """Bytes of the model's parameters and loaded buffers that lie in shared memory (tied tensors counted once)."""
-    private = set(private_tensors(model, shm_dir))
-    seen, total = set(), 0
-    for name, t in model_tensors(model).items():
-        key = (t.data_ptr(), t.numel())
-        if name not in private and key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
+    seen = {(t.data_ptr(), t.numel()): t.numel() * t.element_size() for _, t, shared in residency(model, shm_dir)
+            if shared}
+    return sum(seen.values())

@@ -48,8 +48,8 @@ def log_casts(model, dtype, index: TensorIndex, views, need: dict) -> None:
     from expertd.hf_dtypes import dtype_reason
 
     first = next(iter(need))
-    served = next(e.dtype for e in index.tensors if e.name == need[first][0])
-    why = dtype_reason(model, dtype, first)
+    served = views.served[need[first][0]].dtype
+    why = dtype_reason(model, dtype, first, views.dtypes[first])
     names = ", ".join(list(need)[:3]) + (f" and {len(need) - 3} more" if len(need) > 3 else "")
     if views.cast:
         log.info("generation %d: %d tensor(s) mapped as dtype variants the daemon cast once for this host (served as "

@@ -69,7 +69,7 @@ class IndexViews(Mapping):
         """Where `entry` (a served tensor, or a checkpoint view inside one) lies in its served tensor's variant."""
         if entry.base is None:
             return cast
-        base = self.served.get(entry.base) or next(t for t in self.index.tensors if t.name == entry.base)
+        base = self.served[entry.base]  # a checkpoint view is kept only where its base is served (`_entry`)
         first = (entry.offset - base.offset) // to_dtype(entry.dtype).itemsize
         count = entry.nbytes // to_dtype(entry.dtype).itemsize
         return TensorEntry(entry.name, cast.segment, cast.offset + first * want.itemsize, count * want.itemsize,

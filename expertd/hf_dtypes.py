@@ -40,28 +40,34 @@ def _matcher(patterns):
     return build_glob_alternation(list(patterns))[0]
 
 
-def loaded_dtypes(model, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """The dtype `from_pretrained(dtype=dtype)` gives each floating parameter and buffer of `model` (built with
-    `dtype`): float32 where a keep-in-fp32 pattern matches its name, else the dtype the model created it with
-    (both 4.57 and 5.x cast a loaded tensor to its empty parameter's dtype, so a module that makes its weight
-    float32 itself keeps it)."""
-    pattern = _matcher(keep_in_fp32(model, dtype))
-    out = {}
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if tensor.is_floating_point():
-            out[name] = torch.float32 if pattern is not None and pattern.search(name) else tensor.dtype
+def loaded_tensors(model) -> dict[str, torch.Tensor]:
+    """What `from_pretrained` loads into a model: its parameters (a tied one once) and its persistent buffers, by
+    name. Non-persistent buffers (rotary `inv_freq`) are computed at init and never loaded or served."""
+    out = dict(model.named_parameters())
+    for prefix, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buffer
     return out
 
 
-def dtype_reason(model, dtype: torch.dtype, name: str) -> str:
-    """Why `from_pretrained(dtype=dtype)` gives `name` the dtype `loaded_dtypes` says, in words (for one log line)."""
+def loaded_dtypes(model, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """The dtype `from_pretrained(dtype=dtype)` gives each floating tensor it loads into `model` (built with `dtype`):
+    float32 where a keep-in-fp32 pattern matches its name, else the dtype the model created it with (both 4.57 and
+    5.x cast a loaded tensor to its empty parameter's dtype, so a module that makes its weight float32 itself
+    keeps it)."""
+    pattern = _matcher(keep_in_fp32(model, dtype))
+    return {name: torch.float32 if pattern is not None and pattern.search(name) else tensor.dtype
+            for name, tensor in loaded_tensors(model).items() if tensor.is_floating_point()}
+
+
+def dtype_reason(model, dtype: torch.dtype, name: str, want: torch.dtype) -> str:
+    """Why `from_pretrained(dtype=dtype)` gives `name` the dtype `want` (what `loaded_dtypes` says), in words."""
     import transformers
 
     for pattern, attribute in keep_in_fp32(model, dtype).items():
-        matcher = _matcher([pattern])
-        if matcher.search(name):
+        if _matcher([pattern]).search(name):
             return f"transformers {transformers.__version__} {type(model).__name__}.{attribute} has {pattern!r}"
-    want = loaded_dtypes(model, dtype).get(name, dtype)
     return (f"transformers {transformers.__version__} {type(model).__name__} loads it as {want} (no keep-in-fp32 "
             f"pattern matches it)")
 

@@ -97,8 +97,7 @@ class Generation:
 
     def segments(self) -> set[str]:
         """Every segment this generation uses: its tensors' and its dtype variants'."""
-        return {s.name for s in self.index.segments} | {v.entry.segment for v in self.variants.values()
-                                                         if v.entry is not v.of}
+        return {s.name for s in self.index.segments} | {v.entry.segment for v in self.variants.values()}
 
     def drop_index(self) -> None:
         """Unlink the index segment (the generation retires); workers that mapped it have decoded it already."""
@@ -297,6 +296,6 @@ class Generations:
             rows.append({
                 "generation": n, "tensors": len(gen.index.tensors), "bytes": gen.nbytes, "bytes_shared_with_latest": shared,
                 "leases": [{"client": l.client, "pid": l.pid} for l in pinned.get(n, [])],
-                "variants": [v.status() for v in gen.variants.values() if v.entry is not v.of],
+                "variants": [v.status() for v in gen.variants.values()],
             })
         return rows

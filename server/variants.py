@@ -13,6 +13,7 @@ whose served tensor is the same bytes (same segment and offset) reuses the varia
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from expertd.errors import VariantRejected
@@ -25,6 +26,11 @@ from .arena import Arena
 log = logging.getLogger("expertd.variants")
 
 
+def same_bytes(entry: TensorEntry) -> tuple:
+    """What a cast is made from: the same bytes wherever these five agree (a newer generation's unchanged tensor)."""
+    return entry.segment, entry.offset, entry.nbytes, entry.dtype, entry.checksum
+
+
 @dataclass
 class Variant:
     """A served tensor (`of`, an entry of its generation's index) cast into `entry`."""
@@ -32,9 +38,6 @@ class Variant:
     of: TensorEntry
     entry: TensorEntry
 
-    def source(self) -> tuple:
-        """What the cast was made from: the same bytes wherever these five agree."""
-        return self.of.segment, self.of.offset, self.of.nbytes, self.of.dtype, self.of.checksum
 
     def to_wire(self) -> dict:
         e = self.entry
@@ -73,7 +76,7 @@ def make(gen, others, tensors: list[dict], group: str | None = None) -> list[Var
     made of the same bytes, and the rest cast now into new segments of `gen`. In request order."""
     served = {t.name: t for t in gen.index.tensors}
     asked = wanted(tensors, served, gen.number)
-    reusable = {(v.source(), v.entry.dtype): v for other in others for v in other.variants.values()}
+    reusable = {(same_bytes(v.of), v.entry.dtype): v for other in others for v in other.variants.values()}
     out, made = [], []
     try:
         for entry, dtype in asked:
@@ -82,7 +85,7 @@ def make(gen, others, tensors: list[dict], group: str | None = None) -> list[Var
                 continue
             variant = gen.variants.get((entry.name, dtype))
             if variant is None:
-                found = reusable.get(((entry.segment, entry.offset, entry.nbytes, entry.dtype, entry.checksum), dtype))
+                found = reusable.get((same_bytes(entry), dtype))
                 variant = Variant(entry, found.entry) if found is not None else _cast(gen, entry, dtype, group)
                 if found is None:
                     made.append(variant)
@@ -112,10 +115,7 @@ def _cast(gen, entry: TensorEntry, dtype: str, group: str | None) -> Variant:
     shm_dir = gen.index.shm_dir
     arena = Arena(gen.index.namespace, f"v{gen.number}", group=group, shm_dir=shm_dir)
     target = to_dtype(dtype)
-    count = 1
-    for n in entry.shape:
-        count *= n
-    nbytes = count * target.itemsize
+    nbytes = math.prod(entry.shape) * target.itemsize
     placement = arena.add(nbytes, gen.next_variant())
     try:
         sizes = {s.name: s.nbytes for s in gen.index.segments}

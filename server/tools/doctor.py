@@ -178,7 +178,7 @@ class Doctor:
 
     def add_model(self, model) -> None:
         """The dtype each parameter and buffer of `model` holds, and what from_pretrained would give it."""
-        from expertd.hf_dtypes import expected_dtypes
+        from expertd.hf_dtypes import expected_dtypes, loaded_tensors
 
         self.sources["model"] = f"{type(model).__name__} (expected dtypes of from_pretrained(dtype={dtype_name(self.dtype)}))"
         want = expected_dtypes(model, self.dtype)
@@ -187,9 +187,7 @@ class Doctor:
             from expertd.client.residency import private_tensors
 
             private = set(private_tensors(model, self.shm_dir))
-        state = set(model.state_dict().keys())
-        members = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in state]
-        for name, tensor in members:
+        for name, tensor in loaded_tensors(model).items():
             if not tensor.is_floating_point():
                 continue
             row = self.row(name)
@@ -206,10 +204,8 @@ class Doctor:
         from expertd.hf_dtypes import loaded_dtypes
 
         model = empty_model(config, self.dtype)
-        state = set(model.state_dict().keys())
         for name, dtype in loaded_dtypes(model, self.dtype).items():
-            if name in state:
-                self.row(name).expected = dtype_name(dtype)
+            self.row(name).expected = dtype_name(dtype)
 
     # --- comparison ------------------------------------------------------------------------
 
