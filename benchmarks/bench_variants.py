@@ -16,8 +16,10 @@ V3  building a dtype variant once: the daemon casting served bf16 tensors to flo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -62,12 +64,18 @@ client.close()
 ROUTERS_BYTES = 58 * 256 * 7168 * 4  # DeepSeek-V3's routers as float32
 
 
-def daemon(workdir: str, name: str, checkpoint: str) -> DaemonProcess:
+@contextlib.contextmanager
+def serving(workdir: str, name: str, checkpoint: str):
+    """A daemon serving `checkpoint` from a run folder of its own, stopped and its folder removed afterwards."""
     folder = os.path.join(workdir, f"run-{name}-{os.getpid()}")
     d = DaemonProcess.launch(folder, checkpoint, f"benchv{os.getpid()}{name}", stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
-    d.wait_serving(timeout=900)
-    return d
+    try:
+        d.wait_serving(timeout=900)
+        yield d
+    finally:
+        d.stop()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def attach_all(pythons: list[str], endpoint: str) -> list[dict]:
@@ -146,17 +154,13 @@ def main() -> int:
     counts = ensure_preset(args.workdir, "dsv3-counts", "dsv3-counts", 163)
     big = ensure_preset(args.workdir, "bench-1g", "bench-1g", 4)
 
-    d = daemon(args.workdir, "counts", counts)
-    try:
+    with serving(args.workdir, "counts", counts) as d:
         reports = attach_all([sys.executable] + ([previous] if previous else []), d.endpoint)
-    finally:
-        d.stop()
     for r in reports:
         print(f"V1  dsv3-counts, worker on transformers {r['transformers']}: {r['private']} of {r['tensors']} tensors "
               f"private, {r['private_bytes']} private bytes (goal 0)", flush=True)
 
-    d = daemon(args.workdir, "big", big)
-    try:
+    with serving(args.workdir, "big", big) as d:
         served = d.status()["bytes"]["total"]
         reports = attach_all([sys.executable] * 2 + ([previous] * 2 if previous else [sys.executable] * 2), d.endpoint)
         pss = sum(r["pss"] for r in reports)
@@ -164,8 +168,6 @@ def main() -> int:
               f"{pss / served:.3f} (goal <= 1.1; {pss / 2**20:.0f} MiB over {served / 2**20:.0f} MiB served)", flush=True)
         fill = fill_rate()
         v = variant_rate(d)
-    finally:
-        d.stop()
     routers_s = ROUTERS_BYTES / 1e9 / v["gbps"]
     print(f"V3  variant build: {v['tensors']} bf16 tensors -> float32, {v['bytes'] / 2**20:.0f} MiB in "
           f"{v['seconds']:.2f}s = {v['gbps']:.2f} GB/s; the fill limit beside it {fill:.2f} GB/s (ratio "
