@@ -66,7 +66,8 @@ def test_ep_worker_stays_up_and_refreshes_every_rank(tiny_checkpoint, start_daem
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ready = tmp_path / "ready"
-    env = {**os.environ, "EXPERTD_ENDPOINT": d.endpoint, "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun's own torchelastic_* log folders go with the test's folder, not into /tmp
+    env = {**os.environ, "EXPERTD_ENDPOINT": d.endpoint, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                              "127.0.0.1", "--master_port", str(port), os.path.join(ROOT, "examples", "ep_worker.py"),
                              "--poll", "0.2", "--ready-file", str(ready)], stdout=subprocess.PIPE,

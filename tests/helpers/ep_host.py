@@ -52,7 +52,8 @@ def main() -> None:
                   os.path.join(HERE, "ep_worker.py"), args.out, args.reference, args.namespace]
         if args.reload:
             worker += ["--then-refresh", args.reload[1]]
-        env = {**os.environ, "EXPERTD_ENDPOINT": endpoint, "OMP_NUM_THREADS": "1"}
+        # TMPDIR: torchrun's own torchelastic_* log folders go with the test's folder, not into /tmp
+        env = {**os.environ, "EXPERTD_ENDPOINT": endpoint, "OMP_NUM_THREADS": "1", "TMPDIR": args.out}
         torchrun = subprocess.Popen(worker, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if args.reload:
             ranks = range(int(args.node) * int(args.nproc), (int(args.node) + 1) * int(args.nproc))
