@@ -126,14 +126,18 @@ static int vbmi_supported(void) {
 static int vbmi_supported(void) { return 0; }
 #endif
 
+/* A kernel's SIMD switch (this file's and mxfp4.c's): `enable` 1 or 0 sets *setting (1 only where
+ * `supported()`), -1 only asks (deciding 1 where the CPU allows, the first time: *setting -1 is not decided
+ * yet). Returns the setting now in force. */
+int simd_switch(int *setting, int enable, int (*supported)(void)) {
+    if (*setting < 0 || enable >= 0) *setting = (enable != 0) && supported();
+    return *setting;
+}
+
 static int simd = -1; /* -1: not decided yet */
 
-/* Whether the 16-bit gather uses the CPU's vector instructions: `enable` 1 or 0 sets it (1 only where
- * the CPU has them), -1 only asks. Returns the setting now in force. */
-int dequant_lut_simd(int enable) {
-    if (simd < 0 || enable >= 0) simd = (enable != 0) && vbmi_supported();
-    return simd;
-}
+/* Whether the 16-bit gather uses the CPU's vector instructions (simd_switch). */
+int dequant_lut_simd(int enable) { return simd_switch(&simd, enable, vbmi_supported); }
 
 void dequant_lut16(const uint8_t *x, const uint16_t *lut, uint16_t *y, int64_t n, int64_t brow, int64_t bcol,
                    int64_t r0, int64_t r1) {

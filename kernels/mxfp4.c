@@ -24,6 +24,7 @@
 
 #define GROUPS_AT_ONCE 64
 static int64_t stream_min = (int64_t)64 << 20; /* results of at least this many bytes: non-temporal stores */
+static int mx_simd = -1;                       /* whether the gather uses SSSE3 (mxfp4_simd); -1: not decided yet */
 
 /* The result size from which a call streams its stores: `bytes` >= 0 sets it, < 0 only asks. */
 int64_t mxfp4_stream_min(int64_t bytes) {
@@ -75,6 +76,7 @@ SSSE3 static inline void transpose8x8(__m128i v[8]) {
 #define AVX2 __attribute__((target("avx2")))
 
 /* 8x8 transposes of 16-bit lanes in each 128-bit half at once. */
+/* Kept apart from transpose8x8 (the decode too): other vector types, shared in C only by a hot-loop-hiding macro */
 AVX2 static inline void transpose8x8x2(__m256i v[8]) {
     __m256i a0 = _mm256_unpacklo_epi16(v[0], v[1]), a1 = _mm256_unpackhi_epi16(v[0], v[1]);
     __m256i a2 = _mm256_unpacklo_epi16(v[2], v[3]), a3 = _mm256_unpackhi_epi16(v[2], v[3]);
@@ -196,14 +198,10 @@ static int ssse3_supported(void) {
 static int ssse3_supported(void) { return 0; }
 #endif
 
-static int mx_simd = -1; /* -1: not decided yet */
+int simd_switch(int *setting, int enable, int (*supported)(void)); /* dequant_lut.c's, in the same library */
 
-/* Whether the gather uses SSSE3 (and AVX2 where the CPU has it): `enable` 1 or 0 sets it (1 only where the
- * CPU has SSSE3), -1 only asks. */
-int mxfp4_simd(int enable) {
-    if (mx_simd < 0 || enable >= 0) mx_simd = (enable != 0) && ssse3_supported();
-    return mx_simd;
-}
+/* Whether the gather uses SSSE3 (and AVX2 where the CPU has it): simd_switch on SSSE3. */
+int mxfp4_simd(int enable) { return simd_switch(&mx_simd, enable, ssse3_supported); }
 
 /* Groups [g0, g1) of `experts` consecutive experts, each blocks [R, G, 16] / scales [R, G], into
  * y[experts, (g1-g0)*32, R]. `table` is uint16 [256, 16]. */

@@ -14,9 +14,7 @@ gather where that cannot be built (EXPERTD_NATIVE=0), a Triton kernel on CUDA (t
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 import sys
 
 import torch
@@ -24,6 +22,7 @@ import torch
 from expertd.errors import ScaleError, ShapeError, UnsupportedDtypeError
 
 from . import native
+from .triton_dequant import launch_device, on_device
 
 # transformers.integrations.mxfp4.FP4_VALUES: e2m1 code -> value (bit 3 is the sign)
 FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -258,18 +257,9 @@ def quantize_mxfp4(w: torch.Tensor, name: str | None = None) -> tuple[torch.Tens
 TILE_R = 64
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _dequant_triton(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """`dequant_mxfp4_triton` on checked arguments; only the devices are checked here."""
-    device = blocks.device
-    if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"dequant_mxfp4_triton needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
-    for what, t in (("scales", scales), ("out", out)):
-        if t is not None and t.device != device:
-            raise ValueError(f"{what} is on {t.device}, blocks on {device}")
+    device = launch_device("dequant_mxfp4_triton", "blocks", blocks, scales=scales, out=out)
     *lead, r, g, _ = blocks.shape
     if out is None:
         out = torch.empty(_out_shape(blocks), dtype=OUT_DTYPE, device=device)
@@ -281,7 +271,7 @@ def _dequant_triton(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tenso
 
     table = _table(OUT_DTYPE).view(torch.int16).to(device)
     grid = (e * g, -(-r // TILE_R))
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    with on_device(device):
         K._mxfp4_kernel[grid](
             blocks.contiguous(),
             scales.contiguous(),

@@ -21,6 +21,23 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def launch_device(entry: str, name: str, first: torch.Tensor, **others: torch.Tensor | None) -> torch.device:
+    """The device a Triton launch of `entry` runs on: `first`'s (named `name`), which must be CUDA (any under
+    TRITON_INTERPRET=1) and hold each of `others` that is given."""
+    device = first.device
+    if device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{entry} needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
+    for what, t in others.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{what} is on {t.device}, {name} on {device}")
+    return device
+
+
+def on_device(device: torch.device):
+    """The context a launch on `device` runs in: that CUDA device current, or nothing off CUDA."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _tiles(rows: int, cols: int) -> tuple[int, int, bool]:
     """(TILE_M, TILE_N, scalar_scale): tiles inside one scale block when each block side is a multiple of
     its tile side (128 columns, or a power of 2 from 16); else a per-element scale gather."""
@@ -40,12 +57,7 @@ def _dequant_triton(
     m: int, n: int,
 ) -> torch.Tensor:
     """`weight_dequant_triton` on arguments `check_dequant_call` has passed; only the devices are checked here."""
-    device = weight.device
-    if device.type != "cuda" and not _interpreting():
-        raise ValueError(f"weight_dequant_triton needs CUDA tensors (or TRITON_INTERPRET=1), got {device}")
-    for what, t in (("scale_inv", scale_inv), ("out", out)):
-        if t is not None and t.device != device:
-            raise ValueError(f"{what} is on {t.device}, weight on {device}")
+    device = launch_device("weight_dequant_triton", "weight", weight, scale_inv=scale_inv, out=out)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=device)
     if m == 0 or n == 0:
@@ -59,7 +71,7 @@ def _dequant_triton(
     rows, cols = as_block(block_size)
     tile_m, tile_n, scalar_scale = _tiles(rows, cols)
     grid = (-(-m // tile_m), -(-n // tile_n))
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    with on_device(device):
         K._dequant_kernel[grid](
             weight.contiguous().view(torch.uint8),
             scale,
