@@ -97,21 +97,19 @@ std::shared_ptr<const Index> LeaseState::index_locked() {
   }
 }
 
-TensorMap LeaseState::served_tensors() {
-  std::lock_guard<std::mutex> api(api_);
-  auto index = index_locked();
-  mappings();
-  TensorMap out;
-  for (const auto& entry : index->tensors) out.emplace(entry.name, view(entry));
-  return out;
-}
+TensorMap LeaseState::served_tensors() { return views(false); }
 
-TensorMap LeaseState::checkpoint_tensors() {
+TensorMap LeaseState::checkpoint_tensors() { return views(true); }
+
+TensorMap LeaseState::views(bool checkpoint_names) {
   std::lock_guard<std::mutex> api(api_);
   auto index = index_locked();
   mappings();
   TensorMap out;
-  for (const auto& [name, entry] : index->checkpoint_entries()) out.emplace(name, view(entry));
+  if (checkpoint_names)
+    for (const auto& [name, entry] : index->checkpoint_entries()) out.emplace(name, view(entry));
+  else
+    for (const auto& entry : index->tensors) out.emplace(entry.name, view(entry));
   return out;
 }
 

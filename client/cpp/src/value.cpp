@@ -229,6 +229,19 @@ void json_string(std::string& out, std::string_view s) {
   out += '"';
 }
 
+// `items` between `open` and `close`, comma-separated, each written by `write`.
+template <class Items, class Write>
+void json_items(std::string& out, char open, char close, const Items& items, Write write) {
+  out += open;
+  bool first = true;
+  for (const auto& x : items) {
+    if (!first) out += ", ";
+    first = false;
+    write(x);
+  }
+  out += close;
+}
+
 void json_value(std::string& out, const Value& v) {
   switch (v.type()) {
     case Value::Type::Nil: out += "null"; return;
@@ -258,30 +271,16 @@ void json_value(std::string& out, const Value& v) {
       out += "}";
       return;
     }
-    case Value::Type::Array: {
-      out += '[';
-      bool first = true;
-      for (const auto& x : v.as_array()) {
-        if (!first) out += ", ";
-        first = false;
-        json_value(out, x);
-      }
-      out += ']';
+    case Value::Type::Array:
+      json_items(out, '[', ']', v.as_array(), [&](const Value& x) { json_value(out, x); });
       return;
-    }
-    case Value::Type::Map: {
-      out += '{';
-      bool first = true;
-      for (const auto& [k, x] : v.as_map()) {
-        if (!first) out += ", ";
-        first = false;
-        json_string(out, k);
+    case Value::Type::Map:
+      json_items(out, '{', '}', v.as_map(), [&](const auto& item) {
+        json_string(out, item.first);
         out += ": ";
-        json_value(out, x);
-      }
-      out += '}';
+        json_value(out, item.second);
+      });
       return;
-    }
   }
 }
 

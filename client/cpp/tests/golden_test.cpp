@@ -57,31 +57,40 @@ std::string unhex(const std::string& hex) {
   return out;
 }
 
+template <class E>
+bool is(const std::exception& e) {
+  return dynamic_cast<const E*>(&e) != nullptr;
+}
+
+// The typed errors a reply's error name must arrive as, the first that matches.
+struct Typed {
+  const char* name;
+  bool (*matches)(const std::exception&);
+  bool kind_too;  // its kind() must be the name too, and a plain DaemonError may not carry the name
+};
+const Typed typed_errors[] = {
+    {"AuthError", is<expertd::AuthError>, true},       {"VersionMismatch", is<expertd::VersionMismatch>, true},
+    {"LeaseExpired", is<expertd::LeaseExpired>, true}, {"GenerationGone", is<expertd::GenerationGone>, true},
+    {"NotReady", is<expertd::NotReady>, false},
+};
+
 // Which C++ type a reply's error name must arrive as.
 bool thrown_as(const std::string& kind, const std::function<void()>& fn, std::string& got) {
   try {
     fn();
     got = "nothing";
     return false;
-  } catch (const expertd::AuthError& e) {
-    got = "AuthError";
-    return kind == "AuthError" && e.kind() == kind;
-  } catch (const expertd::VersionMismatch& e) {
-    got = "VersionMismatch";
-    return kind == "VersionMismatch" && e.kind() == kind;
-  } catch (const expertd::LeaseExpired& e) {
-    got = "LeaseExpired";
-    return kind == "LeaseExpired" && e.kind() == kind;
-  } catch (const expertd::GenerationGone& e) {
-    got = "GenerationGone";
-    return kind == "GenerationGone" && e.kind() == kind;
-  } catch (const expertd::NotReady& e) {
-    got = "NotReady";
-    return kind == "NotReady";
   } catch (const expertd::DaemonError& e) {
+    bool plain_may_carry = true;
+    for (const Typed& t : typed_errors) {
+      if (t.matches(e)) {
+        got = t.name;
+        return kind == t.name && (!t.kind_too || e.kind() == kind);
+      }
+      if (t.kind_too && kind == t.name) plain_may_carry = false;
+    }
     got = "DaemonError(" + e.kind() + ")";
-    return e.kind() == kind && kind != "AuthError" && kind != "LeaseExpired" && kind != "GenerationGone" &&
-           kind != "VersionMismatch";
+    return e.kind() == kind && plain_may_carry;
   } catch (const std::exception& e) {
     got = e.what();
     return false;

@@ -5,6 +5,7 @@
 #include <cctype>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -49,35 +50,38 @@ class Json {
     if (eat("null")) return Value();
     return number();
   }
-  Value object() {
-    Value::Map m;
+  // The items of an object or array up to `close`, each read by `item`.
+  template <class Item>
+  void items(char close, const char* expected, Item item) {
     ++i_;
     ws();
-    if (s_[i_] == '}') return ++i_, Value(std::move(m));
+    if (s_[i_] == close) {
+      ++i_;
+      return;
+    }
     while (true) {
+      item();
+      ws();
+      char c = s_[i_++];
+      if (c == close) return;
+      if (c != ',') fail(expected);
+    }
+  }
+  Value object() {
+    Value::Map m;
+    items('}', "expected ',' or '}'", [&] {
       ws();
       std::string key = string();
       ws();
       if (s_[i_++] != ':') fail("expected ':'");
       m.emplace_back(std::move(key), value());
-      ws();
-      char c = s_[i_++];
-      if (c == '}') return Value(std::move(m));
-      if (c != ',') fail("expected ',' or '}'");
-    }
+    });
+    return Value(std::move(m));
   }
   Value array() {
     Value::Array a;
-    ++i_;
-    ws();
-    if (s_[i_] == ']') return ++i_, Value(std::move(a));
-    while (true) {
-      a.push_back(value());
-      ws();
-      char c = s_[i_++];
-      if (c == ']') return Value(std::move(a));
-      if (c != ',') fail("expected ',' or ']'");
-    }
+    items(']', "expected ',' or ']'", [&] { a.push_back(value()); });
+    return Value(std::move(a));
   }
   void utf8(std::string& out, uint32_t cp) {
     if (cp < 0x80) {
@@ -113,26 +117,19 @@ class Json {
         continue;
       }
       char e = s_[i_++];
-      switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          uint32_t cp = hex4();
-          if (cp >= 0xD800 && cp < 0xDC00 && s_.compare(i_, 2, "\\u") == 0) {
-            i_ += 2;
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (hex4() - 0xDC00);
-          }
-          utf8(out, cp);
-          break;
+      if (e == 'u') {
+        uint32_t cp = hex4();
+        if (cp >= 0xD800 && cp < 0xDC00 && s_.compare(i_, 2, "\\u") == 0) {
+          i_ += 2;
+          cp = 0x10000 + ((cp - 0xD800) << 10) + (hex4() - 0xDC00);
         }
-        default: fail("bad escape");
+        utf8(out, cp);
+        continue;
       }
+      static const char escapes[] = "\"\\/bfnrt", meanings[] = "\"\\/\b\f\n\r\t";  // by position
+      const char* at = e ? std::strchr(escapes, e) : nullptr;
+      if (!at) fail("bad escape");
+      out += meanings[at - escapes];
     }
   }
   Value number() {

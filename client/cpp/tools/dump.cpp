@@ -217,8 +217,38 @@ int run(int argc, char** argv) {
   return bad ? 1 : 0;
 }
 
-int fail(int code, const char* type, const std::exception& exc) {
-  std::fprintf(stderr, "expertd-cpp-dump: %s: %s\n", type, exc.what());
+template <class E>
+bool is(const std::exception& e) {
+  return dynamic_cast<const E*>(&e) != nullptr;
+}
+
+// An error's exit status and the type that leads its message (the header's list), the first that matches.
+struct Failure {
+  int code;
+  const char* type;  // nullptr: the DaemonError's kind()
+  bool (*matches)(const std::exception&);
+};
+const Failure failures[] = {
+    {3, "DaemonNotRunning", is<expertd::DaemonNotRunning>},
+    {4, "DaemonTimeout", is<expertd::DaemonTimeout>},
+    {5, "AuthError", is<expertd::AuthError>},
+    {9, "VersionMismatch", is<expertd::VersionMismatch>},
+    {6, nullptr, is<expertd::DaemonError>},
+    {7, "CorruptIndex", is<expertd::CorruptIndex>},
+    {7, "ProtocolError", is<expertd::ProtocolError>},
+    {8, "ShmError", is<expertd::ShmError>},
+};
+
+int fail(const std::exception& exc) {
+  int code = 1;
+  std::string type = "Error";
+  for (const Failure& f : failures) {
+    if (!f.matches(exc)) continue;
+    code = f.code;
+    type = f.type ? f.type : static_cast<const expertd::DaemonError&>(exc).kind();
+    break;
+  }
+  std::fprintf(stderr, "expertd-cpp-dump: %s: %s\n", type.c_str(), exc.what());
   return code;
 }
 
@@ -227,25 +257,9 @@ int fail(int code, const char* type, const std::exception& exc) {
 int main(int argc, char** argv) {
   try {
     return run(argc, argv);
-  } catch (const expertd::DaemonNotRunning& e) {
-    return fail(3, "DaemonNotRunning", e);
-  } catch (const expertd::DaemonTimeout& e) {
-    return fail(4, "DaemonTimeout", e);
-  } catch (const expertd::AuthError& e) {
-    return fail(5, "AuthError", e);
-  } catch (const expertd::VersionMismatch& e) {
-    return fail(9, "VersionMismatch", e);
-  } catch (const expertd::DaemonError& e) {
-    return fail(6, e.kind().c_str(), e);
-  } catch (const expertd::CorruptIndex& e) {
-    return fail(7, "CorruptIndex", e);
-  } catch (const expertd::ProtocolError& e) {
-    return fail(7, "ProtocolError", e);
-  } catch (const expertd::ShmError& e) {
-    return fail(8, "ShmError", e);
   } catch (const std::invalid_argument& e) {
     return usage(e.what());
   } catch (const std::exception& e) {
-    return fail(1, "Error", e);
+    return fail(e);
   }
 }
