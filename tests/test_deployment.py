@@ -5,6 +5,7 @@ No Docker engine or cluster runs here, so the files are parsed and checked offli
 
 import contextlib
 import glob
+import grp
 import os
 import re
 import tempfile
@@ -22,6 +23,11 @@ KUBERNETES_VERSIONS = ("1.30.0", "1.33.0")
 def load(path: str):
     with open(path) as f:
         return yaml.safe_load(f)
+
+
+def accepted(cfg: dict):
+    """The config as the daemon would take it; its `group` (made by the image, absent here) stands for one of ours."""
+    return config_from_dict({**cfg, "group": grp.getgrgid(os.getgid()).gr_name} if cfg.get("group") else cfg)
 
 
 def test_compose_daemon_is_healthchecked_and_shares_ipc_with_the_worker():
@@ -42,7 +48,7 @@ def test_compose_daemon_is_healthchecked_and_shares_ipc_with_the_worker():
     cfg = load(os.path.join(DOCKER, cfg_mount.split(":")[0]))
     assert cfg["endpoint"] == worker["environment"]["EXPERTD_ENDPOINT"] == f"ipc://{mounted}/expertd.sock"
     assert any(v.endswith(":" + cfg["checkpoint"] + ":ro") for v in daemon["volumes"])
-    config_from_dict(cfg)  # a config the daemon accepts
+    accepted(cfg)  # a config the daemon accepts
 
 
 def test_compose_gpu_variant_and_images():
@@ -108,7 +114,7 @@ def test_kubernetes_daemonset_and_workers_share_socket_and_shm():
     docs = {d["kind"]: d for _, d in kubernetes_documents()}
     ds, worker, cm = docs["DaemonSet"]["spec"]["template"]["spec"], docs["Deployment"]["spec"]["template"]["spec"], docs["ConfigMap"]
     cfg = yaml.safe_load(cm["data"]["expertd.yaml"])
-    config_from_dict(cfg)
+    accepted(cfg)
     assert ds["hostIPC"] is True and worker["hostIPC"] is True
     daemon = ds["containers"][0]
     probe = daemon["readinessProbe"]["exec"]["command"]
@@ -176,7 +182,7 @@ def test_multinode_daemons_take_their_ranks_from_the_node_label(tmp_path):
     local = tmp_path / "keys"  # the same layout with real keys, so the config is checked as the daemon would
     create_keys(str(local), "daemon")
     create_keys(str(local / "push"), "trainer")
-    cfg = config_from_dict({**raw, "curve_secret_key": str(local / "daemon.key_secret"),
+    cfg = accepted({**raw, "curve_secret_key": str(local / "daemon.key_secret"),
                             "curve_push_keys": str(local / "push")})
     assert cfg.expert_parallel is not None and cfg.endpoint.startswith("tcp://0.0.0.0:") and not cfg.insecure_tcp
     compile(secret["node-ranks.py"], "node-ranks.py", "exec")
@@ -216,3 +222,73 @@ def _ranks_file(text: str):
         f.write(text)
         f.flush()
         yield f.name
+
+
+def image_users() -> dict:
+    """The users and groups docker/Dockerfile makes, which both images must make alike: {name: uid or gid}, the
+    worker's extra groups, the owner and mode of the socket folder, and the image's USER."""
+    found = []
+    for name in ("Dockerfile", "Dockerfile.gpu"):
+        with open(os.path.join(DOCKER, name)) as f:
+            text = f.read()
+        groups = dict((n, int(g)) for g, n in re.findall(r"groupadd --gid (\d+) (\S+)", text))
+        users = {n: (int(u), g, extra) for u, g, extra, n in
+                 re.findall(r"useradd --uid (\d+) --gid (\S+)(?: --groups (\S+))?.*?(?:\\\n.*?)?--shell \S+ (\S+)", text)}
+        folder = re.search(r"install -d -o (\S+) -g (\S+) -m (\d+) /run/expertd", text)
+        found.append({"groups": groups, "users": users, "run": folder.groups(), "USER": re.findall(r"^USER (\S+)", text, re.M)})
+    assert found[0] == found[1]
+    return found[0]
+
+
+def test_daemon_and_workers_run_as_two_uids_sharing_the_daemons_group():
+    """Least privilege: the daemon's uid alone writes segments; workers run as another uid in the daemon's group,
+    which `group:` in every shipped config gives read access (segments 0640, socket 0660) and nothing more.
+    tests/attacks/test_group_mode.py runs this set-up with two uids on the host and performs the attacks."""
+    image = image_users()
+    gid = image["groups"]["expertd"]
+    daemon_uid, daemon_group, _ = image["users"]["expertd"]
+    worker_uid, worker_group, worker_extra = image["users"]["expertd-worker"]
+    assert daemon_group == "expertd" and worker_group != "expertd" and worker_extra == "expertd"
+    assert daemon_uid != worker_uid and image["groups"][worker_group] != gid
+    assert image["run"] == ("expertd", "expertd", "0750") and image["USER"] == ["expertd"]
+    # compose: the daemon as expertd, the worker as expertd-worker with the daemon's group added
+    compose = load(os.path.join(DOCKER, "docker-compose.yml"))
+    daemon, worker = compose["services"]["expertd"], compose["services"]["worker"]
+    assert daemon["user"] == f"{daemon_uid}:{gid}" and "group_add" not in daemon
+    assert worker["user"] == f"{worker_uid}:{image['groups'][worker_group]}" and worker["group_add"] == [str(gid)]
+    for service in (daemon, worker):
+        assert service["read_only"] is True and service["cap_drop"] == ["ALL"]
+        assert "no-new-privileges:true" in service["security_opt"] and "/tmp" in service["tmpfs"]
+    for name in ("expertd.yaml", "expertd-hugepages.yaml"):
+        cfg = load(os.path.join(DOCKER, name))
+        assert cfg["group"] == "expertd", name
+    accepted(load(os.path.join(DOCKER, "expertd.yaml")))
+    huge = load(os.path.join(DOCKER, "docker-compose.hugepages.yml"))["volumes"]["expertd-hugeshm"]["driver_opts"]["o"]
+    assert {f"uid={daemon_uid}", f"gid={gid}", "mode=0750"} <= set(huge.split(","))
+    # Kubernetes, one node and several: the same uids and group, from the pods' security contexts
+    for folder, config_of in (("kubernetes", lambda d: d["ConfigMap"]["data"]["expertd.yaml"]),
+                              ("kubernetes/multinode", lambda d: d["Secret"]["stringData"]["expertd.yaml"])):
+        docs = {d["kind"]: d for _, d in kubernetes_documents(folder)}
+        assert yaml.safe_load(config_of(docs))["group"] == "expertd"
+        pods = [d for _, d in kubernetes_documents(folder) if d["kind"] in ("DaemonSet", "Deployment")]
+        daemons = [d for d in pods if any(c["name"] == "expertd" for c in containers(d))]
+        workers = [d for d in pods if d not in daemons]
+        assert len(daemons) == 1 and len(workers) == 1, folder
+        pod = daemons[0]["spec"]["template"]["spec"]["securityContext"]
+        assert (pod["runAsUser"], pod["runAsGroup"], pod["fsGroup"], pod["runAsNonRoot"]) == (daemon_uid, gid, gid, True)
+        pod = workers[0]["spec"]["template"]["spec"]["securityContext"]
+        assert pod["runAsUser"] == worker_uid != daemon_uid and pod["runAsGroup"] != gid and pod["runAsNonRoot"] is True
+        assert pod["supplementalGroups"] == [gid]
+        for doc in pods:
+            for c in containers(doc):
+                ctx = c["securityContext"]
+                assert ctx["allowPrivilegeEscalation"] is False and ctx["readOnlyRootFilesystem"] is True, c["name"]
+                assert ctx["capabilities"]["drop"] == ["ALL"], c["name"]
+                if c["name"] == "run-folder":  # root only to hand the hostPath socket folder to the daemon
+                    assert ctx["runAsUser"] == 0 and sorted(ctx["capabilities"]["add"]) == ["CHOWN", "FOWNER"]
+                    assert c["command"][-1] == f"chmod 0750 /run/expertd && chown {daemon_uid}:{gid} /run/expertd"
+                else:
+                    assert "add" not in ctx["capabilities"] and "runAsUser" not in ctx, c["name"]
+            spec = doc["spec"]["template"]["spec"]
+            tmp = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
+            assert any(m["mountPath"] == "/tmp" and m["name"] in tmp for c in spec["containers"] for m in c["volumeMounts"])
