@@ -4,14 +4,20 @@
 anything malformed before a byte is loaded. Tensor data is then read through safetensors'
 own mmap-backed API, one tensor at a time, so memory stays bounded by a few tensors (the
 loader reads two ahead), never by a shard or the model.
+
+Every file is opened through `open_regular`: only regular files are read. A FIFO named config.json
+would block the open (it wedged a reload's build slot), /dev/zero as a shard never ends, a folder
+or a socket is no file at all; each is one `NotRegularFileError` naming the file and what it is.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import mmap
 import os
+import stat
 import struct
 import threading
 import warnings
@@ -25,6 +31,7 @@ from expertd.errors import (
     CheckpointError,
     MissingShardError,
     MissingTensorError,
+    NotRegularFileError,
     ShardFormatError,
     UnsupportedDtypeError,
 )
@@ -32,6 +39,43 @@ from expertd.errors import (
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+
+
+def _not_regular(path: str, real: str, what: str, mode: int) -> NotRegularFileError:
+    kind = next((name for test, name in _KINDS if test(mode)), f"of file type {stat.S_IFMT(mode):#o}")
+    linked = real != os.path.join(os.path.realpath(os.path.dirname(os.path.abspath(path))), os.path.basename(path))
+    link = f"a symlink to {real}, which is " if linked else ""
+    return NotRegularFileError(f"{what} is {link}{kind}, not a regular file; expertd reads only regular files",
+                               file=path)
+
+
+def open_regular(path: str, what: str) -> tuple[int, os.stat_result]:
+    """Open a checkpoint file read-only if it is a regular file: (fd, its fstat); else `NotRegularFileError`.
+
+    Symlinks are followed on purpose (a HuggingFace cache links snapshots/REV/*.safetensors to ../../blobs/HASH):
+    the path is resolved with realpath, the target must be a regular file wherever it is, and it is opened with
+    O_NOFOLLOW (a link swapped in after the realpath is refused, not followed) and O_NONBLOCK (a FIFO swapped in
+    cannot block the open; reads of a regular file ignore the flag); fstat of what was opened decides. A target
+    that is no regular file is refused by stat before any open, so no device is ever opened. OSError (missing,
+    permission) propagates for the caller to name.
+    """
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    if not stat.S_ISREG(st.st_mode):
+        raise _not_regular(path, real, what, st.st_mode)
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegularFileError(f"{what} was replaced by a symlink while being opened", file=path) from exc
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _not_regular(path, real, what, st.st_mode)
+    return fd, st
 
 
 
@@ -79,8 +123,11 @@ def _parse_header(raw: bytes) -> dict:
 
 def read_json(path: str, what: str) -> dict:
     try:
-        with open(path, "rb") as f:
+        fd, _ = open_regular(path, what)
+        with os.fdopen(fd, "rb") as f:
             data = json.loads(f.read(), object_pairs_hook=_reject_duplicate_keys)
+    except CheckpointError:
+        raise
     except FileNotFoundError as exc:
         raise MissingShardError(f"{what} not found", file=path) from exc
     except OSError as exc:
@@ -124,8 +171,9 @@ def _check_entry(path: str, name: str, entry, data_len: int) -> tuple[int, int, 
 def read_shard_header(path: str) -> dict[str, TensorInfo]:
     """Parse and check one safetensors header: dtypes known, offsets inside the file, no overlaps."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        fd, st = open_regular(path, "shard")
+        size = st.st_size
+        with os.fdopen(fd, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
                 raise ShardFormatError(f"file of {size} bytes is too short for a safetensors header", file=path)
@@ -137,9 +185,7 @@ def read_shard_header(path: str) -> dict[str, TensorInfo]:
             raw = f.read(header_len)
     except FileNotFoundError as exc:
         raise MissingShardError("shard not found", file=path) from exc
-    except IsADirectoryError as exc:
-        raise ShardFormatError("shard is a directory, not a safetensors file", file=path) from exc
-    except PermissionError as exc:
+    except OSError as exc:
         raise CheckpointError(f"shard is unreadable: {exc.strerror}", file=path) from exc
     try:
         header = _parse_header(raw)
@@ -252,8 +298,11 @@ class Checkpoint:
         data = self._maps.get(info.file)
         if data is None:
             try:
-                with open(info.file, "rb") as f:
-                    mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                fd, _ = open_regular(info.file, "shard")
+                try:
+                    mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+                finally:
+                    os.close(fd)
             except OSError as exc:
                 raise ShardFormatError(f"cannot map shard: {exc}", file=info.file, tensor=info.name) from exc
             with warnings.catch_warnings():
@@ -276,7 +325,7 @@ class Checkpoint:
                 fd = self._fds.get(info.file)
                 if fd is None:
                     try:
-                        fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY | os.O_CLOEXEC)
+                        fd = self._fds[info.file] = open_regular(info.file, "shard")[0]
                     except OSError as exc:
                         raise ShardFormatError(f"cannot open shard: {exc}", file=info.file, tensor=info.name) from exc
         done, want = 0, len(buf)
@@ -307,8 +356,14 @@ class Checkpoint:
         handle = self._handles.get(info.file)
         try:
             if handle is None:
-                handle = self._handles[info.file] = safe_open(info.file, framework="pt")
+                fd, _ = open_regular(info.file, "shard")
+                try:  # safetensors opens a path: the one of the file just checked, not a name that could change
+                    handle = self._handles[info.file] = safe_open(f"/proc/self/fd/{fd}", framework="pt")
+                finally:
+                    os.close(fd)
             return handle.get_tensor(name)
+        except CheckpointError:
+            raise
         except Exception as exc:  # safetensors raises its own types; name the file and tensor
             raise ShardFormatError(f"reading failed: {exc}", file=info.file, tensor=name) from exc
 
