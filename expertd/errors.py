@@ -35,6 +35,10 @@ class ShardFormatError(CheckpointError):
     """A shard is not a readable safetensors file (truncated, bad header, lying offsets)."""
 
 
+class NotRegularFileError(CheckpointError):
+    """A checkpoint file is a FIFO, a device, a folder or a socket: reading it could block or never end."""
+
+
 class MissingTensorError(CheckpointError, KeyError):
     """A tensor the model or the index needs is not in the checkpoint."""
 
