@@ -144,8 +144,9 @@ class ExpertClient:
         return private_tensors(model, self.index().shm_dir)
 
     def status(self) -> dict:
+        """The daemon's status map (PROTOCOL.md `status`), read through messages.StatusReply: checked field by field."""
         self._check_gone()
-        return self._conn.request("status")
+        return self._conn.send(messages.Status(), messages.StatusReply).wire()
 
     def restore(self, model, dtype: torch.dtype | None = None, strict: bool = True):
         """Bind this client's views into a model you built (transformers 4.x per-expert or 5.x fused

@@ -18,7 +18,7 @@ from expertd import messages, procfs
 from expertd.connection import Connection
 from expertd.dtypes import PACKED_SUFFIXES, SCALE_SUFFIXES
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
-from expertd.index import DEFAULT_SHM_DIR, TensorIndex, tensor_checksum
+from expertd.index import TensorIndex, tensor_checksum
 from expertd.protocol import STAGE_FRAME_BYTES, PROTOCOL_VERSION, STAGE_MESSAGE_BYTES
 from expertd.security import Credentials
 from expertd.shm import map_segment, segment_bytes
@@ -30,23 +30,22 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
-def _checked(slot: dict, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    raw = _raw(tensors[slot["name"]])
-    if raw.numel() != slot["nbytes"]:
-        raise UpdateRejected(f"tensor {slot['name']!r}: {raw.numel()} bytes, the daemon staged {slot['nbytes']}")
+def _checked(slot: messages.StagedTensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    raw = _raw(tensors[slot.name])
+    if raw.numel() != slot.nbytes:
+        raise UpdateRejected(f"tensor {slot.name!r}: {raw.numel()} bytes, the daemon staged {slot.nbytes}")
     return raw
 
 
-def _write_staged(staging: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+def _write_staged(staging: messages.UpdateReply, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Copy the pushed bytes into the staging segment the daemon handed out; their checksums, in its order."""
-    mapping = map_segment(staging["segment"], staging["nbytes"], shared_write=True,
-                          shm_dir=staging.get("shm_dir", DEFAULT_SHM_DIR))
+    mapping = map_segment(staging.segment, staging.nbytes, shared_write=True, shm_dir=staging.shm_dir)
     try:
         data = segment_bytes(mapping)
         sums = []
-        for slot in staging["tensors"]:
+        for slot in staging.tensors:
             raw = _checked(slot, tensors)
-            data[slot["offset"]: slot["offset"] + slot["nbytes"]].copy_(raw)
+            data[slot.offset: slot.offset + slot.nbytes].copy_(raw)
             sums.append(tensor_checksum(raw))
         del data
         return sums
@@ -54,27 +53,28 @@ def _write_staged(staging: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
         mapping.close()
 
 
-def _send_staged(conn, lease: str, staging: dict, tensors: dict[str, torch.Tensor]) -> list[str]:
+def _send_staged(conn, lease: str, staging: messages.UpdateReply, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Send the pushed bytes as frames of `stage` requests (no shared memory with a daemon on another host):
     each request carries up to STAGE_MESSAGE_BYTES of one tensor in frames of at most STAGE_FRAME_BYTES."""
     sums = []
-    for k, slot in enumerate(staging["tensors"]):
+    for k, slot in enumerate(staging.tensors):
         raw = _checked(slot, tensors)
         data = memoryview(raw.numpy()) if raw.numel() else memoryview(b"")
         for at in range(0, max(len(data), 1), STAGE_MESSAGE_BYTES):
             piece = data[at: at + STAGE_MESSAGE_BYTES]
             frames = [piece[f: f + STAGE_FRAME_BYTES] for f in range(0, len(piece), STAGE_FRAME_BYTES)]
             if frames:
-                conn.send(messages.Stage(client=lease, update=staging["update"], tensor=k, at=at), frames=frames)
+                conn.send(messages.Stage(client=lease, update=staging.update, tensor=k, at=at), messages.StageReply,
+                          frames=frames)
         sums.append(tensor_checksum(raw))
     return sums
 
 
-def _stage(conn, lease: str, tensors: dict[str, torch.Tensor]) -> tuple[dict, list[str]]:
+def _stage(conn, lease: str, tensors: dict[str, torch.Tensor]) -> tuple[messages.UpdateReply, list[str]]:
     """Ask for a staging area, fill it (shared memory on this host's ipc://, frames over tcp://); on a failure
     the daemon drops it at once instead of when this lease ends."""
-    spec = [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype)} for n, t in tensors.items()]
-    staging = conn.send(messages.Update(client=lease, tensors=spec))
+    spec = [messages.PushedTensor(name=n, shape=list(t.shape), dtype=str(t.dtype)) for n, t in tensors.items()]
+    staging = conn.send(messages.Update(client=lease, tensors=spec), messages.UpdateReply)
     try:
         if conn.endpoint.startswith("tcp://"):
             return staging, _send_staged(conn, lease, staging, tensors)
@@ -84,26 +84,27 @@ def _stage(conn, lease: str, tensors: dict[str, torch.Tensor]) -> tuple[dict, li
         raise
 
 
-def _abort(conn, lease: str, staging: dict) -> None:
+def _abort(conn, lease: str, staging: messages.UpdateReply) -> None:
     try:
-        conn.send(messages.Abort(client=lease, update=staging["update"]))
+        conn.send(messages.Abort(client=lease, update=staging.update), messages.Done)
     except Exception:  # the first failure is the one to report
         pass
 
 
-def _wait(conn, job: dict, timeout: float, until=("building", "built")) -> dict:
+def _wait(conn, job: messages.JobReply, timeout: float, until=("building", "built")) -> messages.JobReply:
     deadline = time.monotonic() + max(timeout, 1.0)
-    while job["state"] in until:
+    while job.state in until:
         if time.monotonic() > deadline:
-            raise DaemonTimeout(f"the daemon at {conn.endpoint} did not finish update job {job['job']} within {timeout:.0f}s")
+            raise DaemonTimeout(f"the daemon at {conn.endpoint} did not finish update job {job.job} within {timeout:.0f}s")
         time.sleep(POLL_S)
-        job = conn.send(messages.Job(job=job["job"]))
+        job = conn.send(messages.Job(job=job.job), messages.JobReply)
     return job
 
 
-def _failed(conn, job: dict) -> DaemonError:
-    cls = UpdateRejected if job.get("error") == "UpdateRejected" else DaemonError
-    return cls(f"the update failed at {conn.endpoint}: {job.get('error')}: {job.get('message')}", job.get("error"))
+def _failed(conn, job: messages.JobReply) -> DaemonError:
+    error = job.error or None  # a failed job names its error; ABSENT otherwise
+    cls = UpdateRejected if error == "UpdateRejected" else DaemonError
+    return cls(f"the update failed at {conn.endpoint}: {error}: {job.message or None}", error)
 
 
 def _check(tensors) -> None:
@@ -118,11 +119,11 @@ def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> 
     """Stage `tensors`, commit them and wait until the daemon publishes them; returns the generation."""
     _check(tensors)
     staging, sums = _stage(conn, lease, tensors)
-    job = conn.send(messages.Commit(client=lease, update=staging["update"], checksums=sums))
+    job = conn.send(messages.Commit(client=lease, update=staging.update, checksums=sums), messages.JobReply)
     job = _wait(conn, job, timeout)
-    if job["state"] != "published":
+    if job.state != "published":
         raise _failed(conn, job)
-    return job["generation"]
+    return job.generation
 
 
 def share_of(index: TensorIndex, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -191,21 +192,22 @@ def _publish_everywhere(daemons, timeout: float) -> dict[str, int]:
         for conn, lease, share in daemons:
             staging, sums = _stage(conn, lease, share)
             staged.append((conn, lease, staging))
-            jobs.append(conn.send(messages.Commit(client=lease, update=staging["update"], checksums=sums, hold=True)))
+            jobs.append(conn.send(messages.Commit(client=lease, update=staging.update, checksums=sums, hold=True),
+                                  messages.JobReply))
         jobs = [_wait(conn, job, timeout, until=("building",)) for (conn, _, _), job in zip(staged, jobs)]
         for (conn, _, _), job in zip(staged, jobs):
-            if job["state"] != "built":
+            if job.state != "built":
                 raise _failed(conn, job)
     except BaseException:
         for conn, lease, staging in staged:
             _abort(conn, lease, staging)
         raise
     for (conn, lease, _), job in zip(staged, jobs):
-        conn.send(messages.Publish(client=lease, job=job["job"]))
+        conn.send(messages.Publish(client=lease, job=job.job), messages.JobReply)
     done = {}
     for (conn, _, _), job in zip(staged, jobs):
         job = _wait(conn, job, timeout)
-        if job["state"] != "published":
+        if job.state != "published":
             raise _failed(conn, job)
-        done[conn.endpoint] = job["generation"]
+        done[conn.endpoint] = job.generation
     return done

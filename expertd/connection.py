@@ -15,7 +15,7 @@ import zmq
 from expertd import messages
 from expertd.errors import DaemonNotRunning, DaemonTimeout, ProtocolError
 from expertd.protocol import MAX_MESSAGE_BYTES, ipc_path, pack, unpack_reply
-from expertd.security import PUSH_OPS, Credentials
+from expertd.security import Credentials
 
 # What each request is, in the user's words (errors name these, never the op on the wire).
 OP_WORDS = {
@@ -94,7 +94,7 @@ class Connection:
                 message = {"op": op, **fields}
                 if self.token is not None:
                     message["token"] = self.token
-                if self.credentials.push_token is not None and op in PUSH_OPS:
+                if self.credentials.push_token is not None and messages.PERMISSIONS.get(op) == messages.PUSH:
                     message["push_token"] = self.credentials.push_token
                 packed = pack(message)
                 if len(packed) > MAX_MESSAGE_BYTES:  # the daemon's socket would drop it unanswered

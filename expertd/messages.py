@@ -4,96 +4,19 @@ PROTOCOL.md §3 documents each message; tests/golden/protocol pins their bytes. 
 into its class here (`parse_request`: wrong or missing fields are a ProtocolError naming the op and the field,
 another protocol version a VersionMismatch) and builds the replies clients read from the reply classes; the
 Python client builds its requests from the same classes and reads those replies through them. A field left
-at `ABSENT` is not sent; `None` is sent as nil.
+at `ABSENT` is not sent; `None` is sent as nil. `PERMISSIONS` says which permission each op needs: the daemon
+checks it on the parsed request, the client sends its push token with the ops that need it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .errors import ProtocolError
+from .index import DEFAULT_SHM_DIR
+from .message_types import ABSENT, F, Message  # noqa: F401  (ABSENT: callers leave a field off the wire with it)
 from .protocol import check_version
-
-
-class _Absent:
-    def __repr__(self) -> str:
-        return "ABSENT"
-
-    def __bool__(self) -> bool:
-        return False
-
-
-ABSENT: Any = _Absent()  # a field that is not on the wire (distinct from nil)
-
-_WORDS = {int: "an integer", str: "a string", bool: "a boolean", float: "a number", list: "a list", dict: "a map"}
-
-
-def F(kind=None, default=ABSENT, *, lo: int | None = None, hi: int | None = None, nil: bool = False,
-      required: bool = False, items=None):
-    """A message field: its wire type (None: any), the value a reader takes when it is absent, integer bounds
-    [lo, hi), whether nil is allowed, whether it must be present, and the type of a list's items. A message
-    built to be sent leaves every field it is not given ABSENT: not on the wire."""
-    return field(default=ABSENT, metadata={"kind": kind, "default": default, "lo": lo, "hi": hi, "nil": nil,
-                                            "required": required, "items": items})
-
-
-def _is(kind, value) -> bool:
-    if kind is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, kind)
-
-
-def _words(meta: dict) -> str:
-    if meta["kind"] is int and meta["lo"] in (0, 1):
-        words = "a non-negative integer" if meta["lo"] == 0 else "a positive integer"
-        hi = meta["hi"]
-        if hi is not None:
-            words += f" below 2^{hi.bit_length() - 1}" if hi & (hi - 1) == 0 else f" below {hi}"
-        return words
-    return _WORDS[meta["kind"]]
-
-
-def _check(where: str, name: str, value, meta: dict):
-    kind = meta["kind"]
-    if value is None and meta["nil"]:
-        return None
-    nil = " (or nil)" if meta["nil"] else ""
-    shown = repr(value) if len(repr(value)) <= 40 else type(value).__name__
-    wrong = kind is not None and not _is(kind, value)
-    if wrong or (kind is int and ((meta["lo"] is not None and value < meta["lo"])
-                                  or (meta["hi"] is not None and value >= meta["hi"]))):
-        raise ProtocolError(f"{where}: '{name}' must be {_words(meta)}{nil}, got {shown}")
-    if meta["items"] is not None:
-        for i, item in enumerate(value):
-            if not _is(meta["items"], item):
-                raise ProtocolError(f"{where}: '{name}'[{i}] must be {_WORDS[meta['items']]}, got {type(item).__name__}")
-    return value
-
-
-class Message:
-    """Typed fields over a msgpack map: `from_wire` checks a received map, `wire` gives the map to send."""
-
-    @classmethod
-    def from_wire(cls, msg: dict, where: str):
-        values = {}
-        for f in fields(cls):
-            meta = f.metadata
-            if "kind" not in meta:
-                continue  # not a wire field
-            if f.name not in msg or (msg[f.name] is None and not meta["nil"] and not meta["required"]):
-                if meta["required"]:
-                    raise ProtocolError(f"{where}: '{f.name}' is missing; it must be {_words(meta)}")
-                values[f.name] = meta["default"]
-                continue
-            values[f.name] = _check(where, f.name, msg[f.name], meta)
-        return cls(**values)
-
-    def wire(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if "kind" in f.metadata and getattr(self, f.name) is not ABSENT}
 
 
 # --- requests --------------------------------------------------------------------------------------
@@ -107,6 +30,11 @@ class Request(Message):
 
     def check(self) -> None:
         """Checks across fields, or beyond types (the protocol version)."""
+
+    @property
+    def permission(self) -> str:
+        """What a client needs to be granted to send this op (PERMISSIONS)."""
+        return PERMISSIONS[self.op]
 
 
 @dataclass
@@ -133,9 +61,18 @@ class Lease(Request):
 
 
 @dataclass
-class Heartbeat(Request):
-    op: ClassVar[str] = "heartbeat"
+class LeaseRequest(Request):
+    """A request on behalf of a lease: `client` names it (the first field of every such op)."""
     client: str = F(str, required=True)
+
+
+def _plain(op: str, base: type[Request]) -> type[Request]:
+    """The request class of an op with no fields beyond its base's (its name: the op's, capitalized)."""
+    return dataclass(type(op.capitalize(), (base,), {"op": op, "__module__": __name__, "__doc__": f"op {op!r}"}))
+
+
+Heartbeat, Refresh, Release = (_plain(op, LeaseRequest) for op in ("heartbeat", "refresh", "release"))  # a lease alone
+Status = _plain("status", Request)
 
 
 @dataclass
@@ -143,23 +80,6 @@ class Index(Request):
     op: ClassVar[str] = "index"
     client: str | None = F(str, None)  # the generation this lease reads; else the latest
     segment: bool = F(bool, False)  # only the index segment's descriptor, not the index inline
-
-
-@dataclass
-class Refresh(Request):
-    op: ClassVar[str] = "refresh"
-    client: str = F(str, required=True)
-
-
-@dataclass
-class Release(Request):
-    op: ClassVar[str] = "release"
-    client: str = F(str, required=True)
-
-
-@dataclass
-class Status(Request):
-    op: ClassVar[str] = "status"
 
 
 @dataclass
@@ -175,43 +95,47 @@ class Reload(Request):
 
 
 @dataclass
-class Update(Request):
-    op: ClassVar[str] = "update"
-    client: str = F(str, required=True)
-    tensors: list = F(list, required=True, items=dict)  # [{name, shape, dtype}]: checked against the served generation
+class PushedTensor(Message):
+    """One tensor an `update` names; the daemon checks it against what it serves."""
+    name: str = F(str, required=True)
+    shape: list = F(list, required=True, items=int, lo=0)
+    dtype: str = F(str, required=True)  # e.g. "torch.bfloat16"
 
 
 @dataclass
-class Stage(Request):
-    op: ClassVar[str] = "stage"
-    client: str = F(str, required=True)
+class Update(LeaseRequest):
+    op: ClassVar[str] = "update"
+    tensors: list = F(list, required=True, items=PushedTensor)
+
+
+@dataclass
+class UpdateRequest(LeaseRequest):
+    """A request about one staged update (`update`, the number the `update` reply gave)."""
     update: int = F(int, required=True)
+
+
+@dataclass
+class Stage(UpdateRequest):
+    op: ClassVar[str] = "stage"
     tensor: int = F(int, required=True, lo=0, hi=U31)  # index into the update's tensors
     at: int = F(int, 0, lo=0, hi=U64)  # byte offset in that tensor
     frames: list = field(default_factory=list)  # the data frames after the message (not a msgpack field)
 
 
 @dataclass
-class Commit(Request):
+class Commit(UpdateRequest):
     op: ClassVar[str] = "commit"
-    client: str = F(str, required=True)
-    update: int = F(int, required=True)
     checksums: list = F(list, required=True, items=str)  # one "xxh3_64:" per staged tensor, in order
     hold: bool = F(bool, False)  # build, but publish only on `publish`
 
 
 @dataclass
-class Publish(Request):
+class Publish(LeaseRequest):
     op: ClassVar[str] = "publish"
-    client: str = F(str, required=True)
     job: int = F(int, required=True)
 
 
-@dataclass
-class Abort(Request):
-    op: ClassVar[str] = "abort"
-    client: str = F(str, required=True)
-    update: int = F(int, required=True)
+Abort = _plain("abort", UpdateRequest)  # the staged update alone
 
 
 @dataclass
@@ -225,9 +149,8 @@ VARIANT_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.flo
 
 
 @dataclass
-class Variant(Request):
+class Variant(LeaseRequest):
     op: ClassVar[str] = "variant"
-    client: str = F(str, required=True)
     tensors: list = F(list, required=True, items=dict)  # [{name: served name, dtype: one of VARIANT_DTYPES}]
     generation: int | None = F(int, None, lo=1)  # default: the generation the lease reads
 
@@ -235,6 +158,15 @@ class Variant(Request):
 REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (
     Hello, Index, Lease, Release, Heartbeat, Status, Stop, Refresh, Reload, Update, Stage, Commit, Publish, Abort, Job,
     Variant)}
+
+# The permission each op needs (roles grant verbs, not connections): the daemon checks it on the parsed request
+# and a refusal names the op and the permission; the client sends its push_token with the ops that need "push".
+READ, PUSH = "read", "push"
+PERMISSIONS: dict[str, str] = {
+    "hello": READ, "lease": READ, "index": READ, "heartbeat": READ, "refresh": READ, "release": READ, "variant": READ,
+    "status": READ, "job": READ, "stop": READ, "reload": READ,
+    "update": PUSH, "stage": PUSH, "commit": PUSH, "publish": PUSH, "abort": PUSH,  # they change what is served
+}
 
 
 def parse_request(msg: dict) -> Request:
@@ -244,11 +176,6 @@ def parse_request(msg: dict) -> Request:
     request = cls.from_wire(msg, f"op {msg['op']!r}")
     request.check()
     return request
-
-
-def request_fields(request: Request) -> dict:
-    """The fields to send for `request` (without `op`), in declaration order."""
-    return request.wire()
 
 
 # --- replies the clients read ----------------------------------------------------------------------
@@ -297,6 +224,72 @@ class VariantReply(Reply):
 @dataclass
 class Done(Reply):  # release, stop, abort: nothing but ok
     pass
+
+
+@dataclass
+class StagedTensor(Message):
+    """Where an `update` reply puts one pushed tensor in its staging segment."""
+    name: str = F(str, required=True)
+    offset: int = F(int, required=True, lo=0)
+    nbytes: int = F(int, required=True, lo=0)
+
+
+@dataclass
+class UpdateReply(Reply):
+    update: int = F(int, required=True)  # the staged update's number: `stage`, `commit` and `abort` name it
+    segment: str = F(str, required=True)  # the staging segment to write the pushed bytes into
+    nbytes: int = F(int, required=True, lo=0)
+    shm_dir: str = F(str, DEFAULT_SHM_DIR)
+    tensors: list = F(list, required=True, items=StagedTensor)  # in the order of the update's tensors
+
+
+@dataclass
+class StageReply(Reply):
+    written: int = F(int, required=True, lo=0)  # bytes written from the request's frames
+
+
+@dataclass
+class JobState(Message):
+    """A build (load, reload, update) as `commit`, `publish`, `reload` and `job` report it, and `status` under `job`.
+    `error` and `message` only once failed; the byte counts only once built (a commit may answer still building)."""
+    job: int = F(int, required=True)
+    kind: str = F(str, required=True)  # "load" | "reload" | "update" | "check"
+    state: str = F(str, required=True)  # "building" | "built" | "published" | "failed" | "unchanged"
+    generation: int = F(int, required=True)  # the number it publishes as
+    hold: bool = F(bool, False)  # built, it waits for `publish`
+    error: str | None = F(str, nil=True)
+    message: str | None = F(str, nil=True)
+    bytes_written: int = F(int)
+    tensors_written: int = F(int)
+    bytes_read: int = F(int)
+    seconds: float = F(float)
+
+
+@dataclass
+class JobReply(Reply, JobState):
+    pass
+
+
+@dataclass
+class StatusReply(Reply):
+    """What a daemon serves, its leases, generations and latest build (PROTOCOL.md §3 `status`)."""
+    state: str = F(str, required=True)  # "serving" | "loading"
+    pid: int = F(int, required=True)
+    namespace: str = F(str, required=True)
+    endpoint: str = F(str, required=True)
+    checkpoint: str = F(str, required=True)
+    generation: int = F(int, required=True)
+    tensors: int = F(int, required=True)
+    views: int = F(int, required=True)
+    segments: list = F(list, required=True, items=str)
+    index_segment: str | None = F(str, None, nil=True)  # the latest index segment's name (not a descriptor)
+    shm_dir: str = F(str, DEFAULT_SHM_DIR)
+    bytes: dict = F(dict, required=True)  # {total, <dtype>: bytes}
+    expert_parallel: dict | None = F(dict, None, nil=True)
+    leases: list = F(list, required=True, items=dict)
+    generations: list = F(list, required=True, items=dict)
+    job: JobState | None = F(JobState, None, nil=True)
+    uptime_s: float = F(float, required=True)
 
 
 def read_reply(cls: type[Reply], reply: dict, what: str):

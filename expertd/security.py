@@ -3,8 +3,9 @@
 CURVE (ZeroMQ's elliptic-curve encryption, libsodium inside pyzmq) encrypts every frame and authenticates
 both ends: a client must know the daemon's public key, and the daemon sees each client's public key. Key
 files are ZeroMQ's own certificate format (`expertd keys` writes them with `zmq.auth.create_certificates`):
-`NAME.key` holds the public key, `NAME.key_secret` both. Pushing weights is a permission of its own: a
-`push_token` (any transport) or, under CURVE, a client key on the daemon's push allow-list.
+`NAME.key` holds the public key, `NAME.key_secret` both. Pushing weights is a permission of its own (which ops
+need it: `expertd.messages.PERMISSIONS`): a `push_token` (any transport) or, under CURVE, a client key on the
+daemon's push allow-list.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-PUSH_OPS = ("update", "stage", "commit", "publish", "abort")  # the requests that change what is served
 Z85_KEY_CHARS = 40
 
 

@@ -21,7 +21,7 @@ EXIT_ERROR = 2  # a user mistake or no daemon: one line on stderr says what is w
 EXIT_LOADING = 3  # `status --wait`: the daemon answers but is still loading its first generation
 
 
-def _wait_status(args) -> dict:
+def _wait_status(args) -> messages.StatusReply:
     """Poll until the daemon serves or `--wait` runs out; what the last attempt raised is raised."""
     import time
 
@@ -34,8 +34,8 @@ def _wait_status(args) -> dict:
         conn = Connection(target.daemon_endpoint, timeout=max(0.1, min(args.timeout, left)) if args.wait else args.timeout,
                           credentials=target.credentials)
         try:
-            status = conn.request("status")
-            if status["state"] == "serving" or time.monotonic() >= deadline:
+            status = conn.send(messages.Status(), messages.StatusReply)
+            if status.state == "serving" or time.monotonic() >= deadline:
                 return status
         except (DaemonNotRunning, DaemonTimeout):
             if time.monotonic() >= deadline:
@@ -47,33 +47,32 @@ def _wait_status(args) -> dict:
 
 def cmd_status(args) -> int:
     status = _wait_status(args)
-    status.pop("ok", None)
-    if args.wait and status["state"] != "serving":
-        print(f"expertd status: the daemon at {status['endpoint']} (pid {status['pid']}) is still loading "
-              f"generation {status['generation']} after {args.wait:g}s", file=sys.stderr)
+    if args.wait and status.state != "serving":
+        print(f"expertd status: the daemon at {status.endpoint} (pid {status.pid}) is still loading "
+              f"generation {status.generation} after {args.wait:g}s", file=sys.stderr)
         return EXIT_LOADING
     if args.json:
-        print(json.dumps(status, sort_keys=True))
+        print(json.dumps({k: v for k, v in status.wire().items() if k != "ok"}, sort_keys=True))
         return 0
-    print(f"expertd {status['state']} on {status['endpoint']} (pid {status['pid']}, namespace {status['namespace']})")
-    print(f"  checkpoint  {status['checkpoint']}")
-    print(f"  generation  {status['generation']}")
-    print(f"  tensors     {status['tensors']} served, {status['views']} per-expert views, {len(status['segments'])} segment(s)")
-    print(f"  shm_dir     {status.get('shm_dir', '/dev/shm')}")
-    for dtype, n in sorted(status["bytes"].items()):
+    print(f"expertd {status.state} on {status.endpoint} (pid {status.pid}, namespace {status.namespace})")
+    print(f"  checkpoint  {status.checkpoint}")
+    print(f"  generation  {status.generation}")
+    print(f"  tensors     {status.tensors} served, {status.views} per-expert views, {len(status.segments)} segment(s)")
+    print(f"  shm_dir     {status.shm_dir}")
+    for dtype, n in sorted(status.bytes.items()):
         print(f"  bytes       {dtype:<16} {n:>16,}")
-    ep = status.get("expert_parallel")
+    ep = status.expert_parallel
     if ep:
         blocks = sorted({(b["total"], tuple(map(tuple, b["ranges"]))) for b in ep["experts"].values()})
         ranges = "; ".join(f"{', '.join(f'[{a}, {a + n})' for a, n in r)} of {total}" for total, r in blocks)
         print(f"  experts     EP size {ep['size']}, ranks {ep['ranks']}: experts {ranges} "
               f"in {len(ep['experts'])} fused tensor(s)")
-    print(f"  clients     {len(status['leases'])}")
-    for lease in status["leases"]:
+    print(f"  clients     {len(status.leases)}")
+    for lease in status.leases:
         print(f"    {lease['client']:<8} pid {lease['pid']:<8} generation {lease['generation']}  "
               f"age {lease['age_s']:.1f}s  idle {lease['idle_s']:.1f}s"
               + ("  (process watched)" if lease.get("watched") else ""))
-    for gen in status.get("generations", []):
+    for gen in status.generations:
         print(f"  generation {gen['generation']:<4} {gen['tensors']} tensors, {gen['bytes']:,} bytes "
               f"({gen['bytes_shared_with_latest']:,} shared with the latest), {len(gen['leases'])} lease(s)")
         variants = gen.get("variants") or []
@@ -82,20 +81,19 @@ def cmd_status(args) -> int:
                             for v in variants})
             print(f"    variants  {len(variants)} tensor(s), {sum(v['nbytes'] for v in variants):,} bytes "
                   f"({', '.join(kinds)})")
-    job = status.get("job")
-    if job:
-        print(f"  last build  {_job_line(job)}")
+    if status.job:
+        print(f"  last build  {_job_line(status.job)}")
     return 0
 
 
-def _job_line(job: dict) -> str:
-    if job["state"] == "failed":
-        return f"{job['kind']} of generation {job['generation']} failed: {job['error']}: {job['message']}"
-    written = f": {job['tensors_written']} tensor(s), {job['bytes_written']:,} bytes written in {job['seconds']:.2f}s" \
-        if "bytes_written" in job else ""
-    if job.get("bytes_read"):
-        written += f", {job['bytes_read']:,} checkpoint bytes read"
-    return f"{job['kind']} of generation {job['generation']} {job['state']}{written}"
+def _job_line(job: messages.JobState) -> str:
+    if job.state == "failed":
+        return f"{job.kind} of generation {job.generation} failed: {job.error}: {job.message}"
+    written = f": {job.tensors_written} tensor(s), {job.bytes_written:,} bytes written in {job.seconds:.2f}s" \
+        if job.bytes_written is not messages.ABSENT else ""
+    if job.bytes_read:
+        written += f", {job.bytes_read:,} checkpoint bytes read"
+    return f"{job.kind} of generation {job.generation} {job.state}{written}"
 
 
 def cmd_reload(args) -> int:
@@ -105,18 +103,18 @@ def cmd_reload(args) -> int:
     conn = _connection(args)
     try:
         fields = {"checkpoint": os.path.abspath(args.checkpoint)} if args.checkpoint else {}
-        job = conn.send(messages.Reload(**fields))
+        job = conn.send(messages.Reload(**fields), messages.JobReply)
         deadline = time.monotonic() + args.wait
-        while job["state"] in ("building", "built") and time.monotonic() < deadline:
+        while job.state in ("building", "built") and time.monotonic() < deadline:
             time.sleep(0.05)
-            job = conn.send(messages.Job(job=job["job"]))
+            job = conn.send(messages.Job(job=job.job), messages.JobReply)
     finally:
         conn.close()
-    if job["state"] == "failed":
-        raise DaemonError(f"reload failed, the daemon keeps serving its current generation: {job['error']}: {job['message']}",
-                          job["error"])
+    if job.state == "failed":
+        raise DaemonError(f"reload failed, the daemon keeps serving its current generation: {job.error}: {job.message}",
+                          job.error)
     print(_job_line(job))
-    return 0 if job["state"] == "published" else 1
+    return 0 if job.state == "published" else 1
 
 
 def cmd_keys(args) -> int:

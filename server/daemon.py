@@ -22,7 +22,6 @@ import zmq
 from expertd import messages
 from expertd.errors import AuthError, ExpertdError, NotReady, ProtocolError, PushDenied
 from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, error_reply, ipc_path, pack, unpack
-from expertd.security import PUSH_OPS
 
 from .config import DaemonConfig
 from .curve import Curve
@@ -251,31 +250,32 @@ class Daemon:
             token = msg.get("token")
             if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.cfg.auth_token.encode()):
                 raise AuthError("request lacks the daemon's auth token or carries a wrong one")
-        if msg["op"] in PUSH_OPS:
-            self._check_push(msg)
         try:
             request = messages.parse_request(msg)
+            if request.permission == messages.PUSH:
+                self._check_push(request.op, msg)
             if isinstance(request, messages.Stage):
                 request.frames = msg.get("_frames") or []
             return self.OPS[msg["op"]](request)
         except ExpertdError as exc:
             return error_reply(exc)
 
-    def _check_push(self, msg: dict) -> None:
+    def _check_push(self, op: str, msg: dict) -> None:
         """Pushing weights is a permission apart: the push_token, or under CURVE a client key on curve_push_keys."""
         push_token = msg.get("push_token")
         if self.cfg.push_token is not None and isinstance(push_token, str) and \
                 hmac.compare_digest(push_token.encode(), self.cfg.push_token.encode()):
             return
+        needs = f"op {op!r} needs the {messages.PUSH!r} permission"
         if self.curve is not None:
             if self.curve.may_push(msg.get("_client_key")):
                 return
-            raise PushDenied(f"this client's CURVE key may only read: pushing weights needs a key in curve_push_keys "
+            raise PushDenied(f"this client's CURVE key may only read, and {needs}: a key in curve_push_keys "
                              f"({self.cfg.curve_push_keys or 'not set: no client may push'})"
                              + (" or the push_token" if self.cfg.push_token else ""))
         if self.cfg.push_token is not None:
-            raise PushDenied("this credential may only read: pushing weights needs the daemon's push_token "
-                             "(ExpertClient(push_token=...) or $EXPERTD_PUSH_TOKEN)")
+            raise PushDenied(f"this credential may only read: pushing weights needs the daemon's push_token ({needs}; "
+                             "ExpertClient(push_token=...) or $EXPERTD_PUSH_TOKEN)")
 
     def op_hello(self, req: messages.Hello) -> dict:
         return messages.HelloReply(protocol=PROTOCOL_VERSION, ready=self.weights.gens.latest is not None,
@@ -283,7 +283,7 @@ class Daemon:
                                    lease_timeout_s=self.cfg.lease_timeout_s).wire()
 
     def op_status(self, req: messages.Status) -> dict:
-        return {"ok": True, **self.status()}
+        return self.status().wire()
 
     def op_stop(self, req: messages.Stop) -> dict:
         """Stop; with `keep`, leave the live generations in shared memory for a successor to adopt (a handover)."""
@@ -323,36 +323,35 @@ class Daemon:
         self.weights.gens.release(req.client)
         return messages.Done().wire()
 
-    def status(self) -> dict:
+    def status(self) -> messages.StatusReply:
         now = time.monotonic()
         w = self.weights
         index = w.gens.latest.index if w.gens.latest else None
         by_dtype = index.total_bytes_by_dtype() if index else {}
         job = w.jobs.current or (next(reversed(w.jobs.done.values())) if w.jobs.done else None)
-        return {
-            "state": "serving" if index else "loading",
-            "pid": os.getpid(),
-            "namespace": self.cfg.namespace,
-            "endpoint": self.cfg.endpoint,
-            "checkpoint": w.checkpoint,
-            "generation": w.status_generation(),
-            "tensors": len(index.tensors) if index else 0,
-            "views": index.view_count() if index else 0,
-            "segments": [s.name for s in index.segments] if index else [],
-            "index_segment": w.gens.latest.index_place["segment"] if index else None,
-            "shm_dir": self.cfg.shm_dir,
-            "bytes": {"total": sum(by_dtype.values()), **by_dtype},
-            "expert_parallel": expert_parallel_status(index),
-            "leases": [
+        return messages.StatusReply(
+            state="serving" if index else "loading",
+            pid=os.getpid(),
+            namespace=self.cfg.namespace,
+            endpoint=self.cfg.endpoint,
+            checkpoint=w.checkpoint,
+            generation=w.status_generation(),
+            tensors=len(index.tensors) if index else 0,
+            views=index.view_count() if index else 0,
+            segments=[s.name for s in index.segments] if index else [],
+            index_segment=w.gens.latest.index_place["segment"] if index else None,
+            shm_dir=self.cfg.shm_dir,
+            bytes={"total": sum(by_dtype.values()), **by_dtype},
+            expert_parallel=expert_parallel_status(index),
+            leases=[
                 {"client": l.client, "pid": l.pid, "generation": l.generation, "age_s": round(now - l.created, 3),
                  "idle_s": round(now - l.seen, 3), "watched": l.watched}
                 for l in w.gens.leases.values()
             ],
-            "generations": w.gens.status(),
-            "job": job.to_dict() if job is not None else None,
-            "uptime_s": round(time.time() - self.started, 3),
-        }
-
+            generations=w.gens.status(),
+            job=job.report() if job is not None else None,
+            uptime_s=round(time.time() - self.started, 3),
+        )
 
 def expert_parallel_status(index) -> dict | None:
     """The partition a daemon serves: EP size, its ranks, and per fused expert tensor the experts it holds."""

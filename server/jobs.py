@@ -14,7 +14,9 @@ import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from expertd import messages
 from expertd.errors import Busy, ExpertdError
+from expertd.messages import ABSENT
 
 from .loader import Built, Cancelled
 
@@ -48,15 +50,13 @@ class Job:
     hold: bool = False  # built, it waits for `publish` (a push to several daemons) instead of publishing
     client: str | None = None  # the lease that committed an update
 
-    def to_dict(self) -> dict:
-        out = {"job": self.number, "kind": self.kind, "state": self.state, "generation": self.generation,
-               "hold": self.hold}
-        if self.state == "failed":
-            out.update(error=self.error, message=self.message)
-        if self.built is not None:
-            out.update(bytes_written=self.built.bytes_written, tensors_written=self.built.tensors_written,
-                       bytes_read=self.built.bytes_read, seconds=round(self.built.seconds, 4))
-        return out
+    def report(self, cls: type[messages.JobState] = messages.JobState) -> messages.JobState:
+        """This job as `commit`, `publish`, `reload` and `job` reply (cls JobReply) and `status` shows it."""
+        failed, b = self.state == "failed", self.built
+        return cls(job=self.number, kind=self.kind, state=self.state, generation=self.generation, hold=self.hold,
+                   error=self.error if failed else ABSENT, message=self.message if failed else ABSENT,
+                   **({} if b is None else dict(bytes_written=b.bytes_written, tensors_written=b.tensors_written,
+                                                bytes_read=b.bytes_read, seconds=round(b.seconds, 4))))
 
 
 class Jobs:

@@ -234,7 +234,7 @@ class WeightService:
     def op_reload(self, req: messages.Reload) -> dict:
         checkpoint = req.checkpoint or self.cfg.checkpoint
         self.latest()
-        return {"ok": True, **self._start_reload(os.path.abspath(checkpoint)).to_dict()}
+        return self._start_reload(os.path.abspath(checkpoint)).report(messages.JobReply).wire()
 
     def op_update(self, req: messages.Update) -> dict:
         """Check a push against the latest generation and hand out a staging segment to write it into."""
@@ -248,9 +248,9 @@ class WeightService:
                           shm_dir=self.cfg.shm_dir)
         self.staging[staging.number] = staging
         self._write_manifest("serving")
-        return {"ok": True, **staging.reply()}
+        return staging.reply().wire()
 
-    def _staging_of(self, req: messages.Stage | messages.Commit | messages.Abort) -> Staging:
+    def _staging_of(self, req: messages.UpdateRequest) -> Staging:
         lease = self.gens.get(req.client)
         staging = self.staging.get(req.update)
         if staging is None or staging.client != lease.client:
@@ -262,7 +262,7 @@ class WeightService:
         staging = self._staging_of(req)
         if staging.committed:
             raise UpdateRejected(f"update {staging.number} is committed: its bytes can no longer change")
-        return {"ok": True, "written": staging.write(req.tensor, req.at, req.frames)}
+        return messages.StageReply(written=staging.write(req.tensor, req.at, req.frames)).wire()
 
     def op_publish(self, req: messages.Publish) -> dict:
         """Publish an update committed with `hold` once it is built (every daemon of a push has built its share)."""
@@ -273,7 +273,7 @@ class WeightService:
         if job.state != "built":
             raise UpdateRejected(f"update job {job.number} is {job.state}, not built: it cannot be published")
         job.hold = False  # the loop publishes it between this request and the next
-        return {"ok": True, **job.to_dict()}
+        return job.report(messages.JobReply).wire()
 
     def _cancel_held(self, job, why: str) -> None:
         job.built.close()
@@ -297,7 +297,7 @@ class WeightService:
         job = self._start_build("update", number, work, on_end=lambda job: self._drop_staging(staging.number))
         job.hold, job.client = req.hold, staging.client
         staging.committed = True
-        return {"ok": True, **job.to_dict()}
+        return job.report(messages.JobReply).wire()
 
     def op_abort(self, req: messages.Abort) -> dict:
         """Drop a staged update its updater will not commit (it failed after `update`), or a held one that is
@@ -331,7 +331,7 @@ class WeightService:
         job = self.jobs.get(req.job)
         if job is None:
             raise ProtocolError(f"no job {req.job!r} (finished jobs are kept a while, not forever)")
-        return {"ok": True, **job.to_dict()}
+        return job.report(messages.JobReply).wire()
 
     def status_generation(self) -> int:
         if self.gens.latest is not None:

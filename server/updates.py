@@ -22,6 +22,7 @@ import torch
 
 from expertd.errors import UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_checksum
+from expertd.messages import PushedTensor, StagedTensor, UpdateReply
 from expertd.shm import DTYPES, map_segment, segment_bytes, segment_path
 
 from .arena import Arena, placed_size
@@ -54,30 +55,21 @@ class Push:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
-def _spec(item, i: int) -> tuple[str, list[int], str]:
-    if not isinstance(item, dict):
-        raise UpdateRejected(f"tensor {i} of the update must be a map of name, shape and dtype")
-    name, shape, dtype = item.get("name"), item.get("shape"), item.get("dtype")
-    if not isinstance(name, str) or not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise UpdateRejected(f"tensor {i} of the update needs a string name and a shape of non-negative ints")
-    if dtype not in DTYPES:
-        raise UpdateRejected(f"tensor {name!r}: dtype {dtype!r} is not one expertd serves")
-    return name, shape, dtype
-
-
-def plan_update(index: TensorIndex, items: list) -> list[Push]:
-    """Check every pushed name, shape and dtype against the served generation; nothing is created."""
-    if not isinstance(items, list) or not items:
+def plan_update(index: TensorIndex, items: list[PushedTensor]) -> list[Push]:
+    """Check every pushed name, shape and dtype against the served generation (their types are checked by
+    `messages`); nothing is created."""
+    if not items:
         raise UpdateRejected("an update needs a non-empty list of tensors")
     served = {t.name: t for t in index.tensors}
     views = {v.name: v for v in index.all_views()}
     codec = quantization_format(index.config)
     specs = {}
-    for i, item in enumerate(items):
-        name, shape, dtype = _spec(item, i)
-        if name in specs:
-            raise UpdateRejected(f"tensor {name!r} is named twice in the update")
-        specs[name] = (shape, dtype)
+    for item in items:
+        if item.dtype not in DTYPES:
+            raise UpdateRejected(f"tensor {item.name!r}: dtype {item.dtype!r} is not one expertd serves")
+        if item.name in specs:
+            raise UpdateRejected(f"tensor {item.name!r} is named twice in the update")
+        specs[item.name] = (item.shape, item.dtype)
     logical = codec.logical(specs)  # {served name: (pushed tensor, its aux)}
     unserved = [stored for n, (stored, _) in logical.items() if n not in served and n not in views]
     if unserved:
@@ -171,10 +163,11 @@ class Staging:
         self.segment = self.arena.segments[0]
         self.tensors = flat
 
-    def reply(self) -> dict:
-        return {"update": self.number, "segment": self.segment.name, "nbytes": self.segment.nbytes,
-                "shm_dir": self.arena.shm_dir,
-                "tensors": [{"name": t.name, "offset": t.offset, "nbytes": t.nbytes} for t in self.tensors]}
+    def reply(self) -> UpdateReply:
+        """What the updater writes into: the segment and where each pushed tensor goes in it."""
+        return UpdateReply(update=self.number, segment=self.segment.name, nbytes=self.segment.nbytes,
+                           shm_dir=self.arena.shm_dir,
+                           tensors=[StagedTensor(name=t.name, offset=t.offset, nbytes=t.nbytes) for t in self.tensors])
 
     def staged(self) -> dict[str, torch.Tensor]:
         """The staged tensors, read-only."""
@@ -182,9 +175,9 @@ class Staging:
         return {t.name: data[t.offset: t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) if t.nbytes
                 else torch.empty(t.shape, dtype=DTYPES[t.dtype]) for t in self.tensors}
 
-    def verify(self, checksums) -> dict[str, torch.Tensor]:
+    def verify(self, checksums: list[str]) -> dict[str, torch.Tensor]:
         """The staged tensors, after checking each against the updater's checksum of what it wrote."""
-        if not isinstance(checksums, list) or len(checksums) != len(self.tensors):
+        if len(checksums) != len(self.tensors):
             raise UpdateRejected(f"commit needs one checksum per staged tensor ({len(self.tensors)})")
         staged = self.staged()
         for t, want in zip(self.tensors, checksums):
@@ -195,12 +188,12 @@ class Staging:
 
     def write(self, tensor: int, at: int, frames: list) -> int:
         """Write pushed bytes that came as frames (an updater on another host) into staged tensor `tensor`
-        from its byte `at`; returns the bytes written."""
-        if not isinstance(tensor, int) or not 0 <= tensor < len(self.tensors):
+        from its byte `at` (both non-negative ints: `messages.Stage`); returns the bytes written."""
+        if tensor >= len(self.tensors):
             raise UpdateRejected(f"update {self.number} stages {len(self.tensors)} tensors, not tensor {tensor!r}")
         slot = self.tensors[tensor]
         nbytes = sum(len(f) for f in frames)
-        if not isinstance(at, int) or at < 0 or at + nbytes > slot.nbytes:
+        if at + nbytes > slot.nbytes:
             raise UpdateRejected(f"{nbytes} bytes at {at!r} do not fit staged tensor {slot.name!r} ({slot.nbytes} bytes)")
         # one pwritev of the request's frames into the segment's file: no mapping, and tmpfs takes the fresh
         # pages without zeroing them first (a write through a mapping has them zeroed, then written);

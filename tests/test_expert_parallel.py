@@ -485,6 +485,7 @@ def test_a_held_update_publishes_only_on_publish_and_goes_on_abort_or_when_its_l
     import time
 
     from expertd.client import ExpertClient
+    from expertd import messages
     from expertd.client.push import _stage, _wait
     from expertd.connection import Connection
     from expertd.protocol import PROTOCOL_VERSION
@@ -499,25 +500,26 @@ def test_a_held_update_publishes_only_on_publish_and_goes_on_abort_or_when_its_l
 
         def held(value, latest):
             staging, sums = _stage(conn, lease, {"model.norm.weight": torch.full_like(norm, value)})
-            job = conn.request("commit", client=lease, update=staging["update"], checksums=sums, hold=True)
+            job = conn.send(messages.Commit(client=lease, update=staging.update, checksums=sums, hold=True),
+                            messages.JobReply)
             job = _wait(conn, job, 30, until=("building",))
-            assert job["state"] == "built" and job["hold"]
+            assert job.state == "built" and job.hold
             time.sleep(0.3)  # a few turns of the loop: a held build is not published
             assert d.status()["generation"] == latest
             return staging, job
 
         staging, job = held(2.0, latest=1)
-        assert conn.request("abort", client=lease, update=staging["update"])["ok"]
-        assert conn.request("job", job=job["job"])["error"] == "Aborted" and d.status()["generation"] == 1
+        assert conn.request("abort", client=lease, update=staging.update)["ok"]
+        assert conn.request("job", job=job.job)["error"] == "Aborted" and d.status()["generation"] == 1
         staging, job = held(3.0, latest=1)
-        conn.request("publish", client=lease, job=job["job"])
-        assert _wait(conn, job, 30)["state"] == "published" and d.status()["generation"] == 2
+        conn.request("publish", client=lease, job=job.job)
+        assert _wait(conn, job, 30).state == "published" and d.status()["generation"] == 2
         staging, job = held(4.0, latest=2)
         conn.request("release", client=lease)  # the updater goes away: its held build goes with its lease
         deadline = time.monotonic() + 10
-        while conn.request("job", job=job["job"])["state"] != "failed" and time.monotonic() < deadline:
+        while conn.request("job", job=job.job)["state"] != "failed" and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert conn.request("job", job=job["job"])["error"] == "Aborted" and d.status()["generation"] == 2
+        assert conn.request("job", job=job.job)["error"] == "Aborted" and d.status()["generation"] == 2
     finally:
         conn.close()
     with ExpertClient(d.endpoint) as client:
