@@ -67,15 +67,17 @@ class DaemonProcess:
     """`expertd start --config config`, told the endpoint and token it serves (it never reads the config back)."""
 
     def __init__(self, config: str, endpoint: str, token: str | None = None, namespace: str | None = None,
-                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, python: str = sys.executable):
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, python: str = sys.executable,
+                 prefix: tuple[str, ...] = (), env: dict | None = None):
         self.config = config
         self.endpoint = endpoint
         self.token = token
         self.namespace = namespace
-        # `python`: another virtualenv's (a daemon on another transformers release), run from outside this tree
+        # `python`: another virtualenv's (a daemon on another transformers release), run from outside this tree;
+        # `prefix`: what runs it (e.g. setpriv as another uid), which must exec it so that signals reach it
         cwd = None if python == sys.executable else os.path.dirname(config)
-        self.proc = subprocess.Popen(expertd_cmd("start", "--config", config, python=python), stdout=stdout,
-                                     stderr=stderr, text=True, cwd=cwd)
+        self.proc = subprocess.Popen([*prefix, *expertd_cmd("start", "--config", config, python=python)],
+                                     stdout=stdout, stderr=stderr, text=True, cwd=cwd, env=env)
 
     @classmethod
     def launch(cls, folder, checkpoint: str, namespace: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
