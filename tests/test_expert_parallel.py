@@ -1,14 +1,14 @@
 """Expert parallelism beyond one host: each daemon serves only its EP ranks' experts, and workers run
 transformers' own expert parallelism (DistributedConfig, torchrun, gloo) over views of their host's
-shared memory. Real daemons, real torchrun workers, real tmpfs mounts per simulated host."""
+shared memory. Real daemons, real torchrun workers, real tmpfs mounts per simulated host. The partition in
+the plan, the index and the config, and workers under torchrun; two simulated hosts: test_expert_parallel_hosts.py;
+pushing to a partitioned deployment: test_expert_parallel_push.py."""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 
@@ -20,56 +20,8 @@ from expertd.index import TensorIndex
 from expertd.partition import ExpertBlock, ExpertParallel, PartitionError
 from expertd.server.config import config_from_dict
 from expertd.server.loader import prepare
-from expertd.server.tools.generate import generate, generate_model_type
-from helpers.checkpoints import edit_checkpoint
 from helpers.daemon import expertd_cmd, write_config
-from helpers.reference import write_reference_bf16
-
-HELPERS = os.path.join(os.path.dirname(__file__), "helpers")
-EXPERT = "model.layers.1.mlp.experts."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def dsv3(tmp_path_factory) -> tuple[str, str]:
-    """The tiny DeepSeek-V3 FP8 checkpoint (its published config at tiny dims, MTP layer included) and its
-    reference-dequantized bf16 twin."""
-    root = tmp_path_factory.mktemp("ep-dsv3")
-    folder = str(root / "fp8")
-    generate(folder, preset="tiny", seed=3, shards=3)
-    return folder, write_reference_bf16(folder, str(root / "bf16"))
-
-
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory) -> tuple[str, str]:
-    root = tmp_path_factory.mktemp("ep-qwen3")
-    folder = str(root / "fp8")
-    generate_model_type(folder, "qwen3_moe")
-    return folder, write_reference_bf16(folder, str(root / "bf16"))
-
-
-@pytest.fixture(scope="module")
-def gpt_oss(tmp_path_factory) -> tuple[str, str]:
-    """A tiny gpt-oss checkpoint as released (MXFP4 blocks and scales, expert stacks pre-fused [E, ...] in the
-    checkpoint) and its bf16 reference."""
-    from expertd.server.tools.requantize import write_mxfp4
-
-    root = tmp_path_factory.mktemp("ep-gpt-oss")
-    folder = str(root / "mxfp4")
-    generate_model_type(folder, "gpt_oss", fp8=False)
-    write_mxfp4(folder)
-    return folder, write_reference_bf16(folder, str(root / "bf16"))
-
-
-def experts_of(folder: str) -> int:
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    return config.get("n_routed_experts") or config.get("num_experts") or config["num_local_experts"]
+from helpers.ep import EXPERT, HELPERS, dsv3, experts_of, free_port, gpt_oss, qwen3, reports  # noqa: F401 (fixtures)
 
 
 # --- the partition in the plan, the index and the config ------------------------------------------
@@ -183,6 +135,14 @@ def test_size_that_does_not_divide_the_experts_exits_2_naming_the_valid_sizes(ds
     assert not glob.glob(f"/dev/shm/{namespace}*")
 
 
+def test_expert_block_rows():
+    block = ExpertBlock(8, ((2, 2), (6, 2)))
+    assert block.experts() == [2, 3, 6, 7] and block.count == 4
+    assert block.rows_of(2, 2) == 0 and block.rows_of(6, 2) == 2 and block.rows_of(3, 1) == 1
+    assert block.rows_of(0, 2) is None and block.rows_of(3, 2) is None  # 4 is not served
+    whole = ExpertBlock(8, ((0, 4), (4, 4)))
+    assert whole.rows_of(0, 8) == 0 and whole.rows_of(2, 4) == 2  # consecutive ranges hold any run
+
 # --- workers under torchrun --------------------------------------------------------------------
 
 def torchrun(out, reference: str, namespace: str, endpoint: str, nproc: int = 2, *extra: str) -> subprocess.CompletedProcess:
@@ -192,9 +152,6 @@ def torchrun(out, reference: str, namespace: str, endpoint: str, nproc: int = 2,
     env = {**os.environ, "EXPERTD_ENDPOINT": endpoint, "OMP_NUM_THREADS": "1", "TMPDIR": str(out)}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
-
-def reports(out, ranks) -> list[dict]:
-    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in ranks]
 
 
 @pytest.mark.parametrize("family, partition", [("dsv3", {"size": 2}), ("qwen3", {"size": 2}), ("dsv3", None),
@@ -251,277 +208,3 @@ def test_worker_ep_size_differs_from_the_daemons(dsv3, start_daemon, namespace, 
     for report in reports(out, (0, 1)):
         assert report["error"] == "PartitionError"
         assert "runs ep_size 2" in report["message"] and "serves EP ranks [0, 1] of EP size 4" in report["message"]
-
-
-# --- two hosts on one machine --------------------------------------------------------------------
-
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                reason="simulating hosts needs root (unshare --ipc --mount and a tmpfs mount)")
-
-
-def changed_experts(folder: str, dst: str) -> str:
-    """A copy of an FP8 checkpoint with one expert changed in each half of layer 1 (its FP8 rows reversed)."""
-    total = experts_of(folder)
-    names = [f"{EXPERT}{e}.{part}.weight" for e in (1, total - 2) for part in ("gate_proj", "down_proj")]
-    return edit_checkpoint(folder, dst, replace={name: reversed_rows(folder, name) for name in names})
-
-
-def reversed_rows(folder: str, name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
-        shard = json.load(f)["weight_map"][name]
-    with safe_open(os.path.join(folder, shard), framework="pt") as f:
-        codes = f.get_tensor(name)
-    return codes.view(torch.uint8).flip(0).view(codes.dtype)
-
-
-@needs_root
-def test_two_hosts_each_serve_half_and_workers_refresh_after_a_reload(dsv3, tmp_path):
-    """Two `unshare --ipc --mount` hosts, each with a private /dev/shm and its own daemon (ranks [0] / [1]),
-    `torchrun --nnodes 2` over loopback: logits equal transformers' EP; each host serves the dense tensors and
-    its half of the experts and reads about its share of the expert bytes; a reload onto a checkpoint with
-    experts changed in both halves reaches both hosts' workers through refresh()."""
-    folder, reference = dsv3
-    changed = changed_experts(folder, str(tmp_path / "changed"))
-    changed_reference = write_reference_bf16(changed, str(tmp_path / "changed-bf16"))
-    out = tmp_path / "out"
-    out.mkdir()
-    port = free_port()
-    hosts = []
-    for node in (0, 1):
-        ns = f"ep{node}{os.getpid()}"
-        config = write_config(tmp_path / f"host{node}", folder, ns, expert_parallel={"size": 2, "ranks": [node]},
-                              load_threads=1)
-        cmd = ["unshare", "--ipc", "--mount", "--fork", sys.executable, os.path.join(HELPERS, "ep_host.py"), config,
-               str(node), "2", "1", str(port), str(out), reference, ns, "--reload", changed, changed_reference]
-        hosts.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, "PYTHONPATH": os.path.dirname(HELPERS)}))
-    logs = [h.communicate(timeout=900)[0] for h in hosts]
-    assert [h.returncode for h in hosts] == [0, 0], logs
-    host = [json.load(open(out / f"host{n}.json")) for n in (0, 1)]
-    for n, h in enumerate(host):
-        assert h["torchrun"][0] == 0, h["torchrun"][1]
-        assert h["reload"][0] == 0, h["reload"]
-        assert h["daemon_exit"] == 0 and h["left_in_shm"] == [], h
-    _, whole = prepare(folder)
-    dense = sum(t.nbytes for t in whole.tensors if ".experts." not in t.name)
-    experts = whole.nbytes - dense
-    for n, h in enumerate(host):
-        served = h["loaded"]["bytes"]["total"]
-        assert served == dense + experts // 2, (n, served, dense, experts)
-        assert h["loaded"]["expert_parallel"]["ranks"] == [n]
-    # bytes read from the checkpoint per host: its plan's sources (scales twice: checked, then used), plus what
-    # span reads of small neighbouring tensors take in between (at most 16 KiB per tensor)
-    for n, h in enumerate(host):
-        _, share = prepare(folder, ExpertParallel(2, (n,)))
-        sources = [s for t in share.tensors for s in t.sources]
-        expected = sum(s.info.nbytes + 2 * (s.scale.nbytes if s.scale else 0) for s in sources)
-        read = h["loaded"]["job"]["bytes_read"]
-        assert expected <= read <= expected + (16 << 10) * len(sources), (n, read, expected)
-        assert read < 0.8 * sum(s.info.nbytes for t in whole.tensors for s in t.sources)
-    for report in reports(out, (0, 1)):
-        assert report["equal"] and report["refreshed_equal"], report
-        assert report["placements"] == report["reference_placements"]
-        assert report["refreshed_generation"] == report["generation"] + 1
-        assert all(report["shm"].values()) and all(report["refreshed_shm"].values())
-        assert any(".experts." in n for n in report["rebound"])  # this rank's changed expert block was rebound
-
-
-# --- pushing weights to a partitioned deployment ---------------------------------------------------
-
-TOKEN = "push-token-0123456789abcdef"
-
-
-@pytest.fixture
-def two_tcp_daemons(dsv3, tmp_path, namespace):
-    """Two daemons on tcp://127.0.0.1 with an auth token, serving EP ranks [0] and [1] of 2."""
-    from helpers.daemon import DaemonProcess
-
-    folder, _ = dsv3
-    started = []
-    try:
-        for rank in (0, 1):
-            started.append(DaemonProcess.launch(tmp_path / f"host{rank}", folder, f"{namespace}h{rank}",
-                                                endpoint=f"tcp://127.0.0.1:{free_port()}", auth_token=TOKEN,
-                                                expert_parallel={"size": 2, "ranks": [rank]}))
-        for d in started:
-            d.wait_serving()
-        yield started
-    finally:
-        for d in started:
-            d.stop()
-
-
-def served(d) -> dict[str, torch.Tensor]:
-    from expertd.client import ExpertClient
-
-    with ExpertClient(d.endpoint, token=TOKEN) as client:
-        return {k: v.clone() for k, v in client.served_tensors().items()}
-
-
-def test_push_all_over_tcp_gives_each_daemon_its_share(two_tcp_daemons, dsv3):
-    """One call pushes a state dict to both hosts over tcp (bytes in ZeroMQ frames): dense tensors reach both,
-    a whole fused expert block is cut into each daemon's rows, FP8 expert weights go with their scales to
-    the daemon that serves them; both publish generation 2."""
-    from expertd.client import push_all
-
-    folder, _ = dsv3
-    a, b = two_tcp_daemons
-    before = [served(d) for d in (a, b)]
-    total = experts_of(folder)
-    fused = f"{EXPERT}down_proj"
-    block = torch.randn(total, *before[0][fused].shape[1:]).to(torch.bfloat16)
-    norm = torch.randn(before[0]["model.norm.weight"].shape).to(torch.bfloat16)
-    done = push_all([a.endpoint, b.endpoint], {fused: block, "model.norm.weight": norm}, token=TOKEN)
-    assert done == {a.endpoint: 2, b.endpoint: 2}
-    after = [served(d) for d in (a, b)]
-    half = total // 2
-    assert torch.equal(after[0][fused], block[:half]) and torch.equal(after[1][fused], block[half:])
-    assert all(torch.equal(s["model.norm.weight"], norm) for s in after)
-    unchanged = [n for n in before[0] if n not in (fused, "model.norm.weight")]
-    assert all(torch.equal(after[0][n], before[0][n]) for n in unchanged)
-    for d in (a, b):
-        status = d.status()
-        assert status["generation"] == 2 and status["job"]["kind"] == "update"
-
-
-def test_push_all_publishes_nowhere_when_one_daemon_refuses(two_tcp_daemons, dsv3):
-    from expertd.client import push_all
-    from expertd.errors import AuthError, DaemonError, UpdateRejected
-
-    folder, _ = dsv3
-    a, b = two_tcp_daemons
-    total = experts_of(folder)
-    norm = served(a)["model.norm.weight"]
-    # a tensor nobody serves: refused before anything is staged
-    nobody = f"{EXPERT}{total + 3}.down_proj.weight"
-    with pytest.raises(UpdateRejected, match=f"served by none of .*{nobody}"):
-        push_all([a.endpoint, b.endpoint], {"model.norm.weight": norm, nobody: torch.zeros(2, 2)}, token=TOKEN)
-    # the second daemon refuses its share (a wrong shape for an expert only it serves) after the first staged
-    theirs = f"{EXPERT}{total - 1}.down_proj.weight"
-    with pytest.raises(UpdateRejected, match="does not match the served"):
-        push_all([a.endpoint, b.endpoint], {"model.norm.weight": norm, theirs: torch.zeros(3, 3, dtype=torch.bfloat16)},
-                 token=TOKEN)
-    # a daemon that is not running
-    from expertd.errors import DaemonNotRunning
-
-    with pytest.raises(DaemonNotRunning):
-        push_all([a.endpoint, "ipc:///tmp/expertd-no-such-daemon/expertd.sock"], {"model.norm.weight": norm}, token=TOKEN)
-    # a wrong token
-    with pytest.raises(DaemonError) as err:
-        push_all([a.endpoint, b.endpoint], {"model.norm.weight": norm}, token="wrong-token-0123456789")
-    assert err.value.kind == AuthError.__name__
-    for d in (a, b):
-        assert d.status()["generation"] == 1
-    # nothing held or staged was left behind: the next push goes through at once
-    assert push_all([a.endpoint, b.endpoint], {"model.norm.weight": norm * 2}, token=TOKEN) == {a.endpoint: 2, b.endpoint: 2}
-
-
-def test_update_on_a_partitioned_daemon_names_every_tensor_it_does_not_serve(dsv3, start_daemon):
-    from expertd.client import ExpertClient
-    from expertd.errors import UpdateRejected
-
-    folder, _ = dsv3
-    d = start_daemon(folder, expert_parallel={"size": 2, "ranks": [0]})
-    total = experts_of(folder)
-    theirs = [f"{EXPERT}{e}.down_proj.weight" for e in (total - 2, total - 1)]
-    with ExpertClient(d.endpoint) as client:
-        mine = client.tensors()[f"{EXPERT}0.down_proj.weight"]
-        with pytest.raises(UpdateRejected) as err:
-            client.update({name: mine.clone() for name in theirs})
-    message = str(err.value)
-    assert all(repr(name) in message for name in theirs) and "EP ranks [0] of 2" in message
-    assert d.status()["generation"] == 1
-
-
-def test_a_partitioned_gpt_oss_daemon_serves_its_rows_and_takes_its_rows_of_a_push(gpt_oss, start_daemon):
-    """A daemon serving EP rank 1 of 2 of gpt-oss: its expert stacks are the second half of each whole stack,
-    bit for bit; push_all of whole MXFP4 blocks and scales (all experts) gives it its rows only."""
-    from safetensors import safe_open
-
-    from expertd.client import ExpertClient, push_all
-    from expertd.server.filling import dequantized
-
-    folder, _ = gpt_oss
-    total = experts_of(folder)
-    half = total // 2
-    whole_ckpt, whole = prepare(folder)
-    stacks = {t.name: dequantized(whole_ckpt, t.sources[0]) for t in whole.tensors if ".mlp.experts." in t.name}
-    whole_ckpt.close()
-    d = start_daemon(folder, expert_parallel={"size": 2, "ranks": [1]})
-    with ExpertClient(d.endpoint) as client:
-        served = client.served_tensors()
-        entries = {e.name: e for e in client.index().tensors}
-        for name, rows in stacks.items():
-            assert entries[name].experts.to_dict() == {"total": total, "ranges": [[half, half]]}
-            assert torch.equal(served[name], rows[half:]), name
-        assert client.verify() == []
-    name = "model.layers.0.mlp.experts.down_proj"
-    shard = next(f for f in glob.glob(os.path.join(folder, "*.safetensors"))
-                 if name + "_blocks" in safe_open(f, framework="pt").keys())
-    with safe_open(shard, framework="pt") as f:
-        blocks, scales = f.get_tensor(name + "_blocks"), f.get_tensor(name + "_scales")
-    pushed = torch.flip(blocks, dims=[0]).contiguous()  # expert e gets expert E-1-e's codes
-    flipped_scales = torch.flip(scales, dims=[0]).contiguous()
-    assert push_all([d.endpoint], {name + "_blocks": pushed, name + "_scales": flipped_scales}) == {d.endpoint: 2}
-    with ExpertClient(d.endpoint) as client:
-        assert client.index().generation == 2
-        assert torch.equal(client.served_tensors()[name], torch.flip(stacks[name], dims=[0])[half:])
-
-
-def test_expert_block_rows():
-    block = ExpertBlock(8, ((2, 2), (6, 2)))
-    assert block.experts() == [2, 3, 6, 7] and block.count == 4
-    assert block.rows_of(2, 2) == 0 and block.rows_of(6, 2) == 2 and block.rows_of(3, 1) == 1
-    assert block.rows_of(0, 2) is None and block.rows_of(3, 2) is None  # 4 is not served
-    whole = ExpertBlock(8, ((0, 4), (4, 4)))
-    assert whole.rows_of(0, 8) == 0 and whole.rows_of(2, 4) == 2  # consecutive ranges hold any run
-
-
-def test_a_held_update_publishes_only_on_publish_and_goes_on_abort_or_when_its_lease_ends(dsv3, start_daemon):
-    """The two-phase commit push_all relies on: built with `hold`, nothing is published until `publish`;
-    `abort` (or the updater's lease ending) drops the built generation and the daemon takes the next update."""
-    import time
-
-    from expertd.client import ExpertClient
-    from expertd import messages
-    from expertd.client.push import _stage, _wait
-    from expertd.connection import Connection
-    from expertd.protocol import PROTOCOL_VERSION
-
-    folder, _ = dsv3
-    d = start_daemon(folder)
-    with ExpertClient(d.endpoint) as client:
-        norm = client.tensors()["model.norm.weight"].clone()
-    conn = Connection(d.endpoint, 10)
-    try:
-        lease = conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"]
-
-        def held(value, latest):
-            staging, sums = _stage(conn, lease, {"model.norm.weight": torch.full_like(norm, value)})
-            job = conn.send(messages.Commit(client=lease, update=staging.update, checksums=sums, hold=True),
-                            messages.JobReply)
-            job = _wait(conn, job, 30, until=("building",))
-            assert job.state == "built" and job.hold
-            time.sleep(0.3)  # a few turns of the loop: a held build is not published
-            assert d.status()["generation"] == latest
-            return staging, job
-
-        staging, job = held(2.0, latest=1)
-        assert conn.request("abort", client=lease, update=staging.update)["ok"]
-        assert conn.request("job", job=job.job)["error"] == "Aborted" and d.status()["generation"] == 1
-        staging, job = held(3.0, latest=1)
-        conn.request("publish", client=lease, job=job.job)
-        assert _wait(conn, job, 30).state == "published" and d.status()["generation"] == 2
-        staging, job = held(4.0, latest=2)
-        conn.request("release", client=lease)  # the updater goes away: its held build goes with its lease
-        deadline = time.monotonic() + 10
-        while conn.request("job", job=job.job)["state"] != "failed" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert conn.request("job", job=job.job)["error"] == "Aborted" and d.status()["generation"] == 2
-    finally:
-        conn.close()
-    with ExpertClient(d.endpoint) as client:
-        assert torch.equal(client.tensors()["model.norm.weight"], torch.full_like(norm, 3.0))
-        assert client.update({"model.norm.weight": norm}) == 3  # nothing held or staged is in the way
