@@ -16,10 +16,10 @@ import torch
 
 from expertd import messages, procfs
 from expertd.connection import Connection
-from expertd.dtypes import PACKED_SUFFIXES, SCALE_SUFFIXES
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
 from expertd.index import TensorIndex, tensor_checksum
 from expertd.protocol import STAGE_FRAME_BYTES, PROTOCOL_VERSION, STAGE_MESSAGE_BYTES
+from expertd.quantization import quantization_format
 from expertd.security import Credentials
 from expertd.shm import map_segment, segment_bytes
 
@@ -128,22 +128,20 @@ def push(conn, lease: str, tensors: dict[str, torch.Tensor], timeout: float) -> 
 
 def share_of(index: TensorIndex, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The part of a pushed state dict that a daemon serving `index` takes: tensors it serves by served or
-    checkpoint name (FP8 ones with their scales, MXFP4 as blocks and scales), a whole fused expert block (or
-    its blocks, scales) cut to the experts it holds."""
+    checkpoint name, quantized ones with their aux tensors (the checkpoint's codec names them), a whole fused
+    expert block (or its aux) cut to the experts it holds (`ExpertBlock.stack_rows`, the planner's rule)."""
     served = {t.name: t for t in index.tensors}
     names = index.checkpoint_entries()
     out = {}
-    for name, t in tensors.items():
-        base = next((name[: -len(s)] for s in PACKED_SUFFIXES + SCALE_SUFFIXES
-                     if name.endswith(s) and name[: -len(s)] in served), name)
-        entry = served.get(base)
+    for name, (stored, aux) in quantization_format(index.config).logical(tensors).items():
+        entry = served.get(name)
+        if entry is None and stored not in names:
+            continue
         block = entry.experts if entry is not None else None
-        if block is not None and t.ndim and t.shape[0] == block.total != entry.shape[0]:
-            out[name] = torch.cat([t[first: first + count] for first, count in block.ranges])
-        elif entry is not None or name in names:
-            out[name] = t  # as served, or quantized in the checkpoint's format (MXFP4 blocks and scales of it)
-    out.update({n: t for n, t in tensors.items() for suffix in SCALE_SUFFIXES
-                if n.endswith(suffix) and n[: -len(suffix)] in out and n not in out})
+        for n in (stored, aux) if aux is not None else (stored,):
+            t = tensors[n]
+            rows = block.stack_rows(t.shape) if block is not None and block.count != block.total else None
+            out[n] = torch.cat([t[first: first + count] for first, count in rows]) if rows else t
     return out
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek's block scale of an FP8 weight `NAME` is stored as `NAME_scale_inv`
-SCALE_SUFFIXES = (SCALE_SUFFIX, "_scale")  # an FP8 weight's scale: DeepSeek's, compressed-tensors'
-PACKED_SUFFIXES = ("_blocks", "_scales")  # MXFP4: a served `NAME` is stored as `NAME_blocks` + `NAME_scales`
 
 # safetensors' dtype tags; the index writes the same dtypes as `str(torch.dtype)`
 SAFETENSORS: dict[str, torch.dtype] = {

@@ -126,6 +126,13 @@ class ExpertBlock:
         at = held.index(first)
         return at if held[at: at + count] == list(range(first, first + count)) else None
 
+    def stack_rows(self, shape) -> tuple[tuple[int, int], ...] | None:
+        """The rows of a stored expert stack that this block serves, as (first, count) runs in served order: a
+        pre-fused weight [E, ...] or its aux (experts outermost, all `total` of them) is cut along dim 0 to the
+        served ranges. None for any other shape (no stack, or one already cut to a share): it cannot be cut by
+        expert. The planner reads a stack's rows and a pushing client cuts a state dict by this one rule."""
+        return self.ranges if len(shape) and shape[0] == self.total else None
+
     def to_dict(self) -> dict:
         return {"total": self.total, "ranges": [list(r) for r in self.ranges]}
 

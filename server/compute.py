@@ -15,8 +15,9 @@ from expertd.errors import ShapeError
 from expertd.hf import convert
 from expertd.index import tensor_checksum
 
-from .filling import part_digest, write_part
+from .dequant import write_part
 from .layout import PlannedTensor
+from .parts import part_digest
 from .reader import Checkpoint
 
 

@@ -16,6 +16,7 @@ from .arena import Arena, Placement
 from .layout import Source
 
 CHUNK_BYTES = 1 << 20  # output bytes dequantized and hashed at a time: source and result stay in cache
+BATCH_BYTES = 8 << 20  # output bytes per pool task: small parts go in batches, a large part alone
 HASH_BYTES = 256 << 10  # a small part's result is hashed in pieces of this size, each while it is in L2
 
 

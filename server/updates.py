@@ -22,16 +22,13 @@ import torch
 
 from expertd.errors import UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_checksum
+from expertd.quantization import quantization_format
 from expertd.messages import PushedTensor, StagedTensor, UpdateReply
 from expertd.shm import DTYPES, map_segment, segment_bytes, segment_path
 
 from .arena import Arena, placed_size
-from .filling import write_part
+from .dequant import write_part
 from .loader import Built, PreviousBytes, segments_of
-from .quantization import SCALE_DTYPES, Mxfp4, quantization_format
-
-FP8 = "torch.float8_e4m3fn"
-SCALE_DTYPE_NAMES = tuple(str(d) for d in SCALE_DTYPES)
 
 
 @dataclass
@@ -46,7 +43,7 @@ class Push:
     parts: int  # how many parts the target has
     offset: int = 0  # in the staging segment
     scale: "Push | None" = None  # a quantized push's aux tensor (FP8 scale, MXFP4 scales)
-    kind: str = "plain"  # how it is written: "plain", "fp8", "mxfp4" (see filling.write_part)
+    kind: str = "plain"  # how it is written: "plain" or its codec's kind (see dequant.DEQUANT)
     block: tuple[int, int] | None = None  # fp8: the (rows, columns) one scale covers
     served_shape: list[int] | None = None  # what it becomes (a quantized push's decoded shape)
 
@@ -101,39 +98,15 @@ def plan_update(index: TensorIndex, items: list[PushedTensor]) -> list[Push]:
 
 def _push(codec, specs: dict, stored: str, aux: str | None, target: TensorEntry, part: int | None, want) -> Push:
     """The push of `stored` into `want` (a served tensor or one of its parts), checked: as served, or quantized
-    in the checkpoint's format with its aux tensor."""
+    in the checkpoint's format with its aux tensor (the codec's `check_push`)."""
     shape, dtype = specs[stored]
     push = Push(stored, shape, dtype, target, part, len(target.sources), served_shape=list(want.shape))
-    if isinstance(codec, Mxfp4) and stored.endswith(codec.blocks_suffix):
-        scales = stored[: -len(codec.blocks_suffix)] + codec.scales_suffix
-        if aux is None:
-            raise UpdateRejected(f"MXFP4 blocks {stored!r} need their {scales!r} pushed with them")
-        s_shape, s_dtype = specs[aux]
-        if (dtype != "torch.uint8" or len(shape) < 3 or shape[-1] != codec.BYTES or s_dtype != "torch.uint8"
-                or s_shape != shape[:-1] or list(codec.served_shape(tuple(shape))) != want.shape
-                or want.dtype != "torch.bfloat16"):
-            raise UpdateRejected(
-                f"MXFP4 {stored!r} {dtype} {shape} with {aux!r} {s_dtype} {s_shape} cannot make the served "
-                f"{want.dtype} {want.shape}: blocks must be uint8 [..., rows, groups, {codec.BYTES}] decoding to "
-                f"[..., groups*32, rows], scales uint8 [..., rows, groups]")
-        push.kind, push.scale = "mxfp4", Push(aux, s_shape, s_dtype, target, part, push.parts)
-        return push
-    if shape != want.shape:
+    decoding = codec.check_push(stored, specs[stored], aux, specs.get(aux), want)
+    if decoding is not None:
+        push.kind, push.block = decoding.kind, decoding.block
+        push.scale = Push(aux, *specs[aux], target, part, push.parts)
+    elif shape != want.shape:
         raise UpdateRejected(f"tensor {stored!r}: shape {shape} does not match the served {want.shape}")
-    if dtype == FP8 and want.dtype == "torch.bfloat16" and codec.kind == "fp8":
-        if aux is None:
-            raise UpdateRejected(f"FP8 tensor {stored!r} needs its {codec.aux_name(stored)!r} pushed with it")
-        s_shape, s_dtype = specs[aux]
-        if len(shape) != 2 or s_dtype not in SCALE_DTYPE_NAMES:
-            raise UpdateRejected(f"FP8 tensor {stored!r} must be 2-D with a float32 (or bf16/fp16) scale, got "
-                                 f"{shape} with {s_dtype} {aux!r}")
-        try:
-            push.block = codec.block_for(tuple(shape), tuple(s_shape))
-        except ValueError:
-            want_scale = " or ".join(f"{list(w)} ({how})" for how, w in codec.expected_scale(tuple(shape)))
-            raise UpdateRejected(f"scale {aux!r} must have shape {want_scale} for {stored!r} {shape}, "
-                                 f"got {s_shape}") from None
-        push.kind, push.scale = "fp8", Push(aux, s_shape, s_dtype, target, part, push.parts)
     elif dtype != want.dtype:
         raise UpdateRejected(f"tensor {stored!r}: dtype {dtype} is not the served {want.dtype} (or quantized in the "
                              f"checkpoint's format with its scale)")

@@ -12,7 +12,7 @@ import torch
 
 from expertd.errors import ConfigError, ShardFormatError
 from expertd.index import checksum_parts, tensor_checksum
-from expertd.server import filling
+from expertd.server import dequant, filling
 from expertd.server.arena import Arena
 from expertd.server.config import config_from_dict
 from expertd.server.loader import build, interleave, prepare
@@ -44,8 +44,9 @@ def test_any_thread_count_batch_and_chunk_gives_the_serial_result(tiny_checkpoin
     finally:
         serial.close()
     # Tiny batches and chunks: many tasks in flight, parts split into 128-row chunks, no part "small".
-    monkeypatch.setattr(filling, "BATCH_BYTES", 4096)
-    monkeypatch.setattr(filling, "CHUNK_BYTES", 4096)
+    for module in (filling, dequant):
+        monkeypatch.setattr(module, "BATCH_BYTES", 4096)
+        monkeypatch.setattr(module, "CHUNK_BYTES", 4096)
     for threads in (2, 5):
         built = build(*prepare(tiny_checkpoint), namespace=namespace, generation=1, threads=threads, device="cpu")
         try:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from expertd.client import ExpertClient
 from expertd.errors import UpdateRejected
-from expertd.server import filling
+from expertd.server import dequant
 from expertd.server.cli import main
 from expertd.server.loader import build, prepare
 from expertd.server.tools.generate import generate_model_type
@@ -70,7 +70,7 @@ def test_any_chunking_and_thread_count_gives_the_definition(gpt_oss, namespace, 
     """The loader decodes an expert a few groups at a time (CHUNK_BYTES of results): tiny chunks, 1 and 3 threads."""
     folder, _ = gpt_oss
     reference = reference_tensors(folder)
-    monkeypatch.setattr(filling, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(dequant, "CHUNK_BYTES", 4096)
     for threads in (1, 3):
         built = build(*prepare(folder), namespace=namespace, generation=1, threads=threads, device="cpu")
         try:

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from expertd.server.quantization import Mxfp4, ScaledFp8, UnsupportedQuantization, quantization_format
+from expertd.quantization import Mxfp4, ScaledFp8, UnsupportedQuantization, quantization_format
 from helpers.daemon import expertd_cmd, write_config
 
 # what llmcompressor writes for QuantizationModifier(scheme="FP8_DYNAMIC") (save_compressed=True)

@@ -4,7 +4,7 @@ Unlike DeepSeek's fp8_cast_bf16.py, which prints a warning and copies FP8 bytes 
 `*_scale_inv` is missing, the whole source is validated before DST is touched, by the same codec the
 daemon plans with (`quantization`): every FP8 weight needs a scale of the shape its format declares
 with finite positive values, every scale needs its FP8 weight, MXFP4 blocks need their scales.
-Weights are dequantized as the daemon does (`filling.write_part`: bit for bit each format's
+Weights are dequantized as the daemon does (`dequant.write_part`: bit for bit each format's
 definition), other tensors are copied byte for byte.
 
 Each output shard is streamed: its safetensors header is computed from the plan, then tensors are
@@ -31,10 +31,10 @@ from tqdm import tqdm
 from expertd.dtypes import FP8, SAFETENSORS_TAGS
 from expertd.errors import CheckpointError
 from expertd.index import write_json_atomic
+from expertd.quantization import Codec, quantization_format
 from expertd.units import parse_size
 
-from ..layout import Source, check_aux, check_scale_values, make_source
-from ..quantization import Codec, quantization_format
+from ..layout import Source, check_scale_values, make_source
 from ..reader import INDEX_FILE, SINGLE_FILE, Checkpoint
 
 log = logging.getLogger("expertd.convert")
@@ -119,7 +119,7 @@ def plan_conversion(ckpt: Checkpoint, max_shard_size: int = DEFAULT_MAX_SHARD_SI
     codec = quantization_format(ckpt.config, os.path.join(ckpt.folder, "config.json"))
     outputs: list[OutTensor] = []
     kept: list[str] = []
-    check_aux(ckpt, codec)
+    codec.check_aux(ckpt.tensors)
     for name, (stored, aux) in codec.logical(ckpt.tensors).items():
         info = ckpt.tensors[stored]
         if info.dtype in FP8 and aux is None and keep_fp8_where_unscaled:

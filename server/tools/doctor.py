@@ -24,11 +24,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from expertd.dtypes import DEQUANTIZED
 from expertd.errors import CheckpointError, ShmError
+from expertd.quantization import ScaledFp8, quantization_format
 
 from ..layout import plan_checkpoint
-from ..quantization import ScaledFp8, quantization_format
 from ..reader import Checkpoint
 
 log = logging.getLogger("expertd.doctor")
@@ -149,7 +148,7 @@ class Doctor:
                 codec = ScaledFp8(None)
             for name, (stored, aux) in codec.logical(ckpt.tensors).items():
                 info = ckpt.tensors[stored]
-                scaled = aux is not None and (info.dtype == DEQUANTIZED or codec.kind == "mxfp4")
+                scaled = aux is not None and codec.quantized(name, info)
                 self.row(name).checkpoint = dtype_name(info.dtype) + ("+scale" if scaled else "")
             return ckpt.config
         for t in plan.tensors:

@@ -35,10 +35,10 @@ def load_checkpoint_model(folder: str, dtype: torch.dtype = torch.bfloat16):
     from expertd.fusion import parts_of
     from expertd.hf import empty_model, fusions_for
     from expertd.hf_dtypes import loaded_dtypes
-    from expertd.kernels import dequant_mxfp4_reference, scale_shape, weight_dequant_reference
+    from expertd.quantization import quantization_format
 
+    from ..dequant import DEQUANT
     from ..layout import make_source
-    from ..quantization import quantization_format
     from ..reader import Checkpoint
 
     ckpt = Checkpoint.open(folder)
@@ -48,11 +48,8 @@ def load_checkpoint_model(folder: str, dtype: torch.dtype = torch.bfloat16):
         for name, (stored, aux) in codec.logical(ckpt.tensors).items():
             t = ckpt.read(stored)
             src = make_source(ckpt, codec, name, stored, aux) if aux is not None else None
-            if src is not None and src.kind == "fp8":
-                grid = ckpt.read(aux).float().reshape(scale_shape(*t.shape, src.block))
-                t = weight_dequant_reference(t, grid, src.block, out_dtype=dtype)
-            elif src is not None and src.kind == "mxfp4":
-                t = dequant_mxfp4_reference(t, ckpt.read(aux)).to(dtype)
+            if src is not None and src.decoding is not None:
+                t = DEQUANT[src.kind].reference(t, ckpt.read(aux), src.block, dtype)
             elif t.is_floating_point() and t.dtype != dtype and t.dim() >= 2:
                 t = t.to(dtype)
             tensors[name] = t

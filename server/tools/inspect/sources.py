@@ -15,9 +15,9 @@ from expertd.protocol import is_endpoint
 from expertd.dtypes import FP8
 from expertd.errors import CheckpointError
 from expertd.hif8 import hif8_decode
+from expertd.quantization import ScaledFp8, UnsupportedQuantization, quantization_format
 
 from ...layout import Source as Part, is_fp8_weight, make_source
-from ...quantization import ScaledFp8, UnsupportedQuantization, quantization_format
 from ...reader import Checkpoint
 from .groups import component_of, expert_of, layer_of
 
