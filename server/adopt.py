@@ -1,8 +1,10 @@
 """Adoption: a starting daemon takes over the generations a dead (or handed-over) predecessor left in shared memory.
 
 The predecessor's manifest names its live generations; the ledger (`ledger`) holds each one's index.
-A generation is adopted when it was built under this config (same checkpoint path, partition, shm_dir,
-user, ledger format) and every segment it uses is ours: a regular file of this namespace in shm_dir, owned
+Both are sealed under the run folder's key (`sealed`): a record that fails its MAC is never read. A
+generation is adopted when the manifest *and* its own record say it was built under this config (same
+checkpoint path, partition, shm_dir, user, ledger format; its index's shm_dir too, the folder every file
+operation below uses) and every segment it uses is ours: a regular file of this namespace in shm_dir, owned
 by this user, with the mode this daemon gives its segments (never one another user could have written).
 Then its bytes are verified against the index: sizes always, and with `adopt_verify: full` every tensor's
 xxh3 checksum, on `load_threads` threads. A tensor that fails is rebuilt from the checkpoint in place,
@@ -51,7 +53,20 @@ def refusal(manifest: dict, namespace: str, conditions: dict) -> str | None:
         return f"it is of namespace {manifest.get('namespace')!r}"
     if manifest.get("ledger") != ledger.LEDGER_VERSION:
         return f"its ledger format is {manifest.get('ledger')!r}, this expertd reads {ledger.LEDGER_VERSION}"
-    theirs = manifest.get("built_under")
+    if manifest.get("shm_dir") != conditions.get("shm_dir"):
+        return f"its shm_dir was {manifest.get('shm_dir')!r}, this config's is {conditions.get('shm_dir')!r}"
+    return _conditions_differ(manifest.get("built_under"), conditions)
+
+
+def record_refusal(record: ledger.Record, conditions: dict) -> str | None:
+    """Why a generation's own ledger record may not be adopted under this config (its build conditions, and the
+    shm_dir its index names, where segments would be checked, repaired and unlinked), or None."""
+    if record.index.shm_dir != conditions.get("shm_dir"):
+        return f"its index's shm_dir is {record.index.shm_dir!r}, this config's is {conditions.get('shm_dir')!r}"
+    return _conditions_differ(record.built_under, conditions)
+
+
+def _conditions_differ(theirs, conditions: dict) -> str | None:
     if not isinstance(theirs, dict):
         return "it records no build conditions"
     for key, ours in conditions.items():
@@ -127,6 +142,8 @@ def repair(entry: TensorEntry, data: torch.Tensor, segment_size: int, shm_dir: s
     path = segment_path(entry.segment, shm_dir)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o600)
     try:
+        if os.fstat(fd).st_uid != os.geteuid():  # planted since it was checked: another user's file is never written
+            return False
         if gid is not None:
             os.fchown(fd, -1, gid)
             os.fchmod(fd, 0o640)
@@ -163,7 +180,8 @@ def adopt(manifest: dict | None, *, namespace: str, run_dir: str, conditions: di
     out = Adopted()
     damage: dict[int, list[str]] = {}
     for record in records:
-        bad, problem = damaged(record.index, mode, threads, gid)
+        problem = record_refusal(record, conditions)
+        bad, problem = ([], problem) if problem is not None else damaged(record.index, mode, threads, gid)
         if problem is not None:
             log.warning("not adopting generation %d: %s", record.number, problem)
             continue

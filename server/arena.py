@@ -31,7 +31,7 @@ from expertd.errors import ShmError, ShmSpaceError
 from expertd.index import DEFAULT_SHM_DIR, SegmentEntry
 from expertd.shm import OPEN_FLAGS, segment_path
 
-from . import shmdir
+from . import hostpaths, shmdir
 
 ALIGN = 4096  # every tensor starts on a page: views are aligned for any dtype and vector width
 SHM_DIR = DEFAULT_SHM_DIR
@@ -62,12 +62,9 @@ def segment_pattern(namespace: str) -> re.Pattern:
 
 
 def unlink_segment(name: str, shm_dir: str = SHM_DIR) -> bool:
-    """Remove a segment by name; False if it was already gone. Live mappings stay valid."""
-    try:
-        os.unlink(segment_path(name, shm_dir))
-        return True
-    except FileNotFoundError:
-        return False
+    """Remove a segment by name; False if it was already gone, or is another user's file (left alone, one log
+    line: a name is no proof that the daemon made it). Live mappings stay valid."""
+    return hostpaths.unlink_owned(segment_path(name, shm_dir), "segment")
 
 
 def more_space_hint(shm_dir: str, need: int) -> str:

@@ -15,6 +15,7 @@ from expertd.partition import ExpertParallel, PartitionError
 from expertd.protocol import DEFAULT_ENDPOINT, ipc_path, tcp_host
 from expertd.units import parse_duration
 
+from .hostpaths import runtime_base
 from .shmdir import inspect as inspect_shm_dir
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
@@ -26,7 +27,7 @@ class DaemonConfig:
     checkpoint: str
     endpoint: str = DEFAULT_ENDPOINT
     namespace: str = "expertd"
-    run_dir: str | None = None  # where the index JSON goes; default: the ipc socket's folder
+    run_dir: str | None = None  # index JSON, manifest, ledger; default: the ipc socket's folder, else private to the uid
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N": where dequant runs
     load_threads: int | None = None  # threads reading, dequantizing and writing at once; None: every usable core
     lease_timeout_s: float = 30.0
@@ -51,12 +52,14 @@ class DaemonConfig:
 
     @property
     def resolved_run_dir(self) -> str:
+        """The run folder: `run_dir`, else the ipc socket's folder, else a private one of this uid
+        ($XDG_RUNTIME_DIR/expertd/NAMESPACE or /tmp/expertd-UID/NAMESPACE), never a shared guessable path."""
         if self.run_dir:
             return self.run_dir
         path = ipc_path(self.endpoint)
         if path is not None:
             return os.path.dirname(path) or "."
-        return os.path.join("/tmp", f"expertd-{self.namespace}")
+        return os.path.join(runtime_base(), self.namespace)
 
 
 def load_config(path: str) -> DaemonConfig:

@@ -67,7 +67,7 @@ class Daemon:
     def _run(self) -> int:
         self._check_endpoint_free()
         # a predecessor's generations, verified, are served again without reading the checkpoint; else load it
-        adopted = self.weights.adopt(self.runstate.read_manifest())
+        adopted = self.weights.adopt(self.runstate.predecessor())
         if adopted is None:
             ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel)  # raises before anything is created
             log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
@@ -148,10 +148,7 @@ class Daemon:
         endpoint = self.cfg.endpoint
         path = ipc_path(endpoint)
         if path is not None:
-            folder = os.path.dirname(path) or "."
-            os.makedirs(folder, mode=0o700, exist_ok=True)
-            if os.stat(folder).st_mode & 0o077 and not self.cfg.group:
-                log.warning("socket folder %s is accessible to other users; expertd makes its own folders 0700", folder)
+            self.runstate.own_socket_folder(path)  # checked again right before the bind
             if os.path.exists(path):
                 if endpoint_answers(ctx, endpoint):
                     raise self._endpoint_busy()
@@ -183,6 +180,8 @@ class Daemon:
     def _check_endpoint_free(self) -> None:
         """Refuse at once (before a long load) when another daemon answers on our ipc:// endpoint."""
         path = ipc_path(self.cfg.endpoint)
+        if path is not None:
+            self.runstate.own_socket_folder(path)  # a folder or socket of someone else's: exit 2 before anything
         if path is not None and os.path.exists(path):
             ctx = zmq.Context()
             try:

@@ -5,24 +5,26 @@ the part digests and source identities an incremental build compares against, wh
 (`origin`: load, reload or update) and what it was built under (checkpoint, partition, shm_dir, uid,
 expertd's version). It is written atomically when the generation is published and removed when it
 retires or the daemon stops cleanly; a crash or a planned handover (`stop --keep`) leaves it. The
-bytes themselves stay in their segments: the ledger is how a successor knows what they should be.
+bytes themselves stay in their segments: the ledger is how a successor knows what they should be, so
+each record is sealed (`sealed`: an HMAC under the run folder's key) and one that fails is never read.
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 
 import expertd
-from expertd.index import TensorIndex, write_json_atomic
+from expertd.index import TensorIndex
+
+from . import sealed
 
 log = logging.getLogger("expertd.ledger")
 
-LEDGER_VERSION = 1  # a successor adopts only generations recorded in the format it reads
+LEDGER_VERSION = 2  # a successor adopts only generations recorded in the format it reads (2: sealed records)
 
 
 @dataclass
@@ -48,13 +50,19 @@ def build_conditions(checkpoint: str, expert_parallel, shm_dir: str) -> dict:
                 "size": expert_parallel.size, "ranks": list(expert_parallel.ranks)}}
 
 
+def purpose(namespace: str, number: int) -> str:
+    """What a record's MAC binds it to: this namespace's generation `number` (no record passes for another)."""
+    return f"expertd ledger {namespace} generation {number}"
+
+
 def write(run_dir: str, built, origin: str, conditions: dict) -> None:
+    """Record a published generation, sealed under the run folder's key."""
     index = built.index
-    write_json_atomic(record_path(run_dir, index.namespace, index.generation), {
+    sealed.write(record_path(run_dir, index.namespace, index.generation), {
         "ledger": LEDGER_VERSION, "expertd": expertd.__version__, "generation": index.generation, "origin": origin,
         "built_under": conditions, "index": index.to_dict(), "parts": built.parts,
         "known": [[list(identity), digest] for identity, digest in built.known.items()],
-    }, indent=None, sort_keys=False)
+    }, purpose(index.namespace, index.generation), sealed.ensure_key(run_dir, index.namespace))
 
 
 def remove(run_dir: str, namespace: str, number: int) -> None:
@@ -73,12 +81,13 @@ def remove_all(run_dir: str, namespace: str, keep=frozenset()) -> None:
 
 
 def read(run_dir: str, namespace: str, number: int) -> Record:
-    """The record of generation `number`; ValueError naming what is wrong with it."""
+    """The record of generation `number`, its MAC checked; ValueError naming what is wrong with it."""
     path = record_path(run_dir, namespace, number)
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
+        data = sealed.read(path, purpose(namespace, number), sealed.load_key(run_dir, namespace))
+    except sealed.Unsealed:
+        raise
+    except (OSError, ValueError) as exc:  # UnsafePath (a key file that is not ours) is an OSError
         raise ValueError(f"{path}: unreadable ({exc})") from None
     if not isinstance(data, dict) or data.get("ledger") != LEDGER_VERSION:
         raise ValueError(f"{path}: ledger format {data.get('ledger') if isinstance(data, dict) else None!r}, "

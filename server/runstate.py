@@ -9,12 +9,14 @@
   `adopt`) or counts up from it.
 - Reaping: on start, segments of the namespace whose owner process is dead are unlinked, but for
   those the daemon adopted: every other generation's and any staging segment of an update in
-  flight. Segments of a live daemon, or of another namespace, are never touched.
+  flight. Segments of a live daemon, of another namespace, or of another user, are never touched.
+- Trust (`hostpaths`, `sealed`): the run folder must be the daemon's own and writable by nobody else,
+  and the manifest is sealed with the run folder's key; one that fails is not read at all.
 """
 
 from __future__ import annotations
 
-import json
+import glob
 import logging
 import os
 import socket
@@ -24,11 +26,12 @@ import zmq
 
 import expertd
 from expertd.errors import ExpertdError
-from expertd.index import write_json_atomic
 from expertd import procfs
 from expertd.procfs import process_start_time
 from expertd.protocol import ipc_path, pack
+from expertd.shm import segment_path
 
+from . import hostpaths, sealed
 from .arena import SHM_DIR, segment_pattern, unlink_segment
 from .ledger import LEDGER_VERSION
 
@@ -70,9 +73,14 @@ class RunState:
         self.run_dir = run_dir
         self.manifest_path = os.path.join(run_dir, f"{namespace}.manifest.json")
         self._lock: socket.socket | None = None
+        self._made: list[str] = []  # folders this daemon created (removed again when empty)
+        self._made_key = False  # whether this daemon created the run folder's key (see `release`)
+        self.manifest_problem: str | None = None  # why the manifest there was not read, when one was
+        self.key: bytes | None = None  # the run folder's ledger key (`sealed`), from `acquire` on
 
     def acquire(self) -> None:
-        """Take the namespace lock; refuse if a live daemon holds it."""
+        """Take the namespace lock (refuse if a live daemon holds it), then make or check the run folder, the
+        records in it and its key: UnsafePath (exit 2) for any that is not the daemon's own."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(f"\0expertd.{self.namespace}")
@@ -85,33 +93,61 @@ class RunState:
                 "stop it first or choose another namespace"
             ) from exc
         self._lock = sock
-        self._made_run_dir = not os.path.isdir(self.run_dir)
-        os.makedirs(self.run_dir, mode=0o700, exist_ok=True)
+        try:
+            self._made = hostpaths.ensure_private_dir(self.run_dir, "run folder")
+            for path in [self.manifest_path] + glob.glob(os.path.join(glob.escape(self.run_dir),
+                                                                      f"{glob.escape(self.namespace)}.gen*.json")):
+                hostpaths.check_file(path, "manifest" if path == self.manifest_path else "ledger record")
+            self._made_key = sealed.load_key(self.run_dir, self.namespace) is None
+            self.key = sealed.ensure_key(self.run_dir, self.namespace)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
         if self._lock is not None:
             self._lock.close()
             self._lock = None
-        if getattr(self, "_made_run_dir", False):
-            try:
-                os.rmdir(self.run_dir)  # only when empty: a failed start leaves no folder behind either
-            except OSError:
-                pass
+        if self._made_key and not os.path.exists(self.manifest_path):  # a start that failed before recording anything
+            sealed.remove_key(self.run_dir, self.namespace)
+            self._made_key = False
+        hostpaths.remove_created(self._made)  # only when empty: a failed start leaves no folder behind either
+        self._made = []
 
     def remove(self) -> None:
-        """A clean stop: drop the manifest (the run folder goes at `release` when this daemon made it)."""
+        """A clean stop: drop the manifest and the key that sealed it (the run folder goes at `release` when this
+        daemon made it)."""
         try:
             os.unlink(self.manifest_path)
         except FileNotFoundError:
             pass
+        sealed.remove_key(self.run_dir, self.namespace)
+
+    @property
+    def purpose(self) -> str:
+        return f"expertd manifest {self.namespace}"
 
     def read_manifest(self) -> dict | None:
-        try:
-            with open(self.manifest_path) as f:
-                data = json.load(f)
-            return data if isinstance(data, dict) else None
-        except (OSError, ValueError):
+        """The manifest, once its MAC checks out under the run folder's key; None when there is none or it fails
+        (then `manifest_problem` says why)."""
+        self.manifest_problem = None
+        if not os.path.lexists(self.manifest_path):
             return None
+        try:
+            data = sealed.read(self.manifest_path, self.purpose, sealed.load_key(self.run_dir, self.namespace))
+        except (OSError, ValueError) as exc:  # Unsealed, unreadable, malformed, a key file that is not ours
+            self.manifest_problem = str(exc)
+            return None
+        return data
+
+    def predecessor(self) -> dict | None:
+        """The manifest a dead or handed-over predecessor left, to adopt from; one that fails its checks is not
+        adopted (what it names is reaped as after any crash), with one log line saying why."""
+        manifest = self.read_manifest()
+        if manifest is None and self.manifest_problem is not None:
+            log.warning("not adopting anything in namespace %r: %s; reaping what this user left there",
+                        self.namespace, self.manifest_problem)
+        return manifest
 
     def next_generation(self) -> int:
         previous = self.read_manifest() or {}
@@ -123,14 +159,15 @@ class RunState:
                        leases: list[dict] = ()) -> None:
         """Record the latest generation, the segments of every live generation (and of staging), what they were
         built under and the leases on them: what a successor needs to adopt them (see `adopt`)."""
-        write_json_atomic(self.manifest_path, {
+        key = self.key or sealed.ensure_key(self.run_dir, self.namespace)
+        sealed.write(self.manifest_path, {
             "pid": os.getpid(), "start_time": process_start_time(os.getpid()), "generation": generation,
             "namespace": self.namespace, "state": state, "endpoint": endpoint, "updated": time.time(),
             "shm_dir": shm_dir, "expertd": expertd.__version__, "ledger": LEDGER_VERSION, "built_under": conditions,
             "segments": sorted({name for names in segments.values() for name in names} | set(staging)),
             "generations": {str(g): names for g, names in sorted(segments.items())},
             "leases": list(leases),
-        })
+        }, self.purpose, key, indent=1, sort_keys=True)
 
     def reap(self, shm_dir: str = SHM_DIR, keep=frozenset()) -> list[str]:
         """Unlink this namespace's segments whose owner is dead, in `shm_dir` and in the folder the
@@ -145,9 +182,12 @@ class RunState:
         return reaped
 
     def _reap_in(self, shm_dir: str, keep=frozenset()) -> list[str]:
-        reaped = []
+        reaped, foreign = [], []
         for name, pid in namespace_segments(self.namespace, shm_dir).items():
             if pid == os.getpid() or name in keep:
+                continue
+            if hostpaths.owned(segment_path(name, shm_dir)) is False:
+                foreign.append(name)  # another user's file: never ours to judge or unlink
                 continue
             if pid_alive(pid) and self._is_expertd(pid):
                 raise NamespaceBusy(
@@ -156,10 +196,20 @@ class RunState:
                 )
             if unlink_segment(name, shm_dir):
                 reaped.append(name)
+        if foreign:
+            log.warning("leaving %d file(s) named like segments of namespace %r in %s alone: another user owns them "
+                        "(this daemon runs as uid %d): %s", len(foreign), self.namespace, shm_dir, os.geteuid(),
+                        ", ".join(foreign))
         if reaped:
             log.warning("reaped %d segment(s) left by a dead daemon of namespace %r in %s: %s",
                         len(reaped), self.namespace, shm_dir, ", ".join(reaped))
         return reaped
+
+    def own_socket_folder(self, path: str) -> None:
+        """Make (0700) or check the folder of the ipc socket `path` and what is at `path`: both must be this
+        daemon's, or someone else could answer its clients (UnsafePath, exit 2)."""
+        hostpaths.ensure_private_dir(os.path.dirname(path) or ".", "socket folder")
+        hostpaths.check_socket(path)
 
     @staticmethod
     def _is_expertd(pid: int) -> bool:
