@@ -72,6 +72,7 @@ def synthetic(layers: int, dense: int, experts: int) -> Built:
 
 
 def best(fn, runs: int) -> float:
+    """The fastest of `runs` timed calls of `fn` (run_all's figures time with it too)."""
     times = []
     for _ in range(runs):
         t0 = time.perf_counter()

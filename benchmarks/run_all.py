@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+from bench_ledger import best  # noqa: E402
 from helpers.daemon import DaemonProcess  # noqa: E402
 from helpers.workers import Worker  # noqa: E402
 
@@ -68,15 +69,6 @@ def start_daemon(workdir: str, name: str, checkpoint: str) -> DaemonProcess:
                                   stdout=subprocess.DEVNULL)
     daemon.wait_serving(timeout=600)
     return daemon
-
-
-def best(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 # --- the figures ---------------------------------------------------------------------------

@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from expertd.server.tools.requantize import shard_files
+
 
 SCHEMES = ("FP8_DYNAMIC", "FP8_BLOCK")
 BLOCK = 128
@@ -27,12 +29,7 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 def read_folder(folder: str) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors checkpoint folder (sharded or not)."""
-    index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
+    files, _ = shard_files(folder)
     out = {}
     for file in files:
         with safe_open(os.path.join(folder, file), "pt") as f:

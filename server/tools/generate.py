@@ -23,39 +23,27 @@ from expertd.hf_dtypes import loaded_dtypes
 from expertd.kernels import quantize_fp8_blockwise
 
 from ..layout import is_fp8_weight
+from .requantize import shard_files
 
-PRESETS: dict[str, dict] = {
+# The presets' dims: one row a preset, its columns PRESET_FIELDS (the order of each preset dict's keys too).
+PRESET_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "first_k_dense_replace", "num_attention_heads", "num_key_value_heads", "n_routed_experts", "n_shared_experts",
+    "num_experts_per_tok", "n_group", "topk_group", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+    "qk_rope_head_dim", "v_head_dim",
+)
+PRESETS: dict[str, dict] = {name: dict(zip(PRESET_FIELDS, dims)) for name, dims in {
     # ~2 MB: partial blocks everywhere (320 = 2.5 blocks, 200, 576), 8 experts in 2 groups.
-    "tiny": dict(
-        vocab_size=384, hidden_size=320, intermediate_size=576, moe_intermediate_size=200,
-        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-        q_lora_rank=192, kv_lora_rank=160, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-    ),
+    "tiny":        ( 384,  320,  576,  200,  3, 1, 4, 4,   8, 1, 2, 2, 1, 192, 160, 32, 16, 32),
     # DeepSeek-V3's counts at tiny dims (61 layers, first 3 dense, 256 routed experts, the MTP layer 61:
     # ~92k checkpoint tensors in ~30 MB), for per-tensor costs at real scale.
-    "dsv3-counts": dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=16,
-        num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=2, num_key_value_heads=2,
-        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
-        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
-        num_nextn_predict_layers=1,
-    ),
+    "dsv3-counts": ( 256,   64,  128,   16, 61, 3, 2, 2, 256, 1, 8, 8, 4,  32,  32, 16, 16, 16),
     # About dsv3-counts' bytes (~0.1 GB of bf16) in ~100 tensors: the baseline its per-tensor costs are measured against.
-    "dsv3-bytes": dict(
-        vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=2048,
-        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
-        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-        q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-    ),
+    "dsv3-bytes":  (4096, 1024, 2048, 2048,  2, 1, 8, 8,   4, 1, 2, 1, 1, 384, 256, 64, 32, 64),
     # ~1 GB of bf16 once dequantized: DeepSeek-V3's shapes scaled down, for the benchmarks.
-    "bench-1g": dict(
-        vocab_size=8192, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=384,
-        num_hidden_layers=6, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
-        n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=6, n_group=8, topk_group=4,
-        q_lora_rank=384, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-    ),
-}
+    "bench-1g":    (8192, 1024, 2816,  384,  6, 1, 8, 8,  64, 1, 6, 8, 4, 384, 256, 64, 32, 64),
+}.items()}
+PRESETS["dsv3-counts"]["num_nextn_predict_layers"] = 1  # with its MTP layer
 
 BASE_CONFIG = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_act="silu",
@@ -255,12 +243,8 @@ def quantize_saved_checkpoint(folder: str, scale_dtype: torch.dtype = torch.floa
 
     if scheme not in ("fp8", *CT_BLOCKS):
         raise ValueError(f"scheme {scheme!r} is not one of fp8, {', '.join(CT_BLOCKS)}")
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
+    files, _ = shard_files(folder)
+    index_path = os.path.join(folder, "model.safetensors.index.json")  # written, sharded or not
     shards = [load_file(os.path.join(folder, file)) for file in files]
     out: list[dict[str, torch.Tensor]] = [{} for _ in files]
     for i, tensors in enumerate(shards):

@@ -33,7 +33,8 @@ def is_mxfp4_expert_weight(name: str) -> bool:
     return name.endswith(EXPERT_WEIGHTS)
 
 
-def _shard_files(folder: str) -> tuple[list[str], str | None]:
+def shard_files(folder: str) -> tuple[list[str], str | None]:
+    """A checkpoint folder's shard files (sharded or not), and its index file where it has one."""
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index_path):
         with open(index_path) as f:
@@ -45,7 +46,7 @@ def write_mxfp4(folder: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Rewrite the bf16 gpt_oss checkpoint in `folder` in place as gpt-oss's MXFP4 release: each expert
     weight replaced, in its own shard, by `<name>_blocks` and `<name>_scales` (`quantize_mxfp4`), the index
     and config.json updated. Returns {name: (blocks, scales)} of what was written."""
-    files, index_path = _shard_files(folder)
+    files, index_path = shard_files(folder)
     written: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     weight_map: dict[str, str] = {}
     total = 0
