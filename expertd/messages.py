@@ -272,24 +272,25 @@ class JobReply(Reply, JobState):
 
 @dataclass
 class StatusReply(Reply):
-    """What a daemon serves, its leases, generations and latest build (PROTOCOL.md §3 `status`)."""
+    """What a daemon serves, its leases, generations and latest build (PROTOCOL.md §3 `status`), in the order sent.
+    A daemon sends every field; a reader needs only those that say which daemon it is and what it does."""
     state: str = F(str, required=True)  # "serving" | "loading"
     pid: int = F(int, required=True)
-    namespace: str = F(str, required=True)
+    namespace: str = F(str)
     endpoint: str = F(str, required=True)
-    checkpoint: str = F(str, required=True)
-    generation: int = F(int, required=True)
-    tensors: int = F(int, required=True)
-    views: int = F(int, required=True)
-    segments: list = F(list, required=True, items=str)
-    index_segment: str | None = F(str, None, nil=True)  # the latest index segment's name (not a descriptor)
+    checkpoint: str = F(str)
+    generation: int = F(int, required=True)  # the latest, or while loading the one being built
+    tensors: int = F(int)
+    views: int = F(int)
+    segments: list = F(list, items=str)
+    index_segment: str | None = F(str, nil=True)  # the latest index segment's name (not a descriptor)
     shm_dir: str = F(str, DEFAULT_SHM_DIR)
-    bytes: dict = F(dict, required=True)  # {total, <dtype>: bytes}
-    expert_parallel: dict | None = F(dict, None, nil=True)
-    leases: list = F(list, required=True, items=dict)
-    generations: list = F(list, required=True, items=dict)
-    job: JobState | None = F(JobState, None, nil=True)
-    uptime_s: float = F(float, required=True)
+    bytes: dict = F(dict)  # {total, <dtype>: bytes}
+    expert_parallel: dict | None = F(dict, nil=True)
+    leases: list = F(list, items=dict)
+    generations: list = F(list, items=dict)
+    job: JobState | None = F(JobState, nil=True)
+    uptime_s: float = F(float)
 
 
 def read_reply(cls: type[Reply], reply: dict, what: str):

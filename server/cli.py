@@ -72,7 +72,7 @@ def cmd_status(args) -> int:
         print(f"    {lease['client']:<8} pid {lease['pid']:<8} generation {lease['generation']}  "
               f"age {lease['age_s']:.1f}s  idle {lease['idle_s']:.1f}s"
               + ("  (process watched)" if lease.get("watched") else ""))
-    for gen in status.generations:
+    for gen in status.generations or ():
         print(f"  generation {gen['generation']:<4} {gen['tensors']} tensors, {gen['bytes']:,} bytes "
               f"({gen['bytes_shared_with_latest']:,} shared with the latest), {len(gen['leases'])} lease(s)")
         variants = gen.get("variants") or []
