@@ -22,8 +22,8 @@ import torch
 
 from expertd.errors import UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_checksum
-from expertd.quantization import quantization_format
 from expertd.messages import PushedTensor, StagedTensor, UpdateReply
+from expertd.quantization import quantization_format
 from expertd.shm import DTYPES, map_segment, segment_bytes, segment_path
 
 from .arena import Arena, placed_size
