@@ -1,5 +1,5 @@
 // xxh3 checksums (xxHash, inlined), dtypes, segment paths and read-only mappings of segment files.
-#include "expertd/index.h"
+#include "expertd/shm.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -1,5 +1,6 @@
 // msgpack values as the protocol uses them (maps with string keys in wire order), their canonical encoding,
-// a bounded decoder and JSON text for tools. msgpack-cxx does the byte work (src/value.cpp).
+// a bounded decoder and JSON text for tools: the type in src/value.cpp, the bytes (msgpack-cxx) in
+// src/msgpack.cpp, the JSON in src/json.cpp.
 #pragma once
 
 #include <cstddef>

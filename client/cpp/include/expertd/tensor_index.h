@@ -1,0 +1,62 @@
+// The tensor index (PROTOCOL.md §5): its entries, the schema-2 dict parsed and checked, the per-expert
+// views derived from the fused tensors and the checkpoint names they answer to.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+#include "expertd/value.h"
+#include "expertd/wire.h"
+
+namespace expertd {
+
+struct SegmentEntry {
+  std::string name;
+  uint64_t nbytes = 0;
+};
+struct ExpertBlock {  // a partitioned daemon's fused expert tensor: which experts it holds
+  int64_t total = 0;
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // (first expert, count)
+};
+struct ExpertParallel {
+  int64_t size = 0;
+  std::vector<int64_t> ranks;
+};
+struct TensorEntry {
+  std::string name;
+  std::string segment;
+  uint64_t offset = 0;
+  uint64_t nbytes = 0;
+  std::vector<int64_t> shape;
+  std::string dtype;                 // "torch.bfloat16", ...
+  std::vector<std::string> sources;  // expanded from a pattern
+  std::optional<std::string> base;   // the served tensor a view lies inside
+  std::optional<std::string> checksum;
+  std::optional<ExpertBlock> experts;
+};
+struct Index {
+  int schema = 2;  // as read (1 or 2)
+  int64_t generation = 0;
+  std::string namespace_;
+  std::string model_type;
+  std::string layout;
+  Value config;  // the model's config.json, as a map
+  std::vector<SegmentEntry> segments;
+  std::vector<TensorEntry> tensors;
+  std::optional<std::vector<TensorEntry>> views;  // only schema 1 writes them out
+  std::string shm_dir = DEFAULT_SHM_DIR;
+  std::optional<ExpertParallel> expert_parallel;
+
+  std::vector<TensorEntry> all_views() const;  // the per-expert views (derived from the fused tensors)
+  // Every checkpoint tensor name -> where its bytes are (a served tensor or a view): Python's rule.
+  std::map<std::string, TensorEntry> checkpoint_entries() const;
+};
+
+Index index_from_value(const Value& data);  // TensorIndex.from_dict: ProtocolError when malformed
+std::vector<TensorEntry> derive_views(const std::vector<TensorEntry>& tensors);
+std::vector<std::string> decode_sources(const Value& value);
+
+}  // namespace expertd
