@@ -86,6 +86,10 @@ class LeaseExpired(DaemonError):
     """The lease named in a request is unknown: expired, released, or granted by a daemon that restarted."""
 
 
+class LeaseLimit(DaemonError):
+    """This client already holds `max_leases_per_client` leases: release one (or close a client) first."""
+
+
 class Busy(DaemonError):
     """Another reload or update is being built; one at a time."""
 
@@ -120,6 +124,11 @@ class DaemonTimeout(ExpertdError, TimeoutError):
 
 class DaemonNotRunning(DaemonError, ConnectionError):
     """No daemon listens on the endpoint: its ipc:// socket file does not exist."""
+
+
+class DaemonNotTrusted(ExpertdError, PermissionError):
+    """The daemon's socket folder, socket or a segment belongs to a user this client does not trust (or is
+    writable by others): the client refuses before it sends a token or maps a byte."""
 
 
 class RestoreError(ExpertdError, ValueError):

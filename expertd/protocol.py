@@ -30,6 +30,9 @@ PROTOCOL_VERSION = 3
 DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
 MAX_MESSAGE_BYTES = 1 << 20  # requests larger than this are refused unread
 
+ECHO_CHARS = 120  # what an error reply or a log line repeats of a value a client sent
+MESSAGE_CHARS = 2000  # an error reply's message at most (whatever it lists)
+
 OPS = ("hello", "index", "lease", "release", "heartbeat", "status", "stop", "refresh",
        "reload", "update", "stage", "commit", "publish", "abort", "job", "variant")
 # `stage` is the one request with more frames than its message: the pushed bytes, each frame at most
@@ -37,13 +40,24 @@ OPS = ("hello", "index", "lease", "release", "heartbeat", "status", "stop", "ref
 # overhead: libzmq checks the cap on the encrypted frame), a message at most STAGE_MESSAGE_BYTES of one tensor.
 STAGE_FRAME_BYTES = MAX_MESSAGE_BYTES - (4 << 10)
 STAGE_MESSAGE_BYTES = 64 * STAGE_FRAME_BYTES
+# what the daemon takes at most in one request, checked as soon as it is received, before anything is decoded:
+# a REQ envelope (identity, empty frame), the message, then a `stage` request's frames
+MAX_REQUEST_FRAMES = 3 + STAGE_MESSAGE_BYTES // STAGE_FRAME_BYTES
+MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES + STAGE_MESSAGE_BYTES + 4096
 
 # Conditions a client handles by type, mapped by name in one place (as pyzmq maps errno to classes);
 # any other error name arrives as a plain DaemonError carrying that name in `kind`.
 ERRORS = {cls.__name__: cls for cls in (
-    errors.NotReady, errors.LeaseExpired, errors.Busy, errors.GenerationLimit, errors.GenerationGone,
+    errors.NotReady, errors.LeaseExpired, errors.LeaseLimit, errors.Busy, errors.GenerationLimit, errors.GenerationGone,
     errors.UpdateRejected, errors.PushDenied, errors.AuthError, errors.VersionMismatch, errors.VariantRejected,
 )}
+
+
+def clip(value, limit: int = ECHO_CHARS) -> str:
+    """`value` as text of at most `limit` characters (an ellipsis marks a cut): what a reply or a log line may
+    echo of what a client sent, so that a 900 KB `client` string is not sent back or logged whole."""
+    text = value if isinstance(value, str) else str(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def ipc_path(endpoint: str) -> str | None:
@@ -106,4 +120,5 @@ def check_version(version) -> None:
 
 
 def error_reply(exc: BaseException) -> dict:
-    return {"ok": False, "error": getattr(exc, "kind", None) or type(exc).__name__, "message": str(exc)}
+    return {"ok": False, "error": clip(getattr(exc, "kind", None) or type(exc).__name__),
+            "message": clip(str(exc), MESSAGE_CHARS)}

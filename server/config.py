@@ -32,6 +32,7 @@ class DaemonConfig:
     load_threads: int | None = None  # threads reading, dequantizing and writing at once; None: every usable core
     lease_timeout_s: float = 30.0
     max_generations: int = 3  # live generations at most: a reload or update beyond it is refused
+    max_leases_per_client: int = 64  # leases one client holds at once (ipc: one process; tcp: one CURVE key)
     progress: bool = True
     auth_token: str | None = None  # required in every request when set; mandatory for a non-local tcp bind
     group: str | None = None  # serve segments 0640 to this group (shared-group deployments); default 0600
@@ -107,6 +108,9 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: namespace {cfg.namespace!r} must be 1-64 of [A-Za-z0-9_.-]")
     if not isinstance(cfg.max_generations, int) or isinstance(cfg.max_generations, bool) or cfg.max_generations < 1:
         raise ConfigError(f"config {source}: max_generations must be an integer >= 1")
+    if not isinstance(cfg.max_leases_per_client, int) or isinstance(cfg.max_leases_per_client, bool) \
+            or cfg.max_leases_per_client < 1:
+        raise ConfigError(f"config {source}: max_leases_per_client must be an integer >= 1")
     if cfg.adopt_verify not in ("full", "sizes"):
         raise ConfigError(f"config {source}: adopt_verify {cfg.adopt_verify!r} must be 'full' (every checksum) or "
                           "'sizes'")

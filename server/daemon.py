@@ -25,7 +25,8 @@ from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, error_reply, i
 
 from .config import DaemonConfig
 from .curve import Curve
-from .generations import watchable
+from .generations import lease_tag, watchable
+from .peers import oversized, owner
 from .loader import Cancelled, prepare, resolve_device
 from .runstate import EndpointBusy, RunState, endpoint_answers
 from .service import WeightService
@@ -47,6 +48,7 @@ class Daemon:
         w = self.weights
         self.metrics = None  # DaemonMetrics from the socket bind on (load progress included), when metrics_port is set
         self.curve = None  # the CURVE authenticator of a tcp:// endpoint with curve_secret_key
+        self.owner = ""  # who sent the request being handled (see `owner`): leases are counted per owner
         self.OPS = {
             "hello": self.op_hello, "status": self.op_status, "stop": self.op_stop, "index": self.op_index,
             "lease": self.op_lease, "heartbeat": self.op_heartbeat, "release": self.op_release,
@@ -211,6 +213,7 @@ class Daemon:
         identity, data = frames[0].bytes, []
         msg = None
         try:
+            oversized(frames)  # before anything is decoded; the frames go with the refusal
             if len(frames) >= 3 and frames[1].bytes == b"":  # REQ envelope: message, then a `stage` request's bytes
                 payload, data = frames[2].bytes, frames[3:]
             elif len(frames) == 2:
@@ -220,6 +223,7 @@ class Daemon:
             msg = unpack(payload)
             # set here, whatever the message said: who sent it (under CURVE) and the bytes that came with it
             msg["_client_key"] = frames[-1].get("User-Id") if self.curve is not None else None
+            msg["_owner"] = owner(frames[-1], msg["_client_key"])
             if data and msg["op"] != "stage":
                 raise ProtocolError(f"op {msg['op']!r} takes one message frame; only 'stage' carries bytes")
             msg["_frames"] = [memoryview(frame) for frame in data]
@@ -255,6 +259,7 @@ class Daemon:
                 self._check_push(request.op, msg)
             if isinstance(request, messages.Stage):
                 request.frames = msg.get("_frames") or []
+            self.owner = msg.get("_owner") or ""
             return self.OPS[msg["op"]](request)
         except ExpertdError as exc:
             return error_reply(exc)
@@ -306,7 +311,8 @@ class Daemon:
         # (newer clients) their pid namespace and process start time: a worker in ours is watched, and its lease
         # goes as soon as its process does; others (and older clients) keep the heartbeat timeout only
         gens = self.weights.gens
-        lease = gens.lease(req.pid, start_time=watchable(req.pid, req.pid_ns, req.start_time), generation=req.generation)
+        lease = gens.lease(req.pid, start_time=watchable(req.pid, req.pid_ns, req.start_time), generation=req.generation,
+                           owner=self.owner)
         gen = gens.generation_of(lease)
         # attach in one round trip: the worker maps and decodes the index itself (none while loading)
         return messages.LeaseReply(client=lease.client, lease_timeout_s=self.cfg.lease_timeout_s,
@@ -343,7 +349,7 @@ class Daemon:
             bytes={"total": sum(by_dtype.values()), **by_dtype},
             expert_parallel=expert_parallel_status(index),
             leases=[
-                {"client": l.client, "pid": l.pid, "generation": l.generation, "age_s": round(now - l.created, 3),
+                {"client": lease_tag(l.client), "pid": l.pid, "generation": l.generation, "age_s": round(now - l.created, 3),
                  "idle_s": round(now - l.seen, 3), "watched": l.watched}
                 for l in w.gens.leases.values()
             ],

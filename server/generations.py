@@ -11,15 +11,17 @@ an unlinked segment lives until its last mapping goes.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 
 from expertd import index_segment, procfs
-from expertd.errors import GenerationGone, GenerationLimit, LeaseExpired
+from expertd.errors import GenerationGone, GenerationLimit, LeaseExpired, LeaseLimit
 from expertd.index import TensorIndex
-from expertd.protocol import pack
+from expertd.protocol import clip, pack
 
 from .arena import Arena, unlink_segment
 from .loader import Built
@@ -27,6 +29,15 @@ from .loader import Built
 log = logging.getLogger("expertd.generations")
 
 WATCH_EVERY_S = 0.25  # how often a watched lease's process is looked up in /proc (at most)
+HANDOVER = "handover-g"  # the pseudo-leases that pin adopted generations: no client may name them
+
+
+def lease_tag(client: str) -> str:
+    """What status and logs show of a lease id: 8 hex digits of its SHA-256. The id itself is a bearer secret
+    (whoever knows it holds the lease), so it is shown in full to nobody but its holder."""
+    if client.startswith(HANDOVER):
+        return client
+    return hashlib.sha256(client.encode()).hexdigest()[:8]
 
 
 @dataclass
@@ -40,6 +51,7 @@ class Lease:
     # and the lease goes as soon as the process does; None: only the heartbeat timeout ends it
     start_time: int | None = None
     checked: float = 0.0  # when the process was last looked up
+    owner: str = ""  # who took it (the daemon's words, see Daemon.owner): `max_leases_per_client` counts per owner
 
     @property
     def watched(self) -> bool:
@@ -114,26 +126,31 @@ class Generation:
 class Generations:
     """The live generations and the leases on them."""
 
-    def __init__(self, max_generations: int = 3, on_retire=None):
+    def __init__(self, max_generations: int = 3, on_retire=None, max_leases_per_client: int = 64):
         self.max_generations = max_generations
+        self.max_leases_per_client = max_leases_per_client
         self.live: dict[int, Generation] = {}
         self.latest: Generation | None = None
         self.leases: dict[str, Lease] = {}
-        self._lease_ids = itertools.count(1)
         self.on_retire = on_retire  # called with each retired generation's number (its ledger record goes)
 
     # --- leases ----------------------------------------------------------------------------
 
-    def lease(self, pid: int, start_time: int | None = None, generation: int | None = None) -> Lease:
+    def lease(self, pid: int, start_time: int | None = None, generation: int | None = None, owner: str = "") -> Lease:
         """A new lease on the latest generation, or on live `generation` (a worker resuming what it reads after
         the daemon restarted: GenerationGone when that one is not live); with `start_time` (see `watchable`)
-        its process is watched by `expire`."""
+        its process is watched by `expire`. Its id is 128 random bits (unguessable: knowing it is holding it);
+        LeaseLimit when `owner` already holds `max_leases_per_client`."""
         if generation is not None and generation not in self.live:
             raise GenerationGone(f"generation {generation} is not served any more (live: "
                                  f"{sorted(self.live) or 'none'}); reconnect() or refresh() to read the latest")
+        held = sum(1 for l in self.leases.values() if l.owner == owner)
+        if held >= self.max_leases_per_client:
+            raise LeaseLimit(f"this client ({owner or 'unknown'}) already holds {held} leases, the daemon's "
+                             f"max_leases_per_client; release some (ExpertClient.close()) before taking more")
         now = time.monotonic()
         number = generation if generation is not None else self.latest.number if self.latest else None
-        lease = Lease(f"c{next(self._lease_ids)}", pid, now, now, number, start_time, now)
+        lease = Lease(secrets.token_hex(16), pid, now, now, number, start_time, now, owner)
         self.leases[lease.client] = lease
         return lease
 
@@ -141,13 +158,12 @@ class Generations:
         """Pin an adopted generation for one lease timeout under a lease of its own (`handover-gN`, pid 0): a
         worker whose lease the predecessor had not yet recorded re-takes it on this generation meanwhile."""
         now = time.monotonic()
-        self.leases[f"handover-g{generation}"] = Lease(f"handover-g{generation}", 0, now, now, generation)
+        self.leases[f"{HANDOVER}{generation}"] = Lease(f"{HANDOVER}{generation}", 0, now, now, generation)
 
     def restore(self, leases: list[dict]) -> None:
         """Grant again the leases a predecessor recorded (the daemon restarted under its workers), as if each had
-        just beaten; new lease ids continue after theirs."""
+        just beaten (each counted against the owner it was recorded with)."""
         now = time.monotonic()
-        top = 0
         for item in leases:
             client, pid, generation = item.get("client"), item.get("pid"), item.get("generation")
             if isinstance(client, str) and isinstance(pid, int) and generation in self.live:
@@ -156,20 +172,21 @@ class Generations:
                 start_time = item.get("start_time")
                 if not isinstance(start_time, int) or procfs.process_start_time(pid) != start_time:
                     start_time = None
-                self.leases[client] = Lease(client, pid, now, now, generation, start_time, now)
-                if client[1:].isdigit():
-                    top = max(top, int(client[1:]))
-        self._lease_ids = itertools.count(top + 1)
+                owner = item.get("owner") if isinstance(item.get("owner"), str) else ""
+                self.leases[client] = Lease(client, pid, now, now, generation, start_time, now, owner)
 
     def recorded(self) -> list[dict]:
         """The leases as the manifest records them for a successor."""
-        return [{"client": l.client, "pid": l.pid, "generation": l.generation, "start_time": l.start_time}
+        return [{"client": l.client, "pid": l.pid, "generation": l.generation, "start_time": l.start_time,
+                 "owner": l.owner}
                 for l in self.leases.values() if l.generation is not None and l.pid > 0]
 
     def get(self, client: str) -> Lease:
-        lease = self.leases.get(client)
+        """The lease `client` names; its id is what proves a request comes from its holder (handover pseudo-leases
+        are nobody's: no request may name them)."""
+        lease = None if client.startswith(HANDOVER) else self.leases.get(client)
         if lease is None:
-            raise LeaseExpired(f"no lease {client!r} (expired or released)")
+            raise LeaseExpired(f"no lease {clip(client)!r} (expired or released)")
         return lease
 
     def generation_of(self, lease: Lease | None) -> Generation | None:
@@ -190,27 +207,28 @@ class Generations:
         return lease
 
     def release(self, client: str) -> None:
-        if self.leases.pop(client, None) is not None:
+        if not client.startswith(HANDOVER) and self.leases.pop(client, None) is not None:
             self.retire()
 
     def expire(self, timeout_s: float) -> None:
         """Drop leases silent for over `timeout_s`, and watched leases whose process is gone (one /proc read per
         watched lease every `WATCH_EVERY_S` at most); then retire what they pinned."""
         now = time.monotonic()
-        gone = []
+        silent, exited = [], []
         for lease in self.leases.values():
             if now - lease.seen > timeout_s:
-                log.info("lease %s (pid %d) expired after %.1fs without heartbeat", lease.client, lease.pid,
-                         now - lease.seen)
-                gone.append(lease)
+                silent.append(lease)
             elif lease.start_time is not None and now - lease.checked >= WATCH_EVERY_S:
                 lease.checked = now
                 if not procfs.process_alive(lease.pid, lease.start_time):
-                    log.info("lease %s (pid %d) dropped: the process is gone", lease.client, lease.pid)
-                    gone.append(lease)
+                    exited.append(lease)
+        gone = silent + exited
         for lease in gone:
             del self.leases[lease.client]
-        if gone:
+        if gone:  # one line per sweep, however many went
+            shown = ", ".join(f"{lease_tag(l.client)} (pid {l.pid})" for l in gone[:5])
+            log.info("%d lease(s) ended: %d without heartbeat for over %.1fs, %d whose process is gone: %s%s",
+                     len(gone), len(silent), timeout_s, len(exited), shown, ", ..." if len(gone) > 5 else "")
             self.retire()
 
     # --- generations -----------------------------------------------------------------------
@@ -229,7 +247,7 @@ class Generations:
         if len(after) <= self.max_generations:
             return
         latest = self.latest.number if self.latest else None
-        holders = ", ".join(f"pid {l.pid} (lease {l.client}) on generation {g}"
+        holders = ", ".join(f"pid {l.pid} (lease {lease_tag(l.client)}) on generation {g}"
                             for g, leases in sorted(pinned.items()) if g != latest for l in leases)
         raise GenerationLimit(
             f"a new generation would make {len(after)} live, over max_generations={self.max_generations}; "
@@ -295,7 +313,7 @@ class Generations:
             shared = sum(t.nbytes for t in gen.index.tensors if (t.segment, t.offset) in latest_places)
             rows.append({
                 "generation": n, "tensors": len(gen.index.tensors), "bytes": gen.nbytes, "bytes_shared_with_latest": shared,
-                "leases": [{"client": l.client, "pid": l.pid} for l in pinned.get(n, [])],
+                "leases": [{"client": lease_tag(l.client), "pid": l.pid} for l in pinned.get(n, [])],
                 "variants": [v.status() for v in gen.variants.values()],
             })
         return rows

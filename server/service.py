@@ -21,7 +21,7 @@ from expertd.errors import Busy, ExpertdError, GenerationGone, NotReady, Protoco
 from . import adopt, ledger, variants
 from .arena import segment_name, unlink_segment
 from .config import DaemonConfig
-from .generations import Generation, Generations, place_index
+from .generations import Generation, Generations, lease_tag, place_index
 from .jobs import Job, Jobs, forget_frames
 from .filling import default_threads
 from .loader import Built, Cancelled, build, prepare, publish, rebuild_tensors
@@ -40,7 +40,8 @@ class WeightService:
         self.device = device
         self.should_stop = should_stop
         self.checkpoint = cfg.checkpoint  # what the latest generation was built from
-        self.gens = Generations(cfg.max_generations, on_retire=lambda n: ledger.remove(self.run_dir, cfg.namespace, n))
+        self.gens = Generations(cfg.max_generations, on_retire=lambda n: ledger.remove(self.run_dir, cfg.namespace, n),
+                                max_leases_per_client=cfg.max_leases_per_client)
         self.run_dir = cfg.resolved_run_dir
         self.conditions = ledger.build_conditions(cfg.checkpoint, cfg.expert_parallel, cfg.shm_dir)
         self._recorded_leases: list[dict] = []  # the leases the manifest last recorded
@@ -124,11 +125,11 @@ class WeightService:
         self._record_leases()
         for number, staging in list(self.staging.items()):
             if staging.client not in self.gens.leases and not staging.committed:
-                log.info("update %d dropped: its lease %s is gone", number, staging.client)
+                log.info("update %d dropped: its lease %s is gone", number, lease_tag(staging.client))
                 self._drop_staging(number)
         held = self.jobs.held()
         if held is not None and held.client not in self.gens.leases:
-            log.info("update %d dropped unpublished: its lease %s is gone", held.number, held.client)
+            log.info("update %d dropped unpublished: its lease %s is gone", held.number, lease_tag(held.client))
             self._cancel_held(held, "its updater's lease is gone")
 
     def _build(self, ckpt, plan, number: int, previous):
@@ -254,7 +255,7 @@ class WeightService:
         lease = self.gens.get(req.client)
         staging = self.staging.get(req.update)
         if staging is None or staging.client != lease.client:
-            raise UpdateRejected(f"no staged update {req.update!r} of lease {lease.client!r}")
+            raise UpdateRejected(f"no staged update {req.update!r} of lease {lease_tag(lease.client)}")
         return staging
 
     def op_stage(self, req: messages.Stage) -> dict:
@@ -269,7 +270,7 @@ class WeightService:
         lease = self.gens.get(req.client)
         job = self.jobs.get(req.job)
         if job is None or not job.hold or job.client != lease.client:
-            raise UpdateRejected(f"no held update job {req.job!r} of lease {lease.client!r}")
+            raise UpdateRejected(f"no held update job {req.job!r} of lease {lease_tag(lease.client)}")
         if job.state != "built":
             raise UpdateRejected(f"update job {job.number} is {job.state}, not built: it cannot be published")
         job.hold = False  # the loop publishes it between this request and the next

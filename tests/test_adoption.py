@@ -18,6 +18,7 @@ import torch
 from expertd.client import ExpertClient
 from expertd.errors import GenerationGone
 from expertd.server import sealed
+from expertd.server.generations import lease_tag
 from expertd.server.runstate import RunState
 from helpers.daemon import expertd_cmd
 from helpers.reference import reference_tensors
@@ -86,7 +87,7 @@ def test_kill9_then_start_serves_the_pushed_generation_and_workers_compute_throu
     after = worker.ask("logits")  # heartbeats reached the successor: the same lease, the same generation
     assert after == before
     leases = {c["client"]: c for c in second.status()["leases"]}
-    assert worker.ask("lease")["lease"] in leases
+    assert lease_tag(worker.ask("lease")["lease"]) in leases
     with ExpertClient(second.endpoint) as client:
         assert client.verify() == [] and client.generation == 2
         assert torch.equal(client.tensors()[NORM], pushed)

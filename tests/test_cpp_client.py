@@ -23,6 +23,7 @@ import torch
 
 from expertd.client import ExpertClient
 from expertd.index import checksum, checksum_parts, tensor_bytes, tensor_checksum
+from expertd.server.generations import lease_tag
 
 REPO = Path(__file__).resolve().parent.parent
 CPP = REPO / "client" / "cpp"
@@ -135,11 +136,12 @@ def test_cpp_client_sees_what_the_python_client_sees(cpp_build, start_daemon):
             assert row["xxh3_64"] == checksum(tensor_bytes(t)), row["name"]
         assert client.verify() == []
         # the tool released its leases while it still ran (not dropped later because its process went)
-        assert got["lease"] not in got["leases_after_release"] and views["lease"] not in views["leases_after_release"]
+        assert lease_tag(got["lease"]) not in got["leases_after_release"]
+        assert lease_tag(views["lease"]) not in views["leases_after_release"]
         # tensors outlive their lease: the mapping stays with them
         assert got["valid_after_release"] is True and views["valid_after_release"] is True
         assert got["bad"] == 0 and {t["verdict"] for t in got["tensors"]} == {"OK"}
-        assert [l["client"] for l in d.status()["leases"]] == [client.lease]
+        assert [l["client"] for l in d.status()["leases"]] == [lease_tag(client.lease)]
     assert d.status()["leases"] == []
     best = min(r["attach"] + r["tensors"] for r in got["bench_ms"])
     print(f"\nattach (lease + index + served tensors), tiny checkpoint: C++ best of 5 {best:.2f} ms; "

@@ -18,13 +18,14 @@ from expertd.connection import Connection
 from expertd.errors import DaemonError
 from expertd.protocol import PROTOCOL_VERSION
 from expertd.server import generations
-from expertd.server.generations import Generations, watchable
+from expertd.server.generations import Generations, lease_tag, watchable
 
 NORM = "model.layers.2.post_attention_layernorm.weight"
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 
 
 def leases(daemon) -> dict[str, dict]:
+    """The daemon's leases by the tag status shows of each (`lease_tag`: never the id itself)."""
     return {row["client"]: row for row in daemon.status()["leases"]}
 
 
@@ -42,7 +43,7 @@ def test_a_killed_worker_loses_its_lease_at_once_and_its_generation_retires(
     with open(log_path, "w") as log:
         daemon = start_daemon(tiny_checkpoint, lease_timeout_s=60, stderr=log)  # the timeout cannot be what removes it
     worker = workers(daemon.endpoint)
-    lease = worker.hello["lease"]
+    lease = lease_tag(worker.hello["lease"])
     assert leases(daemon)[lease]["watched"] is True
     first = daemon.status()["generation"]
     with ExpertClient(daemon.endpoint) as updater:  # a newer generation: the worker's one is now old, pinned by it
@@ -59,7 +60,8 @@ def test_a_killed_worker_loses_its_lease_at_once_and_its_generation_retires(
     on_disk = {os.path.basename(p) for p in glob.glob(f"/dev/shm/{namespace}.*")}
     assert on_disk == {s.lstrip("/") for s in [*status["segments"], status["index_segment"]]}
     with open(log_path) as f:  # (the daemon's log handler flushes each line)
-        assert f"lease {lease} (pid {worker.proc.pid}) dropped: the process is gone" in f.read()
+        text = f.read()
+    assert "1 lease(s) ended: 0 without heartbeat" in text and f"1 whose process is gone: {lease} (pid {worker.proc.pid})" in text
 
 
 def test_old_clients_keep_the_timeout_rule_and_bad_fields_are_refused(tiny_checkpoint, start_daemon):
@@ -71,6 +73,7 @@ def test_old_clients_keep_the_timeout_rule_and_bad_fields_are_refused(tiny_check
                                 start_time=procfs.process_start_time(os.getpid()))["client"]
         lying = conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION, pid_ns=procfs.pid_namespace(),
                              start_time=procfs.process_start_time(os.getpid()) + 1)["client"]  # /proc disagrees
+        old, other_ns, lying = map(lease_tag, (old, other_ns, lying))
         rows = leases(daemon)
         assert not rows[old]["watched"] and not rows[other_ns]["watched"] and not rows[lying]["watched"]
         for field, value in (("pid_ns", "x"), ("start_time", -1), ("start_time", 1.5), ("pid_ns", [1])):
@@ -89,7 +92,7 @@ def test_a_worker_in_another_pid_namespace_keeps_the_timeout_rule(tiny_checkpoin
                     f"{probe.stderr.strip()}")
     daemon = start_daemon(tiny_checkpoint, lease_timeout_s=3)
     worker = workers(daemon.endpoint, prefix=UNSHARE)
-    lease = worker.hello["lease"]
+    lease = lease_tag(worker.hello["lease"])
     assert worker.hello["pid"] == 1  # the first process of its own pid namespace
     assert leases(daemon)[lease]["watched"] is False
     with open(f"/proc/{worker.proc.pid}/task/{worker.proc.pid}/children") as f:
