@@ -5,7 +5,7 @@ from __future__ import annotations
 import grp
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import yaml
 
@@ -27,7 +27,7 @@ class DaemonConfig:
     checkpoint: str
     endpoint: str = DEFAULT_ENDPOINT
     namespace: str = "expertd"
-    run_dir: str | None = None  # index JSON, manifest, ledger; default: the ipc socket's folder, else private to the uid
+    run_dir: str | None = None  # index JSON, manifest, ledger; default: the ipc socket's folder, else the uid's own
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N": where dequant runs
     load_threads: int | None = None  # threads reading, dequantizing and writing at once; None: every usable core
     lease_timeout_s: float = 30.0
@@ -46,6 +46,10 @@ class DaemonConfig:
     curve_push_keys: str | None = None  # folder of client public keys that may push weights (default: none)
     insecure_tcp: bool = False  # allow a tcp bind beyond 127.0.0.1 without CURVE (token and bytes in clear)
     adopt_verify: str = "full"  # adopting a predecessor's generations: "full" (every checksum) or "sizes"
+    admin_token: str | None = None  # when set, reload and stop need it (expertd.messages.PERMISSIONS: "admin")
+    curve_admin_keys: str | None = None  # folder of client public keys granted admin under CURVE (ours always is)
+    checkpoint_roots: list = field(default_factory=list)  # folders a reload may name a checkpoint under
+    stop_timeout_s: float = 10.0  # a stop waits this long for a build; then it is abandoned and the daemon exits
 
     @property
     def index_path(self) -> str:
@@ -95,9 +99,14 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         values["run_dir"] = _resolve(str(values["run_dir"]), base_dir)
     if "endpoint" in values:
         values["endpoint"] = resolve_endpoint(str(values["endpoint"]), base_dir, f"config {source}")
-    for key in ("curve_secret_key", "curve_client_keys", "curve_push_keys"):
+    for key in ("curve_secret_key", "curve_client_keys", "curve_push_keys", "curve_admin_keys"):
         if values.get(key) is not None:
             values[key] = _resolve(str(values[key]), base_dir)
+    if "checkpoint_roots" in values:
+        roots = values["checkpoint_roots"] if values["checkpoint_roots"] is not None else []
+        if not isinstance(roots, list) or not all(isinstance(r, str) and r for r in roots):
+            raise ConfigError(f"config {source}: checkpoint_roots must be a list of folders a reload may read under")
+        values["checkpoint_roots"] = [os.path.realpath(_resolve(r, base_dir)) for r in roots]
     if values.get("expert_parallel") is not None:
         try:
             values["expert_parallel"] = ExpertParallel.from_config(values["expert_parallel"])
@@ -117,10 +126,11 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
     if cfg.load_threads is not None and (not isinstance(cfg.load_threads, int) or isinstance(cfg.load_threads, bool)
                                          or cfg.load_threads < 1):
         raise ConfigError(f"config {source}: load_threads must be an integer >= 1 (or leave it out: every usable core)")
-    try:
-        cfg.lease_timeout_s = parse_duration(cfg.lease_timeout_s)
-    except ValueError as exc:
-        raise ConfigError(f"config {source}: lease_timeout_s: {exc}") from None
+    for key in ("lease_timeout_s", "stop_timeout_s"):
+        try:
+            setattr(cfg, key, parse_duration(getattr(cfg, key)))
+        except ValueError as exc:
+            raise ConfigError(f"config {source}: {key}: {exc}") from None
     if cfg.metrics_port is not None and (not isinstance(cfg.metrics_port, int) or isinstance(cfg.metrics_port, bool)
                                          or not 0 < cfg.metrics_port < 65536):
         raise ConfigError(f"config {source}: metrics_port must be a TCP port number 1-65535 (or leave it out: no metrics)")
@@ -149,16 +159,21 @@ def check_security(cfg: DaemonConfig, source: str, host: str | None) -> None:
     if cfg.push_token is not None and (not isinstance(cfg.push_token, str) or len(cfg.push_token) < 16
                                        or cfg.push_token == cfg.auth_token):
         raise ConfigError(f"config {source}: push_token must be a string of at least 16 characters, not the auth_token")
+    if cfg.admin_token is not None and (not isinstance(cfg.admin_token, str) or len(cfg.admin_token) < 16
+                                        or cfg.admin_token in (cfg.auth_token, cfg.push_token)):
+        raise ConfigError(f"config {source}: admin_token must be a string of at least 16 characters, neither the "
+                          "auth_token nor the push_token")
     if not isinstance(cfg.insecure_tcp, bool):
         raise ConfigError(f"config {source}: insecure_tcp must be true or false")
-    curve = [k for k in ("curve_secret_key", "curve_client_keys", "curve_push_keys") if getattr(cfg, k) is not None]
+    curve = [k for k in ("curve_secret_key", "curve_client_keys", "curve_push_keys", "curve_admin_keys")
+             if getattr(cfg, k) is not None]
     if curve and host is None:
         raise ConfigError(f"config {source}: {', '.join(curve)} apply to tcp:// endpoints (ipc:// stays on this host)")
     if curve and cfg.curve_secret_key is None:
         raise ConfigError(f"config {source}: {', '.join(curve)} need curve_secret_key (this daemon's key pair)")
     if cfg.curve_secret_key is not None:
         key_pair(cfg.curve_secret_key, f"config {source}: curve_secret_key")
-        for key in ("curve_client_keys", "curve_push_keys"):
+        for key in ("curve_client_keys", "curve_push_keys", "curve_admin_keys"):
             if getattr(cfg, key) is not None and not os.path.isdir(getattr(cfg, key)):
                 raise ConfigError(f"config {source}: {key} {getattr(cfg, key)} must be a folder of NAME.key files")
     elif host is not None and host not in LOCAL_HOSTS and not cfg.insecure_tcp:
@@ -204,7 +219,10 @@ class Target:
 
         if self.server_key is None and self.config is not None and self.config.curve_secret_key is not None:
             public, secret = key_pair(self.config.curve_secret_key)
-            return Credentials(self.token, self.config.push_token, public, public, secret)
+            return Credentials(self.token, self.config.push_token, self.config.admin_token, public, public, secret)
+        if self.config is not None:  # the daemon's own config: its permission tokens too (the CLI on its host is admin)
+            return Credentials.resolve(token=self.token, push_token=self.config.push_token,
+                                       admin_token=self.config.admin_token, server_key=self.server_key)
         return Credentials.resolve(token=self.token, server_key=self.server_key)
 
     @property

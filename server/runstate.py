@@ -76,7 +76,6 @@ class RunState:
         self._made: list[str] = []  # folders this daemon created (removed again when empty)
         self._made_key = False  # whether this daemon created the run folder's key (see `release`)
         self.manifest_problem: str | None = None  # why the manifest there was not read, when one was
-        self.key: bytes | None = None  # the run folder's ledger key (`sealed`), from `acquire` on
 
     def acquire(self) -> None:
         """Take the namespace lock (refuse if a live daemon holds it), then make or check the run folder, the
@@ -99,7 +98,7 @@ class RunState:
                                                                       f"{glob.escape(self.namespace)}.gen*.json")):
                 hostpaths.check_file(path, "manifest" if path == self.manifest_path else "ledger record")
             self._made_key = sealed.load_key(self.run_dir, self.namespace) is None
-            self.key = sealed.ensure_key(self.run_dir, self.namespace)
+            sealed.ensure_key(self.run_dir, self.namespace)
         except BaseException:
             self.release()
             raise
@@ -125,6 +124,7 @@ class RunState:
 
     @property
     def purpose(self) -> str:
+        """What the manifest's MAC binds it to (no ledger record passes for it)."""
         return f"expertd manifest {self.namespace}"
 
     def read_manifest(self) -> dict | None:
@@ -159,7 +159,6 @@ class RunState:
                        leases: list[dict] = ()) -> None:
         """Record the latest generation, the segments of every live generation (and of staging), what they were
         built under and the leases on them: what a successor needs to adopt them (see `adopt`)."""
-        key = self.key or sealed.ensure_key(self.run_dir, self.namespace)
         sealed.write(self.manifest_path, {
             "pid": os.getpid(), "start_time": process_start_time(os.getpid()), "generation": generation,
             "namespace": self.namespace, "state": state, "endpoint": endpoint, "updated": time.time(),
@@ -167,7 +166,7 @@ class RunState:
             "segments": sorted({name for names in segments.values() for name in names} | set(staging)),
             "generations": {str(g): names for g, names in sorted(segments.items())},
             "leases": list(leases),
-        }, self.purpose, key, indent=1, sort_keys=True)
+        }, self.purpose, sealed.ensure_key(self.run_dir, self.namespace), indent=1, sort_keys=True)
 
     def reap(self, shm_dir: str = SHM_DIR, keep=frozenset()) -> list[str]:
         """Unlink this namespace's segments whose owner is dead, in `shm_dir` and in the folder the

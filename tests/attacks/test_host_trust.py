@@ -211,8 +211,8 @@ def test_socket_folder_of_another_user_is_refused(tiny_checkpoint, namespace, sh
                                 text=True)
     try:
         assert impostor.stdout.readline().strip() == "ready"
-        refused(config_in(tmp_path, tiny_checkpoint, namespace, endpoint=f"ipc://{path}", run_dir=str(tmp_path / "run")),
-                "socket folder", os.path.dirname(path), f"uid {NOBODY}", "0755")
+        config = config_in(tmp_path, tiny_checkpoint, namespace, endpoint=f"ipc://{path}", run_dir=str(tmp_path / "run"))
+        refused(config, "socket folder", os.path.dirname(path), f"uid {NOBODY}", "0755")
         assert os.stat(path).st_uid == NOBODY  # the impostor's socket is left as it was
     finally:
         impostor.kill()
@@ -263,6 +263,28 @@ def test_ledger_rewritten_without_the_key_is_not_adopted(rewrite, tiny_checkpoin
     refusals = lines_with(log, "not adopting")
     assert len(refusals) == 1 and "generation 1" in refusals[0] and "MAC" in refusals[0], log
     assert "adopted generation" not in log and "Traceback" not in log
+
+
+def test_manifest_rewritten_without_the_key_is_not_followed(tiny_checkpoint, start_daemon, namespace, tmp_path):
+    """The manifest names the folder a successor reaps in: pointed elsewhere, it would unlink files there."""
+    run = handover(start_daemon(tiny_checkpoint))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    bait = elsewhere / f"{namespace}.{dead_pid()}.1.000"  # the daemon's own uid's file: only the MAC protects it
+    bait.write_text("not a segment")
+    path = os.path.join(run, f"{namespace}.manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["shm_dir"] = str(elsewhere)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    successor = start_daemon(tiny_checkpoint)
+    assert successor.status()["job"]["kind"] == "load"
+    serves_the_checkpoint(successor, tiny_checkpoint)
+    log = stop_and_read(successor)
+    refusals = lines_with(log, "not adopting")
+    assert len(refusals) == 1 and "MAC" in refusals[0] and "manifest" in refusals[0], log
+    assert bait.exists() and "adopted generation" not in log
 
 
 @pytest.mark.parametrize("field", ["shm_dir", "checkpoint"])
