@@ -7,20 +7,36 @@ SO_PEERCRED) or CURVE (tcp://) vouches for it.
 
 from __future__ import annotations
 
+import ctypes
+
 import zmq
 
 from expertd.errors import ProtocolError
 from expertd.protocol import MAX_REQUEST_BYTES, MAX_REQUEST_FRAMES
 
 
-def oversized(frames) -> None:
+def oversized(frames: list) -> None:
     """Refuse a request of more frames or bytes than any op takes (libzmq has already buffered it whole: its
-    MAXMSGSIZE caps each frame, not their number) before a byte of it is decoded."""
-    if len(frames) > MAX_REQUEST_FRAMES:
-        raise ProtocolError(f"a request of {len(frames)} frames; the daemon takes at most {MAX_REQUEST_FRAMES}")
+    MAXMSGSIZE caps each frame, not their number) before a byte of it is decoded; its frames past the envelope
+    and message are dropped from `frames` at once and the freed heap handed back to the system."""
     total = sum(len(f) for f in frames)
-    if total > MAX_REQUEST_BYTES:
-        raise ProtocolError(f"a request of {total} bytes; the daemon takes at most {MAX_REQUEST_BYTES}")
+    if len(frames) <= MAX_REQUEST_FRAMES and total <= MAX_REQUEST_BYTES:
+        return
+    count = len(frames)
+    del frames[3:]
+    _trim()
+    if count > MAX_REQUEST_FRAMES:
+        raise ProtocolError(f"a request of {count} frames; the daemon takes at most {MAX_REQUEST_FRAMES}")
+    raise ProtocolError(f"a request of {total} bytes; the daemon takes at most {MAX_REQUEST_BYTES}")
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the system (glibc's malloc_trim; elsewhere nothing): a refused flood's
+    buffers would otherwise stay in the daemon's RSS."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def owner(frame, client_key: str | None) -> str:
