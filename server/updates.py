@@ -24,7 +24,7 @@ from expertd.errors import UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_checksum
 from expertd.messages import PushedTensor, StagedTensor, UpdateReply
 from expertd.quantization import quantization_format
-from expertd.shm import DTYPES, map_segment, segment_bytes, segment_path
+from expertd.shm import DTYPES, OPEN_FLAGS, segment_path
 
 from .arena import Arena, placed_size
 from .dequant import write_part
@@ -142,17 +142,32 @@ class Staging:
                            shm_dir=self.arena.shm_dir,
                            tensors=[StagedTensor(name=t.name, offset=t.offset, nbytes=t.nbytes) for t in self.tensors])
 
-    def staged(self) -> dict[str, torch.Tensor]:
-        """The staged tensors, read-only."""
-        data = segment_bytes(map_segment(self.segment.name, self.segment.nbytes, shm_dir=self.arena.shm_dir))
+    def seal(self) -> dict[str, torch.Tensor]:
+        """The staged tensors copied into this process's private memory, the segment closed to its group first
+        (0600): the updater (in group mode another uid, with a writable mapping of its own) can change the segment
+        at any time, so what is checked and what is built from must be this one copy, never the shared pages."""
+        fd = os.open(segment_path(self.segment.name, self.arena.shm_dir), os.O_RDONLY | OPEN_FLAGS)
+        try:
+            os.fchmod(fd, 0o600)
+            data = torch.empty(self.segment.nbytes, dtype=torch.uint8)
+            buf, done = memoryview(data.numpy()), 0
+            while done < len(buf):
+                got = os.preadv(fd, [buf[done:]], done)
+                if got == 0:
+                    raise UpdateRejected(f"staging segment {self.segment.name} is shorter than the update's "
+                                         f"{self.segment.nbytes} bytes: it was truncated")
+                done += got
+        finally:
+            os.close(fd)
         return {t.name: data[t.offset: t.offset + t.nbytes].view(DTYPES[t.dtype]).view(t.shape) if t.nbytes
                 else torch.empty(t.shape, dtype=DTYPES[t.dtype]) for t in self.tensors}
 
     def verify(self, checksums: list[str]) -> dict[str, torch.Tensor]:
-        """The staged tensors, after checking each against the updater's checksum of what it wrote."""
+        """The staged tensors (`seal`: a private copy), after checking each against the updater's checksum of what
+        it wrote; the build reads that copy only."""
         if len(checksums) != len(self.tensors):
             raise UpdateRejected(f"commit needs one checksum per staged tensor ({len(self.tensors)})")
-        staged = self.staged()
+        staged = self.seal()
         for t, want in zip(self.tensors, checksums):
             got = tensor_checksum(staged[t.name])
             if got != want:
@@ -172,7 +187,7 @@ class Staging:
         # pages without zeroing them first (a write through a mapping has them zeroed, then written);
         # hugetlbfs has no write(): there they go through a mapping
         place = slot.offset + at
-        fd = os.open(segment_path(self.segment.name, self.arena.shm_dir), os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(segment_path(self.segment.name, self.arena.shm_dir), os.O_RDWR | OPEN_FLAGS)  # never a link
         try:
             done = 0
             while done < nbytes:
