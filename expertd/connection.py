@@ -16,6 +16,7 @@ from expertd import messages
 from expertd.errors import DaemonNotRunning, DaemonTimeout, ProtocolError
 from expertd.protocol import MAX_MESSAGE_BYTES, ipc_path, pack, unpack_reply
 from expertd.security import Credentials
+from expertd.trust import check_socket
 
 # What each request is, in the user's words (errors name these, never the op on the wire).
 OP_WORDS = {
@@ -89,6 +90,8 @@ class Connection:
         with self._lock:
             if self._sock is None:
                 check_running(self.endpoint)
+                if ipc_path(self.endpoint) is not None:  # before a token goes out: whose socket is it?
+                    check_socket(ipc_path(self.endpoint))
             sock = self._socket()
             try:
                 message = {"op": op, **fields}

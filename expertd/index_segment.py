@@ -23,6 +23,7 @@ import xxhash
 from .errors import CorruptIndex, ProtocolError, ShmError
 from .index import DEFAULT_SHM_DIR, TensorIndex, checksum_text
 from .shm import OPEN_FLAGS, segment_path
+from .trust import check_owner
 
 MAGIC = b"EXPDIDX\x01"
 HEADER = struct.Struct("<8sQQQ")  # magic, generation, payload bytes, xxh3_64 of the payload
@@ -95,7 +96,9 @@ def read_dict(desc: dict) -> dict:
     except OSError as exc:
         raise ShmError(f"cannot open index segment {name} ({path}): {exc.strerror}") from exc
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        check_owner(path, st, "index segment")
+        size = st.st_size
         if size < nbytes:  # mapping past the end would SIGBUS on the first read
             raise CorruptIndex(f"index segment {name} is truncated: {size} bytes, the daemon announced {nbytes}")
         # the whole file: on hugetlbfs an unmap must cover whole huge pages (a shorter one fails with EINVAL,

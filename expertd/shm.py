@@ -26,6 +26,7 @@ import torch
 from expertd.errors import ShmError
 from expertd.dtypes import BY_NAME as DTYPES
 from expertd.index import DEFAULT_SHM_DIR, TensorEntry
+from expertd.trust import check_owner
 
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # what shm_open uses: a segment is never a symlink
 
@@ -61,7 +62,9 @@ def map_segment(name: str, nbytes: int, writable: bool = False, shared_write: bo
     except OSError as exc:
         raise ShmError(f"cannot open shared-memory segment {name} ({path}): {exc.strerror}") from exc
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        check_owner(path, st)  # a segment of someone this process does not trust is never mapped
+        size = st.st_size
         if size < nbytes:
             raise ShmError(f"segment {name} ({path}) has {size} bytes, index says {nbytes}")
         try:

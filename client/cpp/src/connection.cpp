@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "detail.h"
+#include "trust.h"
 
 namespace expertd {
 
@@ -206,7 +207,10 @@ Value Connection::request(const std::string& op, Value::Map fields) {
   std::string frame;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (sock_ == nullptr) check_running(endpoint_);
+    if (sock_ == nullptr) {
+      check_running(endpoint_);
+      if (auto path = ipc_path(endpoint_)) detail::check_socket(*path);  // before a token goes out: whose socket?
+    }
     void* s = socket();
     std::string message = encode(request_message(op, std::move(fields), credentials_.token));
     if (message.size() > MAX_MESSAGE_BYTES)  // the daemon's socket would drop it unanswered

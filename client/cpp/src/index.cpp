@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "detail.h"
+#include "trust.h"
 #include "expertd/errors.h"
 
 namespace expertd {
@@ -82,6 +83,7 @@ Index read_index(const IndexSegment& desc) {
   }
   struct stat st {};
   if (::fstat(fd.fd, &st) != 0) throw ShmError("cannot stat index segment " + path + ": " + std::strerror(errno));
+  detail::check_owner(path, st, "index segment");
   auto size = static_cast<std::size_t>(st.st_size);
   if (size < desc.nbytes)  // mapping past the end would SIGBUS on the first read
     throw CorruptIndex("index segment " + desc.segment + " is truncated: " + std::to_string(size) +

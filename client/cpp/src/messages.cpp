@@ -17,6 +17,7 @@ using detail::Fd;
 void throw_daemon_error(const std::string& kind, const std::string& message) {
   if (kind == "NotReady") throw NotReady(message);
   if (kind == "LeaseExpired") throw LeaseExpired(message);
+  if (kind == "LeaseLimit") throw LeaseLimit(message);
   if (kind == "Busy") throw Busy(message);
   if (kind == "GenerationGone") throw GenerationGone(message);
   if (kind == "GenerationLimit") throw GenerationLimit(message);

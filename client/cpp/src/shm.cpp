@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "detail.h"
+#include "trust.h"
 #include "expertd/errors.h"
 
 #define XXH_INLINE_ALL 1
@@ -122,6 +123,7 @@ std::shared_ptr<const Mapping> map_segment(const std::string& name, uint64_t nby
   }
   struct stat st {};
   if (::fstat(fd.fd, &st) != 0) throw ShmError("cannot stat shared-memory segment " + path + ": " + std::strerror(errno));
+  detail::check_owner(path, st, "segment");  // a segment of someone this process does not trust is never mapped
   if (static_cast<uint64_t>(st.st_size) < nbytes)
     throw ShmError("segment " + name + " (" + path + ") has " + std::to_string(st.st_size) + " bytes, index says " +
                    std::to_string(nbytes));

@@ -11,7 +11,8 @@
 // bytes). --no-wait fails with NotReady at once while the daemon is still loading (else attach waits up to
 // the timeout). With --json it also reports the leases the daemon lists right after the release.
 // Exit status: 0 ok, 1 a BAD tensor (or an unexpected error), 2 usage, 3 DaemonNotRunning, 4 DaemonTimeout,
-// 5 AuthError, 6 another DaemonError, 7 ProtocolError / CorruptIndex, 8 ShmError, 9 VersionMismatch;
+// 5 AuthError, 6 another DaemonError, 7 ProtocolError / CorruptIndex, 8 ShmError, 9 VersionMismatch,
+// 10 DaemonNotTrusted;
 // the error's type leads its message on stderr.
 #include <chrono>
 #include <cinttypes>
@@ -231,6 +232,7 @@ struct Failure {
 const Failure failures[] = {
     {3, "DaemonNotRunning", is<expertd::DaemonNotRunning>},
     {4, "DaemonTimeout", is<expertd::DaemonTimeout>},
+    {10, "DaemonNotTrusted", is<expertd::DaemonNotTrusted>},
     {5, "AuthError", is<expertd::AuthError>},
     {9, "VersionMismatch", is<expertd::VersionMismatch>},
     {6, nullptr, is<expertd::DaemonError>},

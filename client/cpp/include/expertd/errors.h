@@ -30,6 +30,10 @@ class ShmError : public Error {  // a segment file cannot be opened or mapped, o
  public:
   using Error::Error;
 };
+class DaemonNotTrusted : public Error {  // the socket folder, socket or a segment is of a user this client does not trust
+ public:
+  using Error::Error;
+};
 class DaemonTimeout : public Error {  // no reply within the timeout
  public:
   using Error::Error;
@@ -50,6 +54,7 @@ class DaemonError : public Error {  // the daemon refused a request; kind() is t
   };
 EXPERTD_DAEMON_ERROR(NotReady)          // still loading the first generation
 EXPERTD_DAEMON_ERROR(LeaseExpired)      // the lease is unknown: expired, released, or the daemon restarted
+EXPERTD_DAEMON_ERROR(LeaseLimit)        // this client holds max_leases_per_client leases already
 EXPERTD_DAEMON_ERROR(Busy)              // another reload or update is being built
 EXPERTD_DAEMON_ERROR(GenerationGone)    // the generation this client reads is not served any more
 EXPERTD_DAEMON_ERROR(GenerationLimit)   // max_generations reached while leases pin old ones
