@@ -38,12 +38,13 @@ class ExpertClient:
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = 30.0, heartbeat: bool = True,
                  copy_on_write: bool = False, token: str | None = None, on_update=None, push_token: str | None = None,
-                 server_key: str | bytes | None = None, client_key: str | None = None, credentials=None):
+                 server_key: str | bytes | None = None, client_key: str | None = None, admin_token: str | None = None,
+                 credentials=None):
         self.endpoint = endpoint or os.environ.get("EXPERTD_ENDPOINT", DEFAULT_ENDPOINT)
         self.timeout = timeout
         self.copy_on_write = copy_on_write
-        # what this client presents (arguments, else $EXPERTD_TOKEN, _PUSH_TOKEN, _SERVER_KEY, _CLIENT_KEY)
-        self.credentials = credentials or Credentials.resolve(token, push_token, server_key, client_key)
+        # what this client presents (arguments, else $EXPERTD_TOKEN, _PUSH_TOKEN, _SERVER_KEY, _CLIENT_KEY, _ADMIN_TOKEN)
+        self.credentials = credentials or Credentials.resolve(token, push_token, server_key, client_key, admin_token)
         self.token = self.credentials.token
         self.on_update = on_update  # called with the new number, on the heartbeat thread, when a newer generation appears
         self.generation: int | None = None  # the generation this client's lease reads

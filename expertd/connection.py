@@ -97,8 +97,7 @@ class Connection:
                 message = {"op": op, **fields}
                 if self.token is not None:
                     message["token"] = self.token
-                if self.credentials.push_token is not None and messages.PERMISSIONS.get(op) == messages.PUSH:
-                    message["push_token"] = self.credentials.push_token
+                message.update(self.credentials.for_op(op))  # the push or admin token, with the ops that need it
                 packed = pack(message)
                 if len(packed) > MAX_MESSAGE_BYTES:  # the daemon's socket would drop it unanswered
                     raise ProtocolError(f"{op_words(op)} is a {len(packed)}-byte request; the daemon takes requests "

@@ -102,8 +102,15 @@ class GenerationLimit(DaemonError):
     """A new generation would exceed `max_generations` while leases pin the old ones."""
 
 
-class PushDenied(DaemonError, PermissionError):
-    """A request that would change the served weights came with a credential that may only read."""
+class PermissionDenied(DaemonError, PermissionError):
+    """The request's credential is not granted the permission its op needs (`expertd.messages.PERMISSIONS`: read,
+    push, admin), or a reload named a folder outside the configured checkpoint and `checkpoint_roots`; the message
+    names the op and the permission. Nothing changed."""
+
+
+class PushDenied(PermissionDenied):
+    """A request that would change the served weights came with a credential that may only read (a PermissionDenied:
+    the push ops keep this name on the wire for clients that catch it)."""
 
 
 class AuthError(DaemonError, PermissionError):

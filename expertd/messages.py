@@ -5,7 +5,7 @@ into its class here (`parse_request`: wrong or missing fields are a ProtocolErro
 another protocol version a VersionMismatch) and builds the replies clients read from the reply classes; the
 Python client builds its requests from the same classes and reads those replies through them. A field left
 at `ABSENT` is not sent; `None` is sent as nil. `PERMISSIONS` says which permission each op needs: the daemon
-checks it on the parsed request, the client sends its push token with the ops that need it.
+checks it on the parsed request, the client sends its push or admin token with the ops that need it.
 """
 
 from __future__ import annotations
@@ -160,18 +160,28 @@ REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (
     Variant)}
 
 # The permission each op needs (roles grant verbs, not connections): the daemon checks it on the parsed request
-# and a refusal names the op and the permission; the client sends its push_token with the ops that need "push".
-READ, PUSH = "read", "push"
+# and a refusal (PermissionDenied; PushDenied for the push ops) names the op and the permission. Three permissions,
+# each implying the ones before it: `read` (attach and look), `push` (change the served weights), `admin` (reload
+# from a checkpoint, stop the daemon). The client sends its push_token with the push ops and its admin_token with the
+# admin ops (and with the push ops when it has no push_token). PROTOCOL.md and client/cpp (wire.h) state this table.
+READ, PUSH, ADMIN = "read", "push", "admin"
+RANKS = {READ: 0, PUSH: 1, ADMIN: 2}  # a credential granted one permission has every permission of a lower rank
 PERMISSIONS: dict[str, str] = {
     "hello": READ, "lease": READ, "index": READ, "heartbeat": READ, "refresh": READ, "release": READ, "variant": READ,
-    "status": READ, "job": READ, "stop": READ, "reload": READ,
+    "status": READ, "job": READ,
     "update": PUSH, "stage": PUSH, "commit": PUSH, "publish": PUSH, "abort": PUSH,  # they change what is served
+    "reload": ADMIN, "stop": ADMIN,  # what is read from disk, and whether anything is served at all
 }
+
+
+def grants(granted: str, needed: str) -> bool:
+    """Whether a credential granted `granted` may send an op that needs `needed` (admin implies push implies read)."""
+    return RANKS[granted] >= RANKS[needed]
 
 
 def parse_request(msg: dict) -> Request:
     """The typed request of a decoded message (`op` already checked by protocol.unpack); wire fields only:
-    `token`, `push_token` and keys this version does not know are left to the caller and ignored here."""
+    `token`, `push_token`, `admin_token` and keys this version does not know are left to the caller and ignored here."""
     cls = REQUESTS[msg["op"]]
     request = cls.from_wire(msg, f"op {msg['op']!r}")
     request.check()
@@ -198,7 +208,7 @@ class HelloReply(Reply):
 
 @dataclass
 class LeaseReply(Reply):
-    client: str = F(str, required=True)  # the lease id, "c<N>"
+    client: str = F(str, required=True)  # the lease id: 32 hex digits (128 random bits), a bearer secret
     lease_timeout_s: float = F(float, required=True)
     generation: int | None = F(int, None, nil=True)  # nil while the first generation is still loading
     index_segment: dict = F(dict)  # absent while loading: then poll `index` with segment

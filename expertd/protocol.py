@@ -49,7 +49,8 @@ MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES + STAGE_MESSAGE_BYTES + 4096
 # any other error name arrives as a plain DaemonError carrying that name in `kind`.
 ERRORS = {cls.__name__: cls for cls in (
     errors.NotReady, errors.LeaseExpired, errors.LeaseLimit, errors.Busy, errors.GenerationLimit, errors.GenerationGone,
-    errors.UpdateRejected, errors.PushDenied, errors.AuthError, errors.VersionMismatch, errors.VariantRejected,
+    errors.UpdateRejected, errors.PushDenied, errors.PermissionDenied, errors.AuthError, errors.VersionMismatch,
+    errors.VariantRejected,
 )}
 
 

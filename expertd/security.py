@@ -3,9 +3,9 @@
 CURVE (ZeroMQ's elliptic-curve encryption, libsodium inside pyzmq) encrypts every frame and authenticates
 both ends: a client must know the daemon's public key, and the daemon sees each client's public key. Key
 files are ZeroMQ's own certificate format (`expertd keys` writes them with `zmq.auth.create_certificates`):
-`NAME.key` holds the public key, `NAME.key_secret` both. Pushing weights is a permission of its own (which ops
-need it: `expertd.messages.PERMISSIONS`): a `push_token` (any transport) or, under CURVE, a client key on the
-daemon's push allow-list.
+`NAME.key` holds the public key, `NAME.key_secret` both. Pushing weights and administering the daemon (reload, stop) are permissions of their own
+(which ops need which: `expertd.messages.PERMISSIONS`): a `push_token` / `admin_token` (any transport) or, under
+CURVE, a client key on the daemon's push / admin allow-list.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .messages import ADMIN, PERMISSIONS, PUSH
 
 Z85_KEY_CHARS = 40
 
@@ -64,17 +65,19 @@ def create_keys(folder: str, name: str) -> tuple[str, str]:
 class Credentials:
     token: str | None = None  # the daemon's auth_token: any request
     push_token: str | None = None  # the daemon's push_token: updates
+    admin_token: str | None = None  # the daemon's admin_token: reload, stop (and pushes, when no push_token is given)
     server_key: bytes | None = None  # the daemon's CURVE public key (z85): tcp:// with CURVE
     client_public: bytes | None = None  # this client's CURVE key pair; an ephemeral one when not given
     client_secret: bytes | None = None
 
     @classmethod
     def resolve(cls, token: str | None = None, push_token: str | None = None, server_key: str | bytes | None = None,
-                client_key: str | None = None) -> "Credentials":
-        """Arguments first, then $EXPERTD_TOKEN, $EXPERTD_PUSH_TOKEN, $EXPERTD_SERVER_KEY (z85 or a key file) and
-        $EXPERTD_CLIENT_KEY (a NAME.key_secret file)."""
+                client_key: str | None = None, admin_token: str | None = None) -> "Credentials":
+        """Arguments first, then $EXPERTD_TOKEN, $EXPERTD_PUSH_TOKEN, $EXPERTD_ADMIN_TOKEN, $EXPERTD_SERVER_KEY (z85 or a
+        key file) and $EXPERTD_CLIENT_KEY (a NAME.key_secret file)."""
         token = token if token is not None else os.environ.get("EXPERTD_TOKEN") or None
         push_token = push_token if push_token is not None else os.environ.get("EXPERTD_PUSH_TOKEN") or None
+        admin_token = admin_token if admin_token is not None else os.environ.get("EXPERTD_ADMIN_TOKEN") or None
         server_key = server_key if server_key is not None else os.environ.get("EXPERTD_SERVER_KEY") or None
         client_key = client_key if client_key is not None else os.environ.get("EXPERTD_CLIENT_KEY") or None
         if isinstance(server_key, str):
@@ -82,7 +85,17 @@ class Credentials:
         public = secret = None
         if client_key is not None:
             public, secret = key_pair(client_key)
-        return cls(token, push_token, server_key, public, secret)
+        return cls(token, push_token, admin_token, server_key, public, secret)
+
+    def for_op(self, op: str) -> dict:
+        """The permission tokens a request for `op` carries: the push_token with the push ops (the admin_token when
+        there is no push_token), the admin_token with the admin ops; none with the others."""
+        needs = PERMISSIONS.get(op)
+        if needs == PUSH and self.push_token is not None:
+            return {"push_token": self.push_token}
+        if needs in (PUSH, ADMIN) and self.admin_token is not None:
+            return {"admin_token": self.admin_token}
+        return {}
 
     def secure(self, sock) -> None:
         """Make `sock` a CURVE client of the daemon (when a server key is known)."""

@@ -2,8 +2,9 @@
 
 pyzmq's ZAP authenticator (a thread of the daemon) checks each connecting client's public key: any client
 that knows the daemon's public key, or only those in `curve_client_keys`; it stamps each request with the
-client's key (`User-Id`), which the daemon compares with `curve_push_keys` before a push. The daemon's own
-key pair (what `expertd status --config` on its host presents) is always allowed, to connect and to push.
+client's key (`User-Id`), which the daemon compares with `curve_push_keys` and `curve_admin_keys` (server.permissions).
+The daemon's own key pair (what `expertd status --config` on its host presents) is always allowed, to connect and as
+admin; a key in `curve_admin_keys` may connect too.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ def _keys(folder: str | None) -> set[str]:
 
 
 class Curve:
-    def __init__(self, authenticator, own: str, clients: set[str] | None, pushers: set[str]):
-        self.authenticator, self.own, self.clients, self.pushers = authenticator, own, clients, pushers
+    def __init__(self, authenticator, own: str, clients: set[str] | None, pushers: set[str], admins: set[str]):
+        self.authenticator, self.own, self.clients, self.pushers, self.admins = authenticator, own, clients, pushers, admins
 
     @classmethod
     def serve(cls, ctx, sock, cfg) -> "Curve":
@@ -32,13 +33,15 @@ class Curve:
 
         public, secret = key_pair(cfg.curve_secret_key, "curve_secret_key")
         own = public.decode("ascii")
-        clients = _keys(cfg.curve_client_keys) | {own} if cfg.curve_client_keys else None
-        curve = cls(ThreadAuthenticator(ctx, log=log.getChild("zap")), own, clients, _keys(cfg.curve_push_keys) | {own})
+        admins = _keys(cfg.curve_admin_keys) | {own}
+        clients = _keys(cfg.curve_client_keys) | admins if cfg.curve_client_keys else None
+        curve = cls(ThreadAuthenticator(ctx, log=log.getChild("zap")), own, clients, _keys(cfg.curve_push_keys) | admins,
+                    admins)
         curve.authenticator.start()
         curve.authenticator.configure_curve_callback("*", curve)
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
-        log.info("CURVE on: %s client key(s) may connect, %d may push", "any" if clients is None else len(clients),
-                 len(curve.pushers))
+        log.info("CURVE on: %s client key(s) may connect, %d may push, %d are admin",
+                 "any" if clients is None else len(clients), len(curve.pushers), len(admins))
         return curve
 
     def callback(self, domain: str, key: bytes) -> bool:
@@ -47,6 +50,9 @@ class Curve:
 
     def may_push(self, key: str | None) -> bool:
         return key is not None and key in self.pushers
+
+    def may_admin(self, key: str | None) -> bool:
+        return key is not None and key in self.admins
 
     def stop(self) -> None:
         self.authenticator.stop()

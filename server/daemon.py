@@ -14,13 +14,14 @@ import hmac
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
 import zmq
 
 from expertd import messages
-from expertd.errors import AuthError, ExpertdError, NotReady, ProtocolError, PushDenied
+from expertd.errors import AuthError, ExpertdError, NotReady, ProtocolError
 from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, error_reply, ipc_path, pack, unpack
 
 from .config import DaemonConfig
@@ -28,6 +29,7 @@ from .curve import Curve
 from .generations import lease_tag, watchable
 from .peers import oversized, owner
 from .loader import Cancelled, prepare, resolve_device
+from .permissions import Permissions
 from .runstate import EndpointBusy, RunState, endpoint_answers
 from .service import WeightService
 
@@ -48,6 +50,7 @@ class Daemon:
         w = self.weights
         self.metrics = None  # DaemonMetrics from the socket bind on (load progress included), when metrics_port is set
         self.curve = None  # the CURVE authenticator of a tcp:// endpoint with curve_secret_key
+        self.permissions = Permissions(cfg)  # what each request's credential may do (with `curve` once bound)
         self.owner = ""  # who sent the request being handled (see `owner`): leases are counted per owner
         self.OPS = {
             "hello": self.op_hello, "status": self.op_status, "stop": self.op_stop, "index": self.op_index,
@@ -65,6 +68,11 @@ class Daemon:
             return self._run()
         finally:
             self.runstate.release()
+            if self.weights.abandoned:  # a build thread stuck past stop_timeout_s: end the process without it
+                self.weights.sweep()  # what it made since the first sweep
+                failed = sys.exc_info()[0] is not None
+                logging.shutdown()
+                os._exit(1 if failed else 0)
 
     def _run(self) -> int:
         self._check_endpoint_free()
@@ -161,6 +169,7 @@ class Daemon:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         try:
             self.curve = Curve.serve(ctx, sock, self.cfg) if self.cfg.curve_secret_key else None
+            self.permissions = Permissions(self.cfg, self.curve)
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
@@ -255,31 +264,13 @@ class Daemon:
                 raise AuthError("request lacks the daemon's auth token or carries a wrong one")
         try:
             request = messages.parse_request(msg)
-            if request.permission == messages.PUSH:
-                self._check_push(request.op, msg)
+            self.permissions.check(request, msg)  # the op's permission (messages.PERMISSIONS), or PermissionDenied
             if isinstance(request, messages.Stage):
                 request.frames = msg.get("_frames") or []
             self.owner = msg.get("_owner") or ""
             return self.OPS[msg["op"]](request)
         except ExpertdError as exc:
             return error_reply(exc)
-
-    def _check_push(self, op: str, msg: dict) -> None:
-        """Pushing weights is a permission apart: the push_token, or under CURVE a client key on curve_push_keys."""
-        push_token = msg.get("push_token")
-        if self.cfg.push_token is not None and isinstance(push_token, str) and \
-                hmac.compare_digest(push_token.encode(), self.cfg.push_token.encode()):
-            return
-        needs = f"op {op!r} needs the {messages.PUSH!r} permission"
-        if self.curve is not None:
-            if self.curve.may_push(msg.get("_client_key")):
-                return
-            raise PushDenied(f"this client's CURVE key may only read, and {needs}: a key in curve_push_keys "
-                             f"({self.cfg.curve_push_keys or 'not set: no client may push'})"
-                             + (" or the push_token" if self.cfg.push_token else ""))
-        if self.cfg.push_token is not None:
-            raise PushDenied(f"this credential may only read: pushing weights needs the daemon's push_token ({needs}; "
-                             "ExpertClient(push_token=...) or $EXPERTD_PUSH_TOKEN)")
 
     def op_hello(self, req: messages.Hello) -> dict:
         return messages.HelloReply(protocol=PROTOCOL_VERSION, ready=self.weights.gens.latest is not None,

@@ -49,6 +49,7 @@ class Job:
     on_end: object = None  # called on the loop's thread once the job is published or failed
     hold: bool = False  # built, it waits for `publish` (a push to several daemons) instead of publishing
     client: str | None = None  # the lease that committed an update
+    checkpoint: str | None = None  # the folder a reload builds from (the ledger records it)
 
     def report(self, cls: type[messages.JobState] = messages.JobState) -> messages.JobState:
         """This job as `commit`, `publish`, `reload` and `job` reply (cls JobReply) and `status` shows it."""
@@ -116,6 +117,11 @@ class Jobs:
             return self.current
         return self.done.get(number)
 
-    def join(self) -> None:
-        if self.current is not None and self.current.thread is not None:
-            self.current.thread.join()
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the current job's thread, `timeout` seconds at most; False when it is still running then (a build
+        that does not notice the stop flag: the caller abandons it)."""
+        job = self.current
+        if job is None or job.thread is None:
+            return True
+        job.thread.join(timeout)
+        return not job.thread.is_alive()

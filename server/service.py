@@ -21,11 +21,12 @@ from expertd.errors import Busy, ExpertdError, GenerationGone, NotReady, Protoco
 from . import adopt, ledger, variants
 from .arena import segment_name, unlink_segment
 from .config import DaemonConfig
+from .permissions import allowed_checkpoint
+from .runstate import RunState, namespace_segments
 from .generations import Generation, Generations, lease_tag, place_index
 from .jobs import Job, Jobs, forget_frames
 from .filling import default_threads
 from .loader import Built, Cancelled, build, prepare, publish, rebuild_tensors
-from .runstate import RunState
 from .updates import Staging, build_update, plan_update
 
 log = logging.getLogger("expertd.daemon")
@@ -52,6 +53,8 @@ class WeightService:
         self.first_generation = 1
         self.load_error: BaseException | None = None
         self.build_progress = (0, 0)  # (bytes placed, bytes to place) of the latest build from a checkpoint
+        self.abandoned = False  # a build that had not stopped within stop_timeout_s when the daemon stopped
+        self._live: set[str] = set()  # the segments of the generations live when it was abandoned
 
     def latest(self) -> Generation:
         if self.gens.latest is None:
@@ -160,7 +163,9 @@ class WeightService:
             if job.state == "published":
                 self.checkpoint = checkpoint
 
-        return self._start_build("reload", number, work, on_end)
+        job = self._start_build("reload", number, work, on_end)
+        job.checkpoint = checkpoint
+        return job
 
     def _finish(self, job: Job) -> None:
         """Publish a built generation (index segment, index JSON, then the switch, then the manifest), or record a failure."""
@@ -176,7 +181,8 @@ class WeightService:
                 job.exc, job.error, job.message, job.state = exc, type(exc).__name__, str(exc), "failed"
                 forget_frames(exc)
             else:
-                ledger.write(self.run_dir, job.built, job.kind, self.conditions)
+                ledger.write(self.run_dir, job.built, job.kind, ledger.build_conditions(  # what it was built from
+                    job.checkpoint or self.checkpoint, self.cfg.expert_parallel, self.cfg.shm_dir))
                 self.gens.publish(Generation(job.built, place))
                 job.state = "published"
                 b = job.built
@@ -233,9 +239,9 @@ class WeightService:
         return messages.IndexSegmentReply(generation=lease.generation, index_segment=latest.index_place).wire()
 
     def op_reload(self, req: messages.Reload) -> dict:
-        checkpoint = req.checkpoint or self.cfg.checkpoint
+        checkpoint = allowed_checkpoint(self.cfg, req.checkpoint)  # the configured one or under checkpoint_roots
         self.latest()
-        return self._start_reload(os.path.abspath(checkpoint)).report(messages.JobReply).wire()
+        return self._start_reload(checkpoint).report(messages.JobReply).wire()
 
     def op_update(self, req: messages.Update) -> dict:
         """Check a push against the latest generation and hand out a staging segment to write it into."""
@@ -342,7 +348,12 @@ class WeightService:
     def close(self, keep: bool = False) -> None:
         """Remove every segment, staged update and the published index (the daemon is stopping); with `keep` (a
         handover) leave the live generations, their ledger and the manifest for a successor to adopt."""
-        self.jobs.join()
+        self.abandoned = not self.jobs.join(self.cfg.stop_timeout_s)
+        if self.abandoned:
+            log.error("%s %d did not stop within stop_timeout_s (%gs): abandoned, its segments unlinked",
+                      self.jobs.current.kind, self.jobs.current.number, self.cfg.stop_timeout_s)
+            self._live = {name for names in self.gens.segments_by_generation().values() for name in names}
+            self.sweep()
         job = self.jobs.current
         if job is not None and job.built is not None:
             job.built.close()  # built but never published
@@ -365,3 +376,10 @@ class WeightService:
             except FileNotFoundError:
                 pass
         self.runstate.write_manifest(self.status_generation(), {}, "stopped", self.cfg.endpoint, shm_dir=self.cfg.shm_dir)
+
+    def sweep(self) -> None:
+        """Unlink what an abandoned build made so far: this process's segments that no generation live when it was
+        abandoned holds (those go with the generations, or stay for a successor on a handover)."""
+        for name, pid in namespace_segments(self.cfg.namespace, self.cfg.shm_dir).items():
+            if pid == os.getpid() and name not in self._live:
+                unlink_segment(name, self.cfg.shm_dir)

@@ -23,6 +23,7 @@ from expertd import index_segment, messages  # noqa: E402
 from expertd.errors import DaemonError, ProtocolError, VersionMismatch  # noqa: E402
 from expertd.index import TensorIndex  # noqa: E402
 from expertd.protocol import ERRORS, OPS, PROTOCOL_VERSION, pack, unpack_reply  # noqa: E402
+from expertd.security import Credentials  # noqa: E402
 from helpers.golden import INDEX_BIN, SELECT, TOKEN, checksum_vectors, load, regenerate  # noqa: E402
 
 
@@ -116,13 +117,22 @@ def test_index_segment_vector_is_what_pack_writes_and_unpack_reads(golden):
 
 
 def test_one_table_names_the_permission_of_every_op():
-    """Only the ops that change what is served need "push"; the client sends its push_token with exactly those."""
+    """The ops that change what is served need "push", reload and stop "admin", the others "read"; the client sends
+    its push_token with the push ops and its admin_token with the admin ops, and nothing else with any op."""
     assert set(messages.PERMISSIONS) == set(OPS) == set(messages.REQUESTS)
-    assert {op for op, needs in messages.PERMISSIONS.items() if needs == messages.PUSH} == \
-        {"update", "stage", "commit", "publish", "abort"}
-    assert set(messages.PERMISSIONS.values()) == {messages.READ, messages.PUSH}
+    by_permission = {p: {op for op, needs in messages.PERMISSIONS.items() if needs == p} for p in messages.RANKS}
+    assert by_permission[messages.PUSH] == {"update", "stage", "commit", "publish", "abort"}
+    assert by_permission[messages.ADMIN] == {"reload", "stop"}
     for op, cls in messages.REQUESTS.items():
         assert cls.permission.fget(cls) == messages.PERMISSIONS[op]
+    assert messages.grants(messages.ADMIN, messages.PUSH) and messages.grants(messages.PUSH, messages.READ)
+    assert not messages.grants(messages.PUSH, messages.ADMIN) and not messages.grants(messages.READ, messages.PUSH)
+    both = Credentials(push_token="p" * 16, admin_token="a" * 16)
+    sent = {op: both.for_op(op) for op in OPS}
+    assert {op for op, extra in sent.items() if extra == {"push_token": "p" * 16}} == by_permission[messages.PUSH]
+    assert {op for op, extra in sent.items() if extra == {"admin_token": "a" * 16}} == by_permission[messages.ADMIN]
+    assert Credentials(admin_token="a" * 16).for_op("update") == {"admin_token": "a" * 16}  # admin implies push
+    assert all(not extra for op, extra in sent.items() if messages.PERMISSIONS[op] == messages.READ)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""Make a thread of another process hang for real, the way a read from a dead NFS server does: ptrace stops just that
+thread (PTRACE_SEIZE, PTRACE_INTERRUPT) while the process's other threads go on. Linux x86_64 or aarch64; the
+tracer must be the process's parent or hold CAP_SYS_PTRACE, and must stay alive (a tracer that ends resumes it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import time
+
+PTRACE_CONT, PTRACE_SEIZE, PTRACE_INTERRUPT = 7, 0x4206, 0x4207
+WALL = 0x40000000  # waitpid's __WALL: a thread of another process
+FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+_libc.ptrace.restype = ctypes.c_long
+
+
+def _ptrace(request: int, tid: int) -> None:
+    if _libc.ptrace(request, tid, None, None) == -1:
+        err = ctypes.get_errno()
+        raise OSError(err, f"ptrace({request:#x}, {tid}): {os.strerror(err)}")
+
+
+def threads(pid: int) -> list[int]:
+    return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+
+
+def freeze(pid: int, tid: int, tries: int = 5000) -> None:
+    """Stop thread `tid` of process `pid` where it waits in a futex (a lock, a condition, or Python's GIL it does
+    not hold): a Python thread stopped while holding the GIL would stop every other thread of the process too."""
+    _ptrace(PTRACE_SEIZE, tid)
+    for _ in range(tries):
+        _ptrace(PTRACE_INTERRUPT, tid)
+        os.waitpid(tid, WALL)
+        with open(f"/proc/{pid}/task/{tid}/syscall") as f:
+            if f.read().split()[0] == str(FUTEX):
+                return
+        _ptrace(PTRACE_CONT, tid)
+        time.sleep(0.0005)
+    raise RuntimeError(f"thread {tid} of {pid} was never caught outside Python's GIL")
+
+
+def wait_exit(proc, tid: int, timeout: float) -> int | None:
+    """`proc`'s exit code once it has ended, else None after `timeout` seconds. A frozen thread that dies is its
+    tracer's to collect, and until it is, the process's exit is not reported: this collects it on the way."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.waitpid(tid, WALL | os.WNOHANG)
+        except ChildProcessError:
+            pass
+        if proc.poll() is not None:
+            return proc.returncode
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
