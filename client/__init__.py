@@ -4,9 +4,9 @@ Never imports server code or Triton.
 """
 
 from expertd.errors import (
-    AuthError, Busy, CorruptIndex, DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError, GenerationGone,
-    GenerationLimit, LeaseExpired, NotReady, ProtocolError, PushDenied, RestoreError, ShmError, UpdateRejected,
-    VersionMismatch,
+    AuthError, Busy, CorruptIndex, DaemonError, DaemonNotRunning, DaemonNotTrusted, DaemonTimeout, ExpertdError,
+    GenerationGone, GenerationLimit, LeaseExpired, LeaseLimit, NotReady, PermissionDenied, ProtocolError, PushDenied,
+    RestoreError, ShmError, UpdateRejected, VersionMismatch,
 )
 from expertd.partition import PartitionError
 
@@ -17,6 +17,6 @@ from .restore import RestoreResult, restore
 from .simulate import simulate
 
 __all__ = ["ExpertClient", "capture", "simulate", "restore", "RestoreResult", "push_all", "ExpertdError", "DaemonError",
-           "DaemonNotRunning", "DaemonTimeout", "NotReady", "LeaseExpired", "Busy", "GenerationGone", "GenerationLimit",
-           "UpdateRejected", "PushDenied", "AuthError", "VersionMismatch", "ProtocolError", "CorruptIndex", "ShmError",
-           "RestoreError", "PartitionError"]
+           "DaemonNotRunning", "DaemonNotTrusted", "DaemonTimeout", "NotReady", "LeaseExpired", "LeaseLimit", "Busy", "GenerationGone", "GenerationLimit",
+           "UpdateRejected", "PermissionDenied", "PushDenied", "AuthError", "VersionMismatch", "ProtocolError",
+           "CorruptIndex", "ShmError", "RestoreError", "PartitionError"]

@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "expertd/client.h"
 
 namespace {
@@ -103,8 +105,8 @@ int run(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::duration<double>(hold_s));
     expertd::Status status = client.status();
     bool alive = false, watched = false;
-    for (const auto& l : status.leases)
-      if (l.client == lease.id()) alive = true, watched = l.watched;
+    for (const auto& l : status.leases)  // status shows a tag of each lease id, never the id: this process's lease
+      if (l.pid == static_cast<int64_t>(::getpid())) alive = true, watched = l.watched;
     held = ", \"held\": {\"seconds\": " + std::to_string(hold_s) + ", \"lease_alive\": " + (alive ? "true" : "false") +
            ", \"watched\": " + (watched ? "true" : "false") + ", \"lease\": " + expertd::to_json(lease.id()) +
            ", \"heartbeat_error\": " + expertd::to_json(lease.last_heartbeat_error()) + "}";
