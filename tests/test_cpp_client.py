@@ -32,7 +32,7 @@ TINY = str(REPO / "checkpoints" / "tiny")
 TOKEN = "cpp-client-token-0123456789"
 APT = "apt-get install -y cmake g++ pkg-config libzmq3-dev libmsgpack-cxx-dev libxxhash-dev"
 BUILD_SUFFIXES = (".cpp", ".hpp", ".h", ".txt", ".cmake")  # what the build reads (not the docs or scripts)
-EXIT = {"BAD": 1, "DaemonNotRunning": 3, "DaemonTimeout": 4, "AuthError": 5}
+EXIT = {"BAD": 1, "DaemonNotRunning": 3, "DaemonTimeout": 4, "AuthError": 5, "PermissionDenied": 11}
 
 
 def _missing_prerequisites() -> list[str]:
@@ -191,6 +191,23 @@ def test_wrong_token_is_a_typed_error(cpp_build, start_daemon):
     run = dump(cpp_build, d.endpoint)  # no token at all
     assert run.returncode == EXIT["AuthError"], run.stderr
     assert d.status()["leases"] == []
+
+
+def test_reload_and_stop_need_the_admin_permission(cpp_build, start_daemon):
+    """A reader's stop and reload are PermissionDenied (typed: expertd::PermissionDenied) and change nothing; the
+    admin_token (sent with those ops only) reloads and stops."""
+    admin = "cpp-admin-token-0123456789"
+    d = start_daemon(TINY, auth_token=TOKEN, push_token="cpp-push-token-0123456789", admin_token=admin)
+    for op in ("--stop", "--stop-keep", "--reload"):
+        run = dump(cpp_build, d.endpoint, "--token", TOKEN, op)
+        assert run.returncode == EXIT["PermissionDenied"], run.stderr
+        assert run.stderr.startswith(f"expertd-cpp-dump: PermissionDenied: daemon refused '{op[2:6]}"), run.stderr
+        assert "needs the 'admin' permission" in run.stderr
+    assert d.status()["generation"] == 1 and d.proc.poll() is None
+    run = dump(cpp_build, d.endpoint, "--token", TOKEN, "--admin-token", admin, "--reload")
+    assert run.returncode == 0 and json.loads(run.stdout)["kind"] == "reload", run.stderr
+    assert dump(cpp_build, d.endpoint, "--token", TOKEN, "--admin-token", admin, "--stop").returncode == 0
+    assert d.proc.wait(60) == 0
 
 
 def test_no_daemon_fails_fast_and_typed(cpp_build, tmp_path):

@@ -10,6 +10,7 @@ vectors are captured and normalized is in tests/helpers/golden.py.
 
 from __future__ import annotations
 
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -133,6 +134,17 @@ def test_one_table_names_the_permission_of_every_op():
     assert {op for op, extra in sent.items() if extra == {"admin_token": "a" * 16}} == by_permission[messages.ADMIN]
     assert Credentials(admin_token="a" * 16).for_op("update") == {"admin_token": "a" * 16}  # admin implies push
     assert all(not extra for op, extra in sent.items() if messages.PERMISSIONS[op] == messages.READ)
+
+
+def test_protocol_md_and_the_cpp_client_state_the_same_permission_table():
+    root = Path(__file__).resolve().parent.parent
+    documented = {}
+    for permission, ops in re.findall(r"^ *\| `(\w+)` \| ((?:`\w+` ?)+) \|$", (root / "PROTOCOL.md").read_text(), re.M):
+        documented.update({op: permission for op in re.findall(r"`(\w+)`", ops)})
+    assert documented == messages.PERMISSIONS
+    wire_h = (root / "client/cpp/include/expertd/wire.h").read_text()
+    table = wire_h[wire_h.index("PERMISSIONS[] = {"):wire_h.index("};", wire_h.index("PERMISSIONS[] = {"))]
+    assert dict(re.findall(r'\{"(\w+)", "(\w+)"\}', table)) == messages.PERMISSIONS
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ Client::Client(std::string endpoint, Options options) {
   session->endpoint = resolve_endpoint(std::move(endpoint));
   if (options.timeout.count() < 1 || options.timeout.count() > INT32_MAX)
     throw ConfigError("expertd::Options::timeout must be between 1 ms and 2^31 ms");
-  session->credentials = Credentials::resolve(options.token, options.server_key, options.client_key);
+  session->credentials = Credentials::resolve(options.token, options.server_key, options.client_key, options.admin_token);
   session->options = std::move(options);
   session->ctx = make_context();
   conn_ = std::make_unique<Connection>(session->ctx, session->endpoint, session->timeout_ms(), session->credentials);
@@ -90,6 +90,12 @@ Status Client::status() {
   if (const Value* v = s.reply.get("leases"))
     for (const Value& l : v->as_array("status leases")) s.leases.push_back(lease_info(l));
   return s;
+}
+
+void Client::stop(bool keep) { conn_->request("stop", keep ? Value::Map{{"keep", true}} : Value::Map{}); }
+
+Value Client::reload(std::optional<std::string> checkpoint) {
+  return conn_->request("reload", checkpoint ? Value::Map{{"checkpoint", *checkpoint}} : Value::Map{});
 }
 
 Hello Client::hello() {

@@ -64,10 +64,12 @@ bool file_exists(const std::string& path) {
 }  // namespace
 
 Credentials Credentials::resolve(std::optional<std::string> token, std::optional<std::string> server_key,
-                                 std::optional<std::string> client_key) {
+                                 std::optional<std::string> client_key, std::optional<std::string> admin_token) {
   Credentials c;
   c.token = token ? token : env("EXPERTD_TOKEN");
   if (c.token && c.token->empty()) c.token.reset();
+  c.admin_token = admin_token ? admin_token : env("EXPERTD_ADMIN_TOKEN");
+  if (c.admin_token && c.admin_token->empty()) c.admin_token.reset();
   if (!server_key) server_key = env("EXPERTD_SERVER_KEY");
   if (!client_key) client_key = env("EXPERTD_CLIENT_KEY");
   if (server_key) {
@@ -212,7 +214,7 @@ Value Connection::request(const std::string& op, Value::Map fields) {
       if (auto path = ipc_path(endpoint_)) detail::check_socket(*path);  // before a token goes out: whose socket?
     }
     void* s = socket();
-    std::string message = encode(request_message(op, std::move(fields), credentials_.token));
+    std::string message = encode(request_message(op, std::move(fields), credentials_.token, credentials_.admin_token));
     if (message.size() > MAX_MESSAGE_BYTES)  // the daemon's socket would drop it unanswered
       throw ProtocolError(op_words(op) + " is a " + std::to_string(message.size()) + "-byte request; the daemon takes "
                           "requests of at most " + std::to_string(MAX_MESSAGE_BYTES) + " bytes");

@@ -23,6 +23,7 @@ void throw_daemon_error(const std::string& kind, const std::string& message) {
   if (kind == "GenerationLimit") throw GenerationLimit(message);
   if (kind == "UpdateRejected") throw UpdateRejected(message);
   if (kind == "PushDenied") throw PushDenied(message);
+  if (kind == "PermissionDenied") throw PermissionDenied(message);
   if (kind == "AuthError") throw AuthError(message);
   if (kind == "VersionMismatch") throw VersionMismatch(message);
   if (kind == "DaemonNotRunning") throw DaemonNotRunning(message);
@@ -31,12 +32,14 @@ void throw_daemon_error(const std::string& kind, const std::string& message) {
 
 // --- requests and replies ----------------------------------------------------------------------------
 
-Value request_message(const std::string& op, Value::Map fields, const std::optional<std::string>& token) {
+Value request_message(const std::string& op, Value::Map fields, const std::optional<std::string>& token,
+                      const std::optional<std::string>& admin_token) {
   Value::Map m;
-  m.reserve(fields.size() + 2);
+  m.reserve(fields.size() + 3);
   m.emplace_back("op", Value(op));
   for (auto& kv : fields) m.push_back(std::move(kv));
   if (token) m.emplace_back("token", Value(*token));
+  if (admin_token && permission(op) != "read") m.emplace_back("admin_token", Value(*admin_token));
   return Value(std::move(m));
 }
 

@@ -1,5 +1,6 @@
 // expertd-cpp-dump ENDPOINT [--token T] [--json] [--views] [--timeout-ms N] [--bench N] [--hold-s S]
 //                           [--refresh] [--no-wait] [--server-key KEY] [--client-key FILE]
+//                           [--admin-token T] [--stop | --stop-keep | --reload [--checkpoint DIR]]
 //
 // Attach to a daemon with the C++ client and print one line per served tensor (with --views per checkpoint
 // tensor): name, dtype, shape, segment, offset, the xxh3 checksum recomputed over the mapped bytes (in the form
@@ -10,9 +11,11 @@
 // generation and dumps that one (reporting what changed, and whether the views taken before kept their
 // bytes). --no-wait fails with NotReady at once while the daemon is still loading (else attach waits up to
 // the timeout). With --json it also reports the leases the daemon lists right after the release.
+// --stop, --stop-keep and --reload send that admin op instead of attaching (with --admin-token, or a CURVE key the
+// daemon lists in curve_admin_keys) and print the reply; a credential without the admin permission exits 11.
 // Exit status: 0 ok, 1 a BAD tensor (or an unexpected error), 2 usage, 3 DaemonNotRunning, 4 DaemonTimeout,
 // 5 AuthError, 6 another DaemonError, 7 ProtocolError / CorruptIndex, 8 ShmError, 9 VersionMismatch,
-// 10 DaemonNotTrusted;
+// 10 DaemonNotTrusted, 11 PermissionDenied (PushDenied too);
 // the error's type leads its message on stderr.
 #include <chrono>
 #include <cinttypes>
@@ -38,7 +41,8 @@ double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std
 int usage(const char* why) {
   std::fprintf(stderr,
                "expertd-cpp-dump: %s\nusage: expertd-cpp-dump ENDPOINT [--token T] [--json] [--views] [--timeout-ms N] "
-               "[--bench N] [--hold-s S] [--refresh] [--no-wait] [--server-key KEY] [--client-key FILE]\n",
+               "[--bench N] [--hold-s S] [--refresh] [--no-wait] [--server-key KEY] [--client-key FILE] [--admin-token T] "
+               "[--stop | --stop-keep | --reload [--checkpoint DIR]]\n",
                why);
   return 2;
 }
@@ -62,6 +66,8 @@ int run(int argc, char** argv) {
   int bench = 0;
   double hold_s = 0;
   bool refresh = false;
+  std::string admin_op;  // "stop", "stop-keep" or "reload": sent instead of attaching
+  std::optional<std::string> checkpoint;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&](const char* flag) -> std::string {
@@ -78,6 +84,9 @@ int run(int argc, char** argv) {
     else if (a == "--no-wait") options.wait_ready = false;
     else if (a == "--server-key") options.server_key = value("--server-key");
     else if (a == "--client-key") options.client_key = value("--client-key");
+    else if (a == "--admin-token") options.admin_token = value("--admin-token");
+    else if (a == "--stop" || a == "--stop-keep" || a == "--reload") admin_op = a.substr(2);
+    else if (a == "--checkpoint") checkpoint = value("--checkpoint");
     else if (a == "-h" || a == "--help") return usage("attach to an expertd daemon and dump what it serves"), 0;
     else if (!a.empty() && a[0] == '-') return usage(("unknown option " + a).c_str());
     else if (endpoint.empty()) endpoint = a;
@@ -86,6 +95,8 @@ int run(int argc, char** argv) {
   if (endpoint.empty()) return usage("no ENDPOINT");
 
   expertd::Client client(endpoint, options);
+  if (admin_op == "reload") return std::printf("%s\n", expertd::to_json(client.reload(checkpoint)).c_str()), 0;
+  if (!admin_op.empty()) return client.stop(admin_op == "stop-keep"), std::printf("stopped\n"), 0;
   auto t0 = Clock::now();
   expertd::Lease lease = client.attach();
   double attach_ms = ms_since(t0);
@@ -235,6 +246,7 @@ const Failure failures[] = {
     {3, "DaemonNotRunning", is<expertd::DaemonNotRunning>},
     {4, "DaemonTimeout", is<expertd::DaemonTimeout>},
     {10, "DaemonNotTrusted", is<expertd::DaemonNotTrusted>},
+    {11, nullptr, is<expertd::PermissionDenied>},  // PermissionDenied or PushDenied: its kind() leads
     {5, "AuthError", is<expertd::AuthError>},
     {9, "VersionMismatch", is<expertd::VersionMismatch>},
     {6, nullptr, is<expertd::DaemonError>},

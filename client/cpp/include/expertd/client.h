@@ -34,6 +34,7 @@ struct Options {
   bool heartbeat = true;    // keep leases with a heartbeat thread
   std::optional<std::string> server_key;  // CURVE over tcp://: z85 or a key file; else $EXPERTD_SERVER_KEY
   std::optional<std::string> client_key;  // CURVE: a NAME.key_secret file; else $EXPERTD_CLIENT_KEY (else ephemeral)
+  std::optional<std::string> admin_token; // the daemon's admin_token (reload, stop); else $EXPERTD_ADMIN_TOKEN
 };
 
 struct Hello {  // the `hello` reply
@@ -117,6 +118,11 @@ class Client {
   Lease attach();
   Status status();  // needs no lease; answered while loading
   Hello hello();    // the handshake alone
+  // The admin ops (Options::admin_token, or under CURVE a client key in the daemon's curve_admin_keys); a
+  // credential without the admin permission gets PermissionDenied. stop: `keep` leaves the generations for a
+  // successor. reload: the configured checkpoint, or a folder under the daemon's checkpoint_roots; the job reply.
+  void stop(bool keep = false);
+  Value reload(std::optional<std::string> checkpoint = std::nullopt);
 
   const std::string& endpoint() const;
   const Options& options() const;

@@ -16,9 +16,11 @@ namespace expertd {
 
 // --- requests and replies ----------------------------------------------------------------------------
 
-// {op, ...fields, token?}: the map a request sends (the token last, when there is one).
+// {op, ...fields, token?, admin_token?}: the map a request sends (the token last, when there is one; then the
+// admin_token, with the ops whose permission is not "read" only).
 Value request_message(const std::string& op, Value::Map fields = {},
-                      const std::optional<std::string>& token = std::nullopt);
+                      const std::optional<std::string>& token = std::nullopt,
+                      const std::optional<std::string>& admin_token = std::nullopt);
 // A decoded reply to `what` (the request, in the user's words): its map when `ok` is true; else the
 // reply's typed error is thrown. A reply without a boolean `ok` is a ProtocolError.
 const Value::Map& check_reply(const Value& reply, const std::string& what);
@@ -28,12 +30,14 @@ std::string op_words(const std::string& op);  // "lease" -> "attach", as errors 
 
 struct Credentials {
   std::optional<std::string> token;       // the daemon's auth_token
+  std::optional<std::string> admin_token; // the daemon's admin_token: sent with reload and stop only
   std::optional<std::string> server_key;  // CURVE: the daemon's public key, z85 (40 characters)
   std::optional<std::string> client_public, client_secret;  // CURVE: this client's pair (z85); else ephemeral
   // Arguments first, then $EXPERTD_TOKEN, $EXPERTD_SERVER_KEY (z85 or a key file), $EXPERTD_CLIENT_KEY
-  // (a NAME.key_secret file), as the Python client resolves them.
+  // (a NAME.key_secret file), $EXPERTD_ADMIN_TOKEN, as the Python client resolves them.
   static Credentials resolve(std::optional<std::string> token, std::optional<std::string> server_key = std::nullopt,
-                             std::optional<std::string> client_key = std::nullopt);
+                             std::optional<std::string> client_key = std::nullopt,
+                             std::optional<std::string> admin_token = std::nullopt);
 };
 
 std::optional<std::string> ipc_path(const std::string& endpoint);

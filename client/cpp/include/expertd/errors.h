@@ -59,11 +59,16 @@ EXPERTD_DAEMON_ERROR(Busy)              // another reload or update is being bui
 EXPERTD_DAEMON_ERROR(GenerationGone)    // the generation this client reads is not served any more
 EXPERTD_DAEMON_ERROR(GenerationLimit)   // max_generations reached while leases pin old ones
 EXPERTD_DAEMON_ERROR(UpdateRejected)    // a push does not fit
-EXPERTD_DAEMON_ERROR(PushDenied)        // the credential may only read
+EXPERTD_DAEMON_ERROR(PermissionDenied)  // the credential lacks the op's permission (read < push < admin, wire.h)
 EXPERTD_DAEMON_ERROR(AuthError)         // the request lacked the daemon's auth token or carried a wrong one
 EXPERTD_DAEMON_ERROR(VersionMismatch)   // the daemon speaks another protocol version (the message names both)
 EXPERTD_DAEMON_ERROR(DaemonNotRunning)  // no daemon at the endpoint (its ipc:// socket file does not exist)
 #undef EXPERTD_DAEMON_ERROR
+class PushDenied : public PermissionDenied {  // a push op with a credential that may only read
+ public:
+  explicit PushDenied(const std::string& message, std::string kind = "PushDenied")
+      : PermissionDenied(message, std::move(kind)) {}
+};
 
 // Throw the typed error for a reply's `error` name (a plain DaemonError for names without a class).
 [[noreturn]] void throw_daemon_error(const std::string& kind, const std::string& message);
