@@ -259,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--keep", action="store_true",
                            help="leave the generations in shared memory for a successor (`expertd start` adopts them)")
         if name == "reload":
-            p.add_argument("--checkpoint", help="checkpoint folder to serve next (default: the configured one, re-read)")
+            p.add_argument("--checkpoint", help="checkpoint folder to serve next (default: the configured one, "
+                           "re-read); any other must lie under the config's checkpoint_roots. Needs the admin "
+                           "permission (the admin_token, read from --config, or $EXPERTD_ADMIN_TOKEN)")
             p.add_argument("--wait", type=_duration, default=3600.0,
                            help="seconds to wait for the new generation to be published")
         p.set_defaults(func=func)

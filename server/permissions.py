@@ -10,7 +10,9 @@ is granted:
   a permission whose own token the config does not set goes with the next token below it that it does set (an
   auth_token-only daemon lets its token holders do everything, as before; one with auth_token and push_token lets
   the push_token holders reload and stop too). A bare connection (no token needed) counts only in a single-user
-  config: one that sets no token, no CURVE key and no `group`, where every op is allowed as it always was.
+  config: one that sets no token, no CURVE key and no `group`, where every op is allowed as it always was; in a
+  `group` config without tokens it may read, and may do everything when the kernel says (SO_PEERCRED) it comes
+  from the daemon's own uid (`expertd stop --config` in the daemon's container, as a Kubernetes preStop runs it).
 
 A request whose credential lacks what its op needs gets PermissionDenied (PushDenied for the push ops), naming the
 op and the permission, before the op runs: nothing changes. `reload` may moreover read only the configured
@@ -26,6 +28,12 @@ from expertd.errors import PermissionDenied, PushDenied
 from expertd.messages import ADMIN, PUSH, READ, RANKS, Request, grants
 
 LADDER = (READ, PUSH, ADMIN)
+
+
+def _sender_uid(msg: dict) -> int | None:
+    """The uid the kernel vouches for on ipc:// (SO_PEERCRED, in the daemon's `_owner`: "uid N pid P"), else None."""
+    parts = str(msg.get("_owner") or "").split()
+    return int(parts[1]) if len(parts) == 4 and parts[0] == "uid" and parts[1].isdigit() else None
 
 
 def _matches(presented, expected: str | None) -> bool:
@@ -52,6 +60,8 @@ class Permissions:
             held = PUSH
         elif cfg.auth_token is not None:
             held = READ  # the daemon checked the auth_token before this
+        elif cfg.push_token is None and cfg.admin_token is None and _sender_uid(msg) == os.geteuid():
+            return ADMIN  # a group daemon without tokens: its own uid (SO_PEERCRED) is the single user
         else:
             return READ  # a bare connection to a shared (group) daemon: read only
         tokens = {PUSH: cfg.push_token, ADMIN: cfg.admin_token}

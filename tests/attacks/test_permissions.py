@@ -122,6 +122,25 @@ def still_serving(dep: Deployment, generation: int = 1, norm: torch.Tensor | Non
         assert torch.equal(dep.norm(), norm)
 
 
+@pytest.mark.parametrize("extra, message", [
+    ({"admin_token": "short"}, "admin_token must be a string of at least 16 characters"),
+    ({"admin_token": READ_TOKEN, "auth_token": READ_TOKEN}, "neither the auth_token nor the push_token"),
+    ({"admin_token": PUSH_TOKEN, "push_token": PUSH_TOKEN}, "neither the auth_token nor the push_token"),
+    ({"curve_admin_keys": "/tmp"}, "apply to tcp:// endpoints"),
+    ({"checkpoint_roots": "/srv/checkpoints"}, "checkpoint_roots must be a list"),
+    ({"stop_timeout_s": "soon"}, "stop_timeout_s"),
+])
+def test_permission_settings_are_checked(tmp_path, extra, message):
+    from expertd.errors import ConfigError
+    from expertd.server.config import config_from_dict
+
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"checkpoint": str(tmp_path), **extra})
+    cfg = config_from_dict({"checkpoint": str(tmp_path), "stop_timeout_s": "500ms", "checkpoint_roots": ["a/../b"]},
+                           base_dir=str(tmp_path))
+    assert cfg.stop_timeout_s == 0.5 and cfg.checkpoint_roots == [os.path.realpath(tmp_path / "b")]
+
+
 # --- a reader -------------------------------------------------------------------------------------------
 
 def test_reader_cannot_reload_from_a_folder_of_its_own(deployment, tiny_checkpoint, tmp_path):
@@ -288,3 +307,25 @@ def test_stop_ends_the_daemon_while_a_build_hangs(how, tiny_checkpoint, larger_c
             if freeze.wait_exit(d.proc, frozen, 30) is None:
                 d.proc.kill()
                 freeze.wait_exit(d.proc, frozen, 30)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_group_daemon_without_tokens_lets_its_group_read_and_its_own_uid_administer(tiny_checkpoint, start_daemon):
+    """`group` and no token: a group member of another uid may read but not stop; the daemon's own uid (as the
+    kernel names the sender, SO_PEERCRED) may, as `expertd stop --keep --config` in a Kubernetes preStop does."""
+    d = start_daemon(tiny_checkpoint, group="root")
+    member = ["setpriv", "--reuid", "65534", "--regid", "65534", "--groups", "0", "--inh-caps", "+dac_read_search",
+              "--ambient-caps", "+dac_read_search"]  # another uid in the daemon's group (reads root's venv)
+    script = ("import sys; from expertd.connection import Connection; from expertd.errors import PermissionDenied\n"
+              "c = Connection(sys.argv[1], timeout=30)\nprint(c.request('status')['state'])\n"
+              "try:\n    c.request('stop')\nexcept PermissionDenied as e:\n    print('denied', e)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in os.sys.path if p)}
+    done = subprocess.run(member + [os.sys.executable, "-c", script, d.endpoint], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    state, denied = done.stdout.strip().splitlines()
+    assert state == "serving" and denied.startswith("denied") and "'admin' permission" in denied, done.stdout
+    assert d.proc.poll() is None
+    done = subprocess.run(expertd_cmd("stop", "--config", d.config), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert d.proc.wait(30) == 0

@@ -15,9 +15,10 @@ from expertd.errors import ExpertdError
 
 
 def daemon_settings(folder, checkpoint: str, namespace: str, **extra) -> dict:
-    """The config of a daemon run from `folder`: its socket lives in folder/run/, progress bars are off."""
+    """The config of a daemon run from `folder`: its socket lives in folder/run/, progress bars are off, and a reload
+    may name any folder (checkpoint_roots: /; tests/attacks/test_permissions.py sets narrower roots)."""
     return {"checkpoint": checkpoint, "endpoint": f"ipc://{folder}/run/expertd.sock", "namespace": namespace,
-            "progress": False, **extra}
+            "progress": False, "checkpoint_roots": ["/"], **extra}
 
 
 def save_config(folder, settings: dict) -> str:
