@@ -17,6 +17,8 @@ import os
 import re
 import secrets
 
+from expertd.index import json_text, write_text_atomic
+
 from .hostpaths import UnsafePath, check_file
 
 KEY_MODE = 0o600
@@ -85,24 +87,8 @@ def write(path: str, data: dict, purpose: str, key: bytes, indent: int | None = 
     """Write `data` sealed, atomically (temp file 0600 + rename): readers never see half a record."""
     if not data:
         raise ValueError("a sealed record holds at least one key")
-    body = json.dumps(data, indent=indent, sort_keys=sort_keys,
-                      separators=None if indent is not None else (",", ":")) + "\n"
-    text = f'{{"hmac":"{_mac(key, purpose, body)}",' + body[1:]
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                       f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    body = json_text(data, indent, sort_keys)
+    write_text_atomic(path, f'{{"hmac":"{_mac(key, purpose, body)}",' + body[1:], mode=KEY_MODE)
 
 
 def read(path: str, purpose: str, key: bytes | None) -> dict:

@@ -14,6 +14,7 @@ using detail::Fd;
 
 // --- errors ----------------------------------------------------------------------------------------
 
+// One line per error: each throws its own C++ type by name, which a table would have to restate as a lambda each.
 void throw_daemon_error(const std::string& kind, const std::string& message) {
   if (kind == "NotReady") throw NotReady(message);
   if (kind == "LeaseExpired") throw LeaseExpired(message);
