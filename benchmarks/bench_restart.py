@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from bench_loader import warm  # noqa: E402
+from expertd.server.generations import lease_tag  # noqa: E402
 from helpers.daemon import DaemonProcess  # noqa: E402
 from helpers.workers import Worker  # noqa: E402
 from run_all import ensure_checkpoints, machine  # noqa: E402
@@ -84,7 +85,7 @@ def r2(workdir: str, checkpoint: str, restarts: int) -> dict:
             seconds.append(s)
         looped = worker.receive()
         after = worker.ask("lease")["lease"]
-        kept = after == lease and after in {l["client"] for l in d.status()["leases"]}
+        kept = after == lease and lease_tag(after) in {l["client"] for l in d.status()["leases"]}  # status shows tags
         return {"restarts": restarts, "forwards": looped.get("forwards"), "errors": 0 if "error" not in looped else 1,
                 "error": looped.get("message"), "distinct_logits": len(looped.get("digests", [])),
                 "logits_as_before": looped.get("digests") == [before["logits"]], "same_lease": kept,

@@ -21,6 +21,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+from expertd.server.generations import lease_tag  # noqa: E402
 from helpers.daemon import DaemonProcess, daemon_settings, save_config  # noqa: E402
 from helpers.reference import reference_tensors  # noqa: E402
 from helpers.worker import digest  # noqa: E402
@@ -95,7 +96,7 @@ def main() -> int:
                     continue
                 time.sleep(args.lease_timeout * 1.5 + 0.5)  # expiry sweeps every 0.1 s
                 held = {l["client"] for l in soak.daemon.status()["leases"]}
-                alive = {w.hello["lease"] for w in live}
+                alive = {lease_tag(w.hello["lease"]) for w in live}  # status shows tags, never ids
                 totals["lost_leases"] += len(alive - held)
                 totals["stale_leases"] += len(held - alive)
         finally:
