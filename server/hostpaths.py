@@ -99,14 +99,21 @@ def ensure_private_dir(path: str, what: str) -> list[str]:
             os.mkdir(folder, 0o700)
         except FileExistsError:
             continue  # made meanwhile (another daemon): checked below like any folder that was there
+        except FileNotFoundError:  # a folder above went meanwhile (a stopping daemon's empty runtime base): again
+            return created + ensure_private_dir(path, what)
         os.chmod(folder, 0o700)  # whatever the umask
         created.append(folder)
     check_folder(path, what)
     return created
 
 
-def remove_created(created: list[str]) -> None:
-    """Remove the folders `ensure_private_dir` made, innermost first, each only when empty."""
+def remove_created(created: list[str], path: str) -> None:
+    """Remove the folders `ensure_private_dir` made for `path`, innermost first, each only when empty; and the
+    runtime base when `path` is a default run folder in it and was its last (another daemon may have made the
+    base: a stop leaves nothing of its own under /tmp either way)."""
+    base = runtime_base()
+    if os.path.dirname(os.path.abspath(path)) == base and base not in created:
+        created = [base, *created]
     for folder in reversed(created):
         try:
             os.rmdir(folder)

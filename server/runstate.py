@@ -110,7 +110,7 @@ class RunState:
         if self._made_key and not os.path.exists(self.manifest_path):  # a start that failed before recording anything
             sealed.remove_key(self.run_dir, self.namespace)
             self._made_key = False
-        hostpaths.remove_created(self._made)  # only when empty: a failed start leaves no folder behind either
+        hostpaths.remove_created(self._made, self.run_dir)  # only when empty: a failed start leaves no folder behind either
         self._made = []
 
     def remove(self) -> None:
