@@ -25,7 +25,7 @@ import torch
 
 from expertd.client import ExpertClient
 from expertd.connection import Connection
-from expertd.errors import PermissionDenied, PushDenied
+from expertd.errors import DaemonTimeout, PermissionDenied, PushDenied
 from expertd.security import Credentials, create_keys
 from helpers import freeze
 from helpers.daemon import expertd_cmd
@@ -272,6 +272,24 @@ def larger_checkpoint(tmp_path_factory) -> str:
     return folder
 
 
+def _freeze_answering(d, tid: int, job: int, tries: int = 10) -> None:
+    """Freeze the build thread `tid` where the daemon still answers (as a read hung in the kernel holds neither the
+    GIL nor a lock of the program); a place where it does not is thawed and another one tried."""
+    for _ in range(tries):
+        freeze.freeze(d.proc.pid, tid)
+        probe = Connection(d.endpoint, timeout=3, credentials=Credentials(admin_token=ADMIN_TOKEN))
+        try:
+            state = probe.request("job", job=job)["state"]
+        except DaemonTimeout:
+            freeze.thaw(tid)
+            continue
+        finally:
+            probe.close()
+        assert state == "building", f"the reload was {state} before its thread was caught waiting"
+        return
+    pytest.fail(f"the daemon never answered with its build thread frozen ({tries} places tried)")
+
+
 @pytest.mark.skipif(freeze.FUTEX is None, reason="ptrace syscall numbers known for x86_64 and aarch64 only")
 @pytest.mark.parametrize("how", ["stop", "sigterm"])
 def test_stop_ends_the_daemon_while_a_build_hangs(how, tiny_checkpoint, larger_checkpoint, start_daemon, namespace):
@@ -286,8 +304,7 @@ def test_stop_ends_the_daemon_while_a_build_hangs(how, tiny_checkpoint, larger_c
         before = set(freeze.threads(d.proc.pid))
         job = conn.request("reload", checkpoint=larger_checkpoint)
         frozen = min(set(freeze.threads(d.proc.pid)) - before)  # the job's thread: the first one started since
-        freeze.freeze(d.proc.pid, frozen)
-        assert conn.request("job", job=job["job"])["state"] == "building"
+        _freeze_answering(d, frozen, job["job"])
         started = time.monotonic()
         if how == "stop":
             conn.request("stop")

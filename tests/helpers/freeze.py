@@ -10,7 +10,7 @@ import os
 import platform
 import time
 
-PTRACE_CONT, PTRACE_SEIZE, PTRACE_INTERRUPT = 7, 0x4206, 0x4207
+PTRACE_CONT, PTRACE_DETACH, PTRACE_SEIZE, PTRACE_INTERRUPT = 7, 17, 0x4206, 0x4207
 WALL = 0x40000000  # waitpid's __WALL: a thread of another process
 FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 
@@ -30,8 +30,10 @@ def threads(pid: int) -> list[int]:
 
 
 def freeze(pid: int, tid: int, tries: int = 5000) -> None:
-    """Stop thread `tid` of process `pid` where it waits in a futex (a lock, a condition, or Python's GIL it does
-    not hold): a Python thread stopped while holding the GIL would stop every other thread of the process too."""
+    """Stop thread `tid` of process `pid` where it waits in a futex (a lock, a condition, Python's GIL). Not always
+    a place where it holds nothing: it may wait there with the GIL held (a native op waiting for its own helper
+    threads) or holding a lock of the program, and then the other threads stop too. The caller checks the process
+    still answers, and if not `thaw`s it and freezes it again elsewhere."""
     _ptrace(PTRACE_SEIZE, tid)
     for _ in range(tries):
         _ptrace(PTRACE_INTERRUPT, tid)
@@ -42,6 +44,11 @@ def freeze(pid: int, tid: int, tries: int = 5000) -> None:
         _ptrace(PTRACE_CONT, tid)
         time.sleep(0.0005)
     raise RuntimeError(f"thread {tid} of {pid} was never caught outside Python's GIL")
+
+
+def thaw(tid: int) -> None:
+    """Let a frozen thread go on (and stop tracing it): it can be frozen again elsewhere."""
+    _ptrace(PTRACE_DETACH, tid)
 
 
 def wait_exit(proc, tid: int, timeout: float) -> int | None:
