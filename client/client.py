@@ -50,7 +50,8 @@ class ExpertClient:
         self.generation: int | None = None  # the generation this client's lease reads
         self.latest_generation = 0  # the newest generation the daemon serves, from its last reply
         self._announced = 0
-        self._conn = Connection(self.endpoint, timeout, credentials=self.credentials)
+        self._conn = Connection(self.endpoint, timeout, credentials=self.credentials,
+                                where=None if endpoint else "$EXPERTD_ENDPOINT")
         self._conn.on_reply = self._note_latest
         self._index: TensorIndex | None = None
         self._segments: dict[str, torch.Tensor] | None = None

@@ -14,7 +14,7 @@ import zmq
 
 from expertd import messages
 from expertd.errors import DaemonNotRunning, DaemonTimeout, ProtocolError
-from expertd.protocol import MAX_MESSAGE_BYTES, ipc_path, pack, unpack_reply
+from expertd.protocol import MAX_MESSAGE_BYTES, check_endpoint, ipc_path, pack, unpack_reply
 from expertd.security import Credentials
 from expertd.trust import check_socket
 
@@ -60,11 +60,12 @@ def check_running(endpoint: str) -> None:
 
 
 class Connection:
-    """One REQ socket; after a timeout the socket is rebuilt (a REQ socket that missed a reply is stuck)."""
+    """One REQ socket; after a timeout the socket is rebuilt (a REQ socket that missed a reply is stuck).
+    A malformed endpoint is a ConfigError here (`where` names its origin), before any ZeroMQ call."""
 
     def __init__(self, endpoint: str, timeout: float = 10.0, context: zmq.Context | None = None,
-                 token: str | None = None, credentials: Credentials | None = None):
-        self.endpoint = endpoint
+                 token: str | None = None, credentials: Credentials | None = None, where: str | None = None):
+        self.endpoint = check_endpoint(endpoint, where)  # a ConfigError, before ZeroMQ says "Invalid argument"
         self.credentials = credentials or Credentials.resolve(token=token)
         self.token = self.credentials.token
         self.timeout_ms = max(1, int(timeout * 1000))

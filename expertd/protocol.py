@@ -76,6 +76,29 @@ def is_endpoint(text: str) -> bool:
     return text.startswith(("ipc://", "tcp://"))
 
 
+def check_endpoint(endpoint: str, where: str | None = None) -> str:
+    """`endpoint` when it is `ipc://PATH` or `tcp://HOST:PORT`, else a ConfigError that says how to write it.
+
+    The one syntax check the CLI, the config, the Python client and (restated) the C++ client share, so that a
+    socket path given without `ipc://` is explained before ZeroMQ answers it with a bare "Invalid argument".
+    `where` (a flag, a config file) leads the message."""
+    lead = f"{where}: " if where else ""
+    path = ipc_path(endpoint)
+    if path is not None:
+        if not path:
+            raise errors.ConfigError(f"{lead}endpoint {endpoint!r} names no socket path")
+        return endpoint
+    if re.match(r"^tcp://[^:/]+:\d+$", endpoint):
+        return endpoint
+    if re.match(r"^tcp://[^:/]+$", endpoint):
+        raise errors.ConfigError(f"{lead}endpoint {endpoint!r} names no port; write it as {endpoint}:PORT")
+    if "://" not in endpoint and (endpoint.startswith(("/", ".", "~")) or endpoint.endswith(".sock")):
+        raise errors.ConfigError(f"{lead}endpoint {endpoint!r} looks like a socket path; write it as ipc://{endpoint}")
+    if "://" not in endpoint and re.match(r"^[^:/]+:\d+$", endpoint):
+        raise errors.ConfigError(f"{lead}endpoint {endpoint!r} needs its transport; write it as tcp://{endpoint}")
+    raise errors.ConfigError(f"{lead}endpoint {endpoint!r} must be ipc://PATH (a unix socket) or tcp://HOST:PORT")
+
+
 def pack(message: dict) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 

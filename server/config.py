@@ -12,7 +12,7 @@ import yaml
 from expertd.errors import ConfigError
 from expertd.index import DEFAULT_SHM_DIR
 from expertd.partition import ExpertParallel, PartitionError
-from expertd.protocol import DEFAULT_ENDPOINT, ipc_path, tcp_host
+from expertd.protocol import DEFAULT_ENDPOINT, check_endpoint, ipc_path, tcp_host
 from expertd.units import parse_duration
 
 from .hostpaths import runtime_base
@@ -188,18 +188,9 @@ def check_security(cfg: DaemonConfig, source: str, host: str | None) -> None:
 
 def resolve_endpoint(endpoint: str, base_dir: str = ".", where: str = "--endpoint") -> str:
     """Check an endpoint; a relative ipc:// path resolves against `base_dir`. `where` names its origin in errors."""
+    check_endpoint(endpoint, where)
     path = ipc_path(endpoint)
-    if path is not None:
-        if not path:
-            raise ConfigError(f"{where}: endpoint {endpoint!r} names no socket path")
-        return "ipc://" + _resolve(path, base_dir)
-    if re.match(r"^tcp://[^:/]+:\d+$", endpoint):
-        return endpoint
-    if "://" not in endpoint and (endpoint.startswith(("/", ".", "~")) or endpoint.endswith(".sock")):
-        raise ConfigError(f"{where}: endpoint {endpoint!r} looks like a socket path; write it as ipc://{endpoint}")
-    if "://" not in endpoint and re.match(r"^[^:/]+:\d+$", endpoint):
-        raise ConfigError(f"{where}: endpoint {endpoint!r} needs its transport; write it as tcp://{endpoint}")
-    raise ConfigError(f"{where}: endpoint {endpoint!r} must be ipc://PATH (a unix socket) or tcp://HOST:PORT")
+    return endpoint if path is None else "ipc://" + _resolve(path, base_dir)
 
 
 @dataclass

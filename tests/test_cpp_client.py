@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from expertd.client import ExpertClient
+from expertd.errors import ConfigError
 from expertd.index import checksum, checksum_parts, tensor_bytes, tensor_checksum
+from expertd.protocol import check_endpoint
 from expertd.server.generations import lease_tag
 
 REPO = Path(__file__).resolve().parent.parent
@@ -366,3 +368,17 @@ def test_a_loading_daemon_is_not_ready(cpp_build, tmp_path):
         thread.join()
         router.close(linger=0)
         ctx.term()
+
+
+def test_a_bad_endpoint_is_the_python_clients_config_error(cpp_build):
+    """A socket path without ipc://, tcp:// without a port, an unknown scheme: the C++ client throws ConfigError with
+    the words expertd.protocol.check_endpoint uses, before libzmq could answer "Invalid argument"."""
+    from tests.test_client_endpoints import BAD_ENDPOINTS
+
+    for endpoint, words in BAD_ENDPOINTS:
+        run = dump(cpp_build, endpoint, "--timeout-ms", "2000")
+        with pytest.raises(ConfigError) as python:
+            check_endpoint(endpoint)
+        assert run.returncode == 2, (endpoint, run.stderr)
+        assert run.stderr.strip().splitlines() == [f"expertd-cpp-dump: ConfigError: {python.value}"], run.stderr
+        assert words in run.stderr and "Invalid argument" not in run.stderr

@@ -18,10 +18,10 @@ const std::pair<const char*, at::ScalarType> DTYPES[] = {
     {"torch.int16", at::kShort},                 {"torch.int8", at::kChar},
     {"torch.uint8", at::kByte},                  {"torch.bool", at::kBool}};
 
-std::string resolve_endpoint(std::string endpoint) {
-  if (!endpoint.empty()) return endpoint;
+std::string resolve_endpoint(std::string endpoint) {  // checked here so that an $EXPERTD_ENDPOINT error says so
+  if (!endpoint.empty()) return check_endpoint(endpoint);
   const char* env = std::getenv("EXPERTD_ENDPOINT");
-  return env != nullptr && *env != '\0' ? std::string(env) : std::string(DEFAULT_ENDPOINT);
+  return env != nullptr && *env != '\0' ? check_endpoint(env, "$EXPERTD_ENDPOINT") : std::string(DEFAULT_ENDPOINT);
 }
 
 LeaseInfo lease_info(const Value& v) {

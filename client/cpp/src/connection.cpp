@@ -14,7 +14,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <regex>
 #include <sstream>
+#include <string_view>
 
 #include "detail.h"
 #include "trust.h"
@@ -94,6 +96,25 @@ std::optional<std::string> ipc_path(const std::string& endpoint) {
   return endpoint.substr(prefix.size());
 }
 
+std::string check_endpoint(const std::string& endpoint, const std::string& where) {
+  static const std::regex tcp(R"(^tcp://[^:/]+:\d+$)"), tcp_no_port(R"(^tcp://[^:/]+$)"), host_port(R"(^[^:/]+:\d+$)");
+  const std::string lead = where.empty() ? "" : where + ": ", named = "endpoint " + quote(endpoint);
+  if (auto path = ipc_path(endpoint)) {
+    if (path->empty()) throw ConfigError(lead + named + " names no socket path");
+    return endpoint;
+  }
+  if (std::regex_match(endpoint, tcp)) return endpoint;
+  if (std::regex_match(endpoint, tcp_no_port)) throw ConfigError(lead + named + " names no port; write it as " + endpoint + ":PORT");
+  bool scheme = endpoint.find("://") != std::string::npos;
+  bool pathlike = !endpoint.empty() && std::string_view("/.~").find(endpoint[0]) != std::string_view::npos;
+  bool sock = endpoint.size() >= 5 && endpoint.compare(endpoint.size() - 5, 5, ".sock") == 0;
+  if (!scheme && (pathlike || sock))
+    throw ConfigError(lead + named + " looks like a socket path; write it as ipc://" + endpoint);
+  if (!scheme && std::regex_match(endpoint, host_port))
+    throw ConfigError(lead + named + " needs its transport; write it as tcp://" + endpoint);
+  throw ConfigError(lead + named + " must be ipc://PATH (a unix socket) or tcp://HOST:PORT");
+}
+
 namespace {
 
 // Whether nothing listens on the unix socket `path` (a daemon killed with -9 leaves its file behind).
@@ -138,7 +159,7 @@ class Context {
 std::shared_ptr<Context> make_context() { return std::make_shared<Context>(); }
 
 Connection::Connection(std::shared_ptr<Context> ctx, std::string endpoint, int timeout_ms, Credentials credentials)
-    : ctx_(std::move(ctx)), endpoint_(std::move(endpoint)), timeout_ms_(std::max(1, timeout_ms)),
+    : ctx_(std::move(ctx)), endpoint_(check_endpoint(endpoint)), timeout_ms_(std::max(1, timeout_ms)),
       credentials_(std::move(credentials)) {}
 
 Connection::~Connection() { close(); }

@@ -13,7 +13,8 @@
 // the timeout). With --json it also reports the leases the daemon lists right after the release.
 // --stop, --stop-keep and --reload send that admin op instead of attaching (with --admin-token, or a CURVE key the
 // daemon lists in curve_admin_keys) and print the reply; a credential without the admin permission exits 11.
-// Exit status: 0 ok, 1 a BAD tensor (or an unexpected error), 2 usage, 3 DaemonNotRunning, 4 DaemonTimeout,
+// Exit status: 0 ok, 1 a BAD tensor (or an unexpected error), 2 usage or ConfigError (an endpoint that is not
+// ipc://PATH or tcp://HOST:PORT, an unreadable key file), 3 DaemonNotRunning, 4 DaemonTimeout,
 // 5 AuthError, 6 another DaemonError, 7 ProtocolError / CorruptIndex, 8 ShmError, 9 VersionMismatch,
 // 10 DaemonNotTrusted, 11 PermissionDenied (PushDenied too);
 // the error's type leads its message on stderr.
@@ -253,6 +254,7 @@ const Failure failures[] = {
     {7, "CorruptIndex", is<expertd::CorruptIndex>},
     {7, "ProtocolError", is<expertd::ProtocolError>},
     {8, "ShmError", is<expertd::ShmError>},
+    {2, "ConfigError", is<expertd::ConfigError>},
 };
 
 int fail(const std::exception& exc) {

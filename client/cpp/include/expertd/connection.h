@@ -41,6 +41,9 @@ struct Credentials {
 };
 
 std::optional<std::string> ipc_path(const std::string& endpoint);
+// `endpoint` when it is ipc://PATH or tcp://HOST:PORT, else a ConfigError saying how to write it, worded as
+// expertd/protocol.py check_endpoint words it (`where`, when given, leads the message). Checked before any libzmq call.
+std::string check_endpoint(const std::string& endpoint, const std::string& where = "");
 void check_running(const std::string& endpoint);  // DaemonNotRunning when an ipc:// socket file is missing
 
 class Context;  // a ZeroMQ context, shared by the connections of one client
