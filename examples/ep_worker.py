@@ -8,7 +8,10 @@ experts: `expert_parallel` in its config) and builds the model transformers' own
 gives (`DistributedConfig(ep_size=world, fsdp_size=world)` by default), every local shard a view of the
 host's shared memory. It runs one forward pass, writes --ready-file, then waits: every --poll seconds
 rank 0 shares the newest generation it has seen, and when one is newer every rank refreshes the same
-model together (a collective forward needs all ranks on one generation). SIGTERM ends all ranks.
+model together (a collective forward needs all ranks on one generation). SIGTERM (or SIGINT) to any rank
+ends all ranks at their next poll: each detaches, leaves the process group and exits 0, so torchrun exits 0
+(`kill -TERM $(pgrep -P TORCHRUN_PID)`; a SIGTERM to torchrun itself stops the ranks the same way, but
+torchrun then reports its own SignalException).
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ import torch
 import torch.distributed as dist
 
 
+stop = threading.Event()  # set by SIGTERM or SIGINT: the ranks leave together at their next poll
+
+
 def main() -> int:
+    for signum in (signal.SIGTERM, signal.SIGINT):  # first: a signal during the imports or the load is a stop too
+        signal.signal(signum, lambda *_: stop.set())
     from transformers.distributed import DistributedConfig
 
     from expertd.client import ExpertClient
@@ -35,8 +43,6 @@ def main() -> int:
     args = ap.parse_args()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with ExpertClient(timeout=args.wait) as client:
         config = DistributedConfig(ep_size=args.ep_size or world, fsdp_size=world)
         model = client.load_model(distributed_config=config)
@@ -47,9 +53,11 @@ def main() -> int:
         if args.ready_file and rank == 0:
             open(args.ready_file, "w").close()
         while True:
-            state = torch.tensor([client.latest_generation, int(stop.is_set())])
-            dist.broadcast(state, src=0)  # rank 0 decides for all: same generation, same time to stop
+            # rank 0's newest generation, and whether any rank was asked to stop: all ranks act on the same
+            state = torch.tensor([client.latest_generation if rank == 0 else 0, int(stop.is_set())])
+            dist.all_reduce(state, op=dist.ReduceOp.MAX)
             if state[1]:
+                print(f"rank {rank}: stopping", flush=True)
                 break
             if state[0] > client.generation:
                 client.refresh(model)
