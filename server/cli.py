@@ -143,17 +143,22 @@ def cmd_verify(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .tools.generate import PRESETS, generate, generate_model_type
+    from .tools.generate import PRESETS
+    from .tools.generate_formats import generate_checkpoint
 
+    fmt = args.format
+    if args.fp8 is not None:  # deprecated: --format names which FP8
+        if fmt is not None:
+            raise ConfigError(f"--{'' if args.fp8 else 'no-'}fp8 and --format together: give --format alone")
+        fmt = "fp8-blocks" if args.fp8 else "bf16"
+        print(f"expertd generate: --{'' if args.fp8 else 'no-'}fp8 is deprecated; use --format {fmt}", file=sys.stderr)
+    if args.model_type and args.preset is not None:
+        raise ConfigError("--preset and --model-type together: a preset is a DeepSeek-V3 size; give one of them")
+    if not args.model_type and (args.preset or "tiny") not in PRESETS:
+        raise ConfigError(f"unknown preset {args.preset!r}; presets: {', '.join(PRESETS)}")
     try:
-        if args.model_type:
-            generate_model_type(args.out, args.model_type, fp8=args.fp8, seed=args.seed)
-        elif args.fp8 is False:
-            raise ConfigError("--no-fp8 needs --model-type (the --preset checkpoints are always FP8)")
-        elif args.preset not in PRESETS:
-            raise ConfigError(f"unknown preset {args.preset!r}; presets: {', '.join(PRESETS)}")
-        else:
-            generate(args.out, preset=args.preset, seed=args.seed, shards=args.shards)
+        generate_checkpoint(args.out, fmt, preset=args.preset or "tiny", model_type=args.model_type, seed=args.seed,
+                            shards=args.shards)
     except OSError as exc:
         raise ConfigError(f"cannot write {args.out}: {exc.strerror or exc}; choose a writable folder "
                           "(and enough free disk for the preset)") from exc
@@ -266,17 +271,26 @@ def build_parser() -> argparse.ArgumentParser:
                            help="seconds to wait for the new generation to be published")
         p.set_defaults(func=func)
 
-    p = add("generate", "write a deterministic FP8 DeepSeek-V3 checkpoint, or a tiny one of any MoE model type")
+    p = add("generate", "write a deterministic DeepSeek-V3 checkpoint, or a tiny one of any MoE model type, in any "
+                        "stored format expertd serves")
     p.add_argument("out", help="folder to write")
-    p.add_argument("--preset", default="tiny",
-                   help="DeepSeek-V3 size when no --model-type: tiny (the bundled test model), bench-1g (~1 GB bf16), "
-                        "dsv3-counts (DeepSeek-V3's 61 layers, 256 experts, MTP layer and ~92k tensors at tiny dims), "
-                        "dsv3-bytes (about dsv3-counts' bytes in ~70 tensors)")
+    p.add_argument("--preset", default=None,
+                   help="DeepSeek-V3 size when no --model-type: tiny (the bundled test model; the default), bench-1g "
+                        "(~1 GB bf16), dsv3-counts (DeepSeek-V3's 61 layers, 256 experts, MTP layer and ~92k tensors "
+                        "at tiny dims), dsv3-bytes (about dsv3-counts' bytes in ~70 tensors)")
     p.add_argument("--model-type", help="a tiny checkpoint of this transformers model type, written by its save_pretrained")
+    from .tools.stored_formats import FORMATS
+
+    p.add_argument("--format", choices=FORMATS, default=None,
+                   help="the stored format: " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()) +
+                        ". Default: as the family's releases (the presets, deepseek_v3, glm4_moe, qwen3_moe: fp8-blocks; "
+                        "gpt_oss: mxfp4; other model types: bf16)")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --model-type: quantize to FP8 block scales (default: as the family's releases)")
+                   help="deprecated: --fp8 is --format fp8-blocks, --no-fp8 is --format bf16")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
-    p.add_argument("--shards", type=_positive_int, default=2, help="number of safetensors shards")
+    p.add_argument("--shards", type=_positive_int, default=None,
+                   help="number of safetensors shard files (default: 2 for a preset; for --model-type, save_pretrained's "
+                        "400KB pieces)")
     p.set_defaults(func=cmd_generate)
 
     from .tools.cli import add_tool_commands  # convert, inspect, doctor: tools around the weights

@@ -75,8 +75,9 @@ def mtp_names(config: dict, names: list[tuple[str, tuple[int, ...]]]) -> list[tu
     return [(f"model.layers.{last + 1 + k}.{n}", shape) for k in range(count) for n, shape in layer + extra]
 
 
-def checkpoint_tensors(config: dict, seed: int = 0) -> list[GeneratedTensor]:
-    """Every checkpoint tensor of the model `config` describes, in checkpoint (per-expert) naming."""
+def checkpoint_tensors(config: dict, seed: int = 0, fp8: bool = True) -> list[GeneratedTensor]:
+    """Every checkpoint tensor of the model `config` describes, in checkpoint (per-expert) naming; the linear
+    weights FP8 with their block scales unless `fp8` is False (the same draws, kept bf16)."""
     gen = torch.Generator().manual_seed(seed)
     fusions = fusions_for(config["model_type"])
     names: list[tuple[str, tuple[int, ...]]] = []
@@ -93,7 +94,7 @@ def checkpoint_tensors(config: dict, seed: int = 0) -> list[GeneratedTensor]:
         else:
             std = 1.0 / math.sqrt(shape[-1])
             w = (torch.randn(shape, generator=gen) * std).bfloat16()
-            if is_fp8_weight(name, shape):
+            if fp8 and is_fp8_weight(name, shape):
                 q, s = quantize_fp8_blockwise(w.float(), 128, name=name)
                 out.append(GeneratedTensor(name, q))
                 out.append(GeneratedTensor(name + SCALE_SUFFIX, s))
