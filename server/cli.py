@@ -150,6 +150,8 @@ def cmd_generate(args) -> int:
     if args.fp8 is not None:  # deprecated: --format names which FP8
         if fmt is not None:
             raise ConfigError(f"--{'' if args.fp8 else 'no-'}fp8 and --format together: give --format alone")
+        if args.fp8 is False and not args.model_type:  # as before --format
+            raise ConfigError("--no-fp8 needs --model-type (deprecated: for a bf16 preset, give --format bf16)")
         fmt = "fp8-blocks" if args.fp8 else "bf16"
         print(f"expertd generate: --{'' if args.fp8 else 'no-'}fp8 is deprecated; use --format {fmt}", file=sys.stderr)
     if args.model_type and args.preset is not None:

@@ -83,6 +83,7 @@ WRONG = [
     (["--format", "mxfp4"], "--format mxfp4 writes gpt-oss's expert weights"),
     (["--model-type", "qwen3_moe", "--format", "mxfp4"], "which --model-type qwen3_moe does not have"),
     (["--fp8", "--format", "bf16"], "--fp8 and --format together"),
+    (["--no-fp8"], "--no-fp8 needs --model-type"),
     (["--preset", "tiny", "--model-type", "gpt_oss"], "--preset and --model-type together"),
     (["--model-type", "no_such_model"], "unknown --model-type 'no_such_model'"),
     (["--format", "fp4"], "invalid choice: 'fp4'"),
