@@ -26,6 +26,7 @@ from expertd.hf import Assembly, checkpoint_assembly, expert_name
 from expertd.partition import ExpertBlock, ExpertParallel, expert_sharded
 from expertd.quantization import Codec, Decoding, quantization_format
 
+from .heap import collection_paused
 from .reader import Checkpoint, TensorInfo
 
 
@@ -171,6 +172,7 @@ def check_scales(ckpt: Checkpoint, scales: list[TensorInfo]) -> None:
                 check_scale_values(ckpt, info)
 
 
+@collection_paused()
 def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: ExpertParallel | None = None) -> Plan:
     """Check the checkpoint against the model its config describes and plan every served tensor.
 

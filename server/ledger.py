@@ -11,18 +11,17 @@ each record is sealed (`sealed`: an HMAC under the run folder's key) and one tha
 
 from __future__ import annotations
 
-import gc
 import glob
 import logging
 import os
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import expertd
 from expertd.index import TensorIndex
 
 from . import sealed
+from .heap import collection_paused
 
 log = logging.getLogger("expertd.ledger")
 
@@ -86,21 +85,8 @@ def remove_all(run_dir: str, namespace: str, keep=frozenset()) -> None:
 
 def read(run_dir: str, namespace: str, number: int) -> Record:
     """The record of generation `number`, its MAC checked; ValueError naming what is wrong with it."""
-    with _collection_paused():
+    with collection_paused():  # ~100k small lists and tuples made
         return _read(run_dir, namespace, number)
-
-
-@contextmanager
-def _collection_paused():
-    """No garbage collection while a record's ~100k small lists and tuples are made: each would-be collection
-    scans every one made so far for nothing (most of reading a DeepSeek-V3-count record)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _read(run_dir: str, namespace: str, number: int) -> Record:

@@ -36,6 +36,8 @@ from expertd.errors import (
     UnsupportedDtypeError,
 )
 
+from .heap import collection_paused
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20
@@ -233,6 +235,7 @@ class Checkpoint:
         self.bytes_read = 0  # tensor bytes read (or mapped for reading) since opened: what a partition saves
 
     @classmethod
+    @collection_paused()  # an info per checkpoint tensor
     def open(cls, folder: str) -> "Checkpoint":
         folder = os.path.abspath(folder)
         if not os.path.isdir(folder):
