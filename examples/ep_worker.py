@@ -11,13 +11,21 @@ rank 0 shares the newest generation it has seen, and when one is newer every ran
 model together (a collective forward needs all ranks on one generation). SIGTERM (or SIGINT) to any rank
 ends all ranks at their next poll: each detaches, leaves the process group and exits 0, so torchrun exits 0
 (`kill -TERM $(pgrep -P TORCHRUN_PID)`; a SIGTERM to torchrun itself stops the ranks the same way, but
-torchrun then reports its own SignalException).
+torchrun then reports its own SignalException with a traceback).
+
+Where SIGTERM goes to the process you started (a container's PID 1, Ctrl-C), start it through this script
+instead: without torchrun's environment it runs torchrun itself, in a session of its own, and turns its
+SIGTERM or SIGINT into a SIGTERM of the ranks, then exits with torchrun's status (0 after a clean stop):
+
+    python examples/ep_worker.py --nnodes 2 --nproc_per_node 1 --node_rank R --master_addr HOST0 -- [--poll 5 ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import subprocess
 import sys
 import threading
 
@@ -69,5 +77,34 @@ def main() -> int:
     return 0
 
 
+def ranks_of(pid: int) -> list[int]:
+    """The processes `pid` started (torchrun's ranks), from /proc."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def launch(argv: list[str]) -> int:
+    """torchrun [its options, before `--`] on this script [with the options after `--`]; a SIGTERM or SIGINT here
+    is a SIGTERM to every rank (until they have all gone), never to torchrun (which would report it as a failure)."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv[:split], os.path.abspath(__file__),
+                                 *argv[split + 1:]], start_new_session=True)  # Ctrl-C reaches this process alone
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    told: set[int] = set()  # each rank once: one exiting already has Python's default handler back
+    while True:
+        try:
+            return torchrun.wait(0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if stop.is_set():  # each round: ranks torchrun had not started yet get it too
+            for pid in set(ranks_of(torchrun.pid)) - told:
+                os.kill(pid, signal.SIGTERM)
+                told.add(pid)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main() if "LOCAL_RANK" in os.environ else launch(sys.argv[1:]))
