@@ -129,6 +129,7 @@ for r in 0 1; do kill -TERM $(ranks "$r"); done
 failed=0
 for pid in "${HOSTS[@]}"; do wait "$pid" || failed=1; done
 HOSTS=()
+rm -f "$WORK"/host*/torchrun.pid  # their torchruns are gone: nothing of theirs to signal on exit
 left=$(cat "$WORK/host0/left-in-shm" "$WORK/host1/left-in-shm")
 if [ $failed -ne 0 ] || [ -n "$left" ]; then
   echo "ep_two_hosts.sh: a host did not stop cleanly${left:+; left in /dev/shm: $left}" >&2
