@@ -16,7 +16,7 @@ import os
 import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 from .errors import ProtocolError
 from .partition import ExpertBlock, ExpertParallel
@@ -93,7 +93,8 @@ class TensorIndex:
             tensors.append(entry)
         out = {"schema": SCHEMA_VERSION, "generation": self.generation, "namespace": self.namespace,
                "model_type": self.model_type, "layout": self.layout, "config": self.config,
-               "segments": [asdict(s) for s in self.segments], "tensors": tensors, "shm_dir": self.shm_dir}
+               "segments": [{"name": s.name, "nbytes": s.nbytes} for s in self.segments], "tensors": tensors,
+               "shm_dir": self.shm_dir}
         if self.expert_parallel is not None:
             out["expert_parallel"] = self.expert_parallel.to_dict()
         return out
@@ -165,7 +166,9 @@ def encode_sources(sources: list[str]) -> list[str] | dict:
     for m in _NUMBER.finditer(first):
         if str(int(m.group())) != m.group():
             continue  # zero-padded: str(e) would not give it back
-        head = first[: m.end()]
+        head, last = first[: m.end()], sources[-1]
+        if last.startswith(head) and not last[len(head):][:1].isdigit():
+            continue  # the last name has the first one's number here: no expert range (a pass over every name saved)
         parts = []
         for name in sources:
             part = name[len(head):]
