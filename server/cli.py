@@ -281,12 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(~1 GB bf16), dsv3-counts (DeepSeek-V3's 61 layers, 256 experts, MTP layer and ~92k tensors "
                         "at tiny dims), dsv3-bytes (about dsv3-counts' bytes in ~70 tensors)")
     p.add_argument("--model-type", help="a tiny checkpoint of this transformers model type, written by its save_pretrained")
-    from .tools.stored_formats import FORMATS
+    from .tools.stored_formats import FORMATS, release_formats_text
 
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="the stored format: " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()) +
-                        ". Default: as the family's releases (the presets, deepseek_v3, glm4_moe, qwen3_moe: fp8-blocks; "
-                        "gpt_oss: mxfp4; other model types: bf16)")
+                        f". Default: as the family's releases ({release_formats_text()})")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=None,
                    help="deprecated: --fp8 is --format fp8-blocks, --no-fp8 is --format bf16")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")

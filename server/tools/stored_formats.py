@@ -27,6 +27,13 @@ def release_format(model_type: str | None) -> str:
     return "fp8-blocks" if model_type is None else RELEASE_FORMATS.get(model_type, "bf16")
 
 
+def release_formats_text() -> str:
+    """The defaults in --help's words, from RELEASE_FORMATS (so the help stays true when a family is added)."""
+    fp8 = ", ".join(t for t, f in RELEASE_FORMATS.items() if f == "fp8-blocks")
+    others = "; ".join(f"{t}: {f}" for t, f in RELEASE_FORMATS.items() if f != "fp8-blocks")
+    return f"the presets, {fp8}: fp8-blocks; {others}; other model types: bf16"
+
+
 def check_format(fmt: str, model_type: str | None) -> None:
     """A format the generator can write for this model: else a ConfigError that says what would."""
     if fmt not in FORMATS:
