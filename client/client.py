@@ -10,11 +10,12 @@ import time
 import torch
 import zmq
 
-from expertd import index_segment, messages, procfs
+from expertd import index_segment, messages
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, GenerationGone, LeaseExpired, NotReady
 from expertd.index import SegmentEntry, TensorIndex
-from expertd.protocol import DEFAULT_ENDPOINT, PROTOCOL_VERSION
+from expertd.leasing import changed_tensors, lease_request
+from expertd.protocol import DEFAULT_ENDPOINT
 from expertd.security import Credentials
 from expertd.shm import map_segments, view
 
@@ -219,11 +220,7 @@ class ExpertClient:
 
     def verify(self) -> list[str]:
         """Names of served tensors whose bytes in shared memory no longer match the index checksums."""
-        from expertd.index import checksum_parts, tensor_checksum
-
-        segments = self._attach()
-        return [e.name for e in self.index().tensors
-                if e.checksum is not None and tensor_checksum(view(segments, e), checksum_parts(e.checksum)) != e.checksum]
+        return changed_tensors(self.index())
 
     def close(self) -> None:
         """Release the lease. Views already handed out stay valid."""
@@ -251,24 +248,16 @@ class ExpertClient:
     # --- internals -------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        reply = self._lease_request(self._conn)  # handshake + lease
+        reply = lease_request(self._conn)  # handshake + lease
         self.lease = reply.client
         self._index_place = reply.index_segment or None  # none while the daemon is still loading
         self.lease_timeout_s = float(reply.lease_timeout_s)
         self.lease_lost = False
         self.latest_generation = self._announced = reply.latest
 
-    @staticmethod
-    def _lease_request(conn, **extra) -> messages.LeaseReply:
-        """Ask for a lease; the pid namespace and start time let a daemon in the same pid namespace drop it as soon
-        as this process is gone (not a lease timeout later)."""
-        pid = os.getpid()
-        return conn.send(messages.Lease(pid=pid, protocol=PROTOCOL_VERSION, pid_ns=procfs.pid_namespace(),
-                                        start_time=procfs.process_start_time(pid), **extra), messages.LeaseReply)
-
     def _take_lease(self, conn=None, generation: int | None = None) -> None:
         """A new lease (on `generation`, else the latest) replacing one the daemon no longer knows."""
-        reply = self._lease_request(conn or self._conn, **({} if generation is None else {"generation": generation}))
+        reply = lease_request(conn or self._conn, **({} if generation is None else {"generation": generation}))
         self.lease, self._gone = reply.client, None
         if generation is None:
             self._index_place = reply.index_segment or None

@@ -9,16 +9,16 @@ publication held, and publishes only once every daemon has built its share; any 
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
-from expertd import messages, procfs
+from expertd import messages
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
 from expertd.index import TensorIndex, tensor_checksum
-from expertd.protocol import STAGE_FRAME_BYTES, PROTOCOL_VERSION, STAGE_MESSAGE_BYTES
+from expertd.leasing import lease_request
+from expertd.protocol import STAGE_FRAME_BYTES, STAGE_MESSAGE_BYTES
 from expertd.quantization import quantization_format
 from expertd.security import Credentials
 from expertd.shm import map_segment, segment_bytes
@@ -162,10 +162,7 @@ def push_all(endpoints: list[str], tensors: dict[str, torch.Tensor], *, token: s
         for endpoint in endpoints:
             conn = Connection(endpoint, timeout, credentials=credentials)
             daemons.append([conn, None, None])
-            daemons[-1][1] = conn.send(messages.Lease(pid=os.getpid(), protocol=PROTOCOL_VERSION,
-                                                      pid_ns=procfs.pid_namespace(),  # a local daemon drops it if we die
-                                                      start_time=procfs.process_start_time(os.getpid())),
-                                       messages.LeaseReply).client
+            daemons[-1][1] = lease_request(conn).client  # a local daemon drops it if we die
             index = TensorIndex.from_dict(conn.send(messages.Index())["index"])
             daemons[-1][2] = share_of(index, tensors)
         taken = {name for _, _, share in daemons for name in share}

@@ -301,15 +301,18 @@ def tensor_bytes(t):
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
 
 
+def bytes_checksum(data, parts: int = 1) -> str:
+    """`tensor_checksum` of a tensor whose bytes are `data` (a buffer), without torch: what adoption verifies."""
+    if parts <= 1:
+        return checksum(data)
+    view = memoryview(data).cast("B")
+    step = len(view) // parts
+    return combined_checksum([checksum(view[k * step: (k + 1) * step]) for k in range(parts)])
+
+
 def tensor_checksum(t, parts: int = 1) -> str:
     """A tensor's checksum as the index records it: of its bytes, or combined from `parts` equal parts."""
-    import torch
-
-    if parts <= 1:
-        return checksum(tensor_bytes(t))
-    flat = t.reshape(-1).view(torch.uint8)
-    step = flat.numel() // parts
-    return combined_checksum([checksum(tensor_bytes(flat[k * step: (k + 1) * step])) for k in range(parts)])
+    return bytes_checksum(tensor_bytes(t), parts)
 
 
 def json_text(data: dict, indent: int | None = 1, sort_keys: bool = True) -> str:

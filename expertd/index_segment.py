@@ -22,7 +22,7 @@ import xxhash
 
 from .errors import CorruptIndex, ProtocolError, ShmError
 from .index import DEFAULT_SHM_DIR, TensorIndex, checksum_text
-from .shm import OPEN_FLAGS, segment_path
+from .segments import OPEN_FLAGS, segment_path
 from .trust import check_owner
 
 MAGIC = b"EXPDIDX\x01"

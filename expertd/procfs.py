@@ -51,3 +51,11 @@ def runs_expertd(pid: int) -> bool | None:
             return b"expertd" in f.read()
     except OSError:
         return None
+
+
+def default_threads() -> int:
+    """The cores this process may run on (its affinity mask, which containers' cpusets narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

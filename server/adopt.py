@@ -23,10 +23,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import torch
-
-from expertd.index import TensorEntry, TensorIndex, checksum_parts, tensor_checksum
-from expertd.shm import OPEN_FLAGS, segment_bytes, segment_path, to_dtype
+from expertd.index import TensorEntry, TensorIndex, bytes_checksum, checksum_parts, tensor_bytes
+from expertd.segments import OPEN_FLAGS, segment_path
 
 from . import ledger
 from .arena import Arena, segment_pattern
@@ -125,19 +123,20 @@ def _checksum(entry: TensorEntry, segment_size: int, shm_dir: str) -> str:
         mapping = mmap.mmap(fd, segment_size, mmap.MAP_SHARED, mmap.PROT_READ)
     finally:
         os.close(fd)
+    data = memoryview(mapping)[entry.offset: entry.offset + entry.nbytes]
     try:
-        data = segment_bytes(mapping)[entry.offset: entry.offset + entry.nbytes]
-        return tensor_checksum(data.view(to_dtype(entry.dtype)).view(entry.shape), checksum_parts(entry.checksum))
+        return bytes_checksum(data, checksum_parts(entry.checksum))
     finally:
-        del data
+        data.release()
         mapping.close()
 
 
-def repair(entry: TensorEntry, data: torch.Tensor, segment_size: int, shm_dir: str, gid: int | None) -> bool:
-    """Write `data` (rebuilt from the checkpoint) over `entry` in its segment — made anew, or back to its size,
-    if it went — when it hashes to the recorded checksum; False (nothing written) when it does not."""
-    data = data.contiguous()
-    if entry.checksum is None or tensor_checksum(data, checksum_parts(entry.checksum)) != entry.checksum:
+def repair(entry: TensorEntry, data, segment_size: int, shm_dir: str, gid: int | None) -> bool:
+    """Write `data` (a tensor rebuilt from the checkpoint) over `entry` in its segment — made anew, or back to its
+    size, if it went — when it hashes to the recorded checksum; False (nothing written) when it does not."""
+    raw = tensor_bytes(data.contiguous())
+    if entry.checksum is None or len(raw) != entry.nbytes or \
+            bytes_checksum(raw, checksum_parts(entry.checksum)) != entry.checksum:
         return False
     path = segment_path(entry.segment, shm_dir)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o600)
@@ -149,7 +148,6 @@ def repair(entry: TensorEntry, data: torch.Tensor, segment_size: int, shm_dir: s
             os.fchmod(fd, 0o640)
         if os.fstat(fd).st_size != segment_size:
             os.ftruncate(fd, segment_size)
-        raw = data.reshape(-1).view(torch.uint8).numpy()
         written = os.pwrite(fd, raw, entry.offset)
         if written != entry.nbytes:
             raise OSError(f"short write into {path}: {written} of {entry.nbytes} bytes")
@@ -211,7 +209,7 @@ def adopt(manifest: dict | None, *, namespace: str, run_dir: str, conditions: di
     return out
 
 
-def _repair(records: list[ledger.Record], damage: dict[int, list[str]], rebuilt: dict[str, torch.Tensor],
+def _repair(records: list[ledger.Record], damage: dict[int, list[str]], rebuilt: dict,
             gid: int | None) -> set[tuple[int, str]]:
     """Write rebuilt tensors into place; the (generation, name) pairs restored. A tensor shared by generations
     lives in one place: restoring it once restores it for all."""

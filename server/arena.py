@@ -25,11 +25,9 @@ import os
 import re
 from dataclasses import dataclass
 
-import torch
-
 from expertd.errors import ShmError, ShmSpaceError
 from expertd.index import DEFAULT_SHM_DIR, SegmentEntry
-from expertd.shm import OPEN_FLAGS, segment_path
+from expertd.segments import OPEN_FLAGS, segment_path
 
 from . import hostpaths, shmdir
 
@@ -246,8 +244,10 @@ class Arena:
             return ShmSpaceError(f"no space to {doing} in {self.shm_dir}; " + more_space_hint(self.shm_dir, nbytes))
         return ShmError(f"cannot {doing} in {self.shm_dir}: {exc.strerror}")
 
-    def tensor(self, placement: Placement, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A writable tensor over a placement's bytes (daemon side only)."""
+    def tensor(self, placement: Placement, shape: tuple[int, ...], dtype):
+        """A writable tensor over a placement's bytes (daemon side only: builds, which have imported torch)."""
+        import torch
+
         count = math.prod(shape)
         if count == 0:
             return torch.empty(shape, dtype=dtype)

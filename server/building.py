@@ -19,6 +19,7 @@ from expertd.index import TensorEntry, TensorIndex, combined_checksum
 from expertd.shm import map_segment, segment_bytes, view
 
 from .arena import Arena
+from .built import Cancelled
 from .compute import build_whole
 from .filling import OrderedPool, batches, fill, source_digest
 from .layout import Plan
@@ -36,10 +37,6 @@ INDEX_BYTES_PER_TENSOR = 1024
 TURNS_PER_THREAD = 4
 
 _part_bytes = attrgetter("nbytes")
-
-
-class Cancelled(Exception):
-    """Building was interrupted by a stop request or a signal."""
 
 
 def interleave(streams, width: int):

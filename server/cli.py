@@ -128,13 +128,18 @@ def cmd_keys(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from expertd.client import ExpertClient
+    from expertd.leasing import changed_tensors, lease_request, leased_index
 
-    target = _target(args)
-    with ExpertClient(target.daemon_endpoint, timeout=args.timeout, heartbeat=False,
-                      credentials=target.credentials) as client:
-        index = client.index()
-        bad = client.verify()
+    conn = _connection(args)
+    try:
+        lease = lease_request(conn)
+        try:
+            index = leased_index(conn, lease, args.timeout)
+            bad = changed_tensors(index)
+        finally:
+            conn.send(messages.Release(client=lease.client))
+    finally:
+        conn.close()
     for name in bad:
         print(f"CHANGED  {name}")
     print(f"verified {len(index.tensors)} tensors of generation {index.generation}: "
@@ -304,10 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
     except ExpertdError as exc:
         print(f"expertd {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # `expertd status | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush into the closed pipe
+        return 0
     except KeyboardInterrupt:
         print(f"expertd {args.command}: interrupted", file=sys.stderr)
         return 130

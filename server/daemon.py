@@ -28,7 +28,7 @@ from .config import DaemonConfig
 from .curve import Curve
 from .generations import lease_tag, watchable
 from .peers import oversized, owner
-from .loader import Cancelled, prepare, resolve_device
+from .built import Cancelled
 from .permissions import Permissions
 from .runstate import EndpointBusy, RunState, endpoint_answers
 from .service import WeightService
@@ -46,7 +46,7 @@ class Daemon:
         self._keep = False  # stopping hands the generations over (`stop --keep`, SIGUSR2) instead of removing them
         self.started = time.time()
         self.runstate = RunState(cfg.namespace, cfg.resolved_run_dir)
-        self.weights = WeightService(cfg, self.runstate, resolve_device(cfg.device), self._stop.is_set)
+        self.weights = WeightService(cfg, self.runstate, self._stop.is_set)
         w = self.weights
         self.metrics = None  # DaemonMetrics from the socket bind on (load progress included), when metrics_port is set
         self.curve = None  # the CURVE authenticator of a tcp:// endpoint with curve_secret_key
@@ -78,7 +78,10 @@ class Daemon:
         self._check_endpoint_free()
         # a predecessor's generations, verified, are served again without reading the checkpoint; else load it
         adopted = self.weights.adopt(self.runstate.predecessor())
-        if adopted is None:
+        if adopted is None:  # a first build: torch and transformers are needed before anything is served
+            from .loader import prepare
+
+            self.weights.device  # noqa: B018  (resolved now: a device this host lacks is a ConfigError, exit 2)
             ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel)  # raises before anything is created
             log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
                      self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout)

@@ -12,13 +12,13 @@ the same as a serial load's, whatever the thread count.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from expertd.index import checksum, tensor_bytes, tensor_checksum
+from expertd.procfs import default_threads  # noqa: F401  (re-exported: the loader's and the benchmarks' default)
 
 from .arena import Arena
 from .dequant import DEQUANT, stream_part, write_part
@@ -28,14 +28,6 @@ from .reader import Checkpoint
 from .small_parts import fill_small
 
 BATCH_ITEMS = 256
-
-
-def default_threads() -> int:
-    """The cores this process may run on (its affinity mask, which containers' cpusets narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def dequantized(ckpt: Checkpoint, src: Source, device: torch.device | str = "cpu") -> torch.Tensor:

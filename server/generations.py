@@ -24,19 +24,16 @@ from expertd.index import TensorIndex
 from expertd.protocol import clip, pack
 
 from .arena import Arena, unlink_segment
-from .loader import Built
+from .built import Built
 
 log = logging.getLogger("expertd.generations")
 
 WATCH_EVERY_S = 0.25  # how often a watched lease's process is looked up in /proc (at most)
-HANDOVER = "handover-g"  # the pseudo-leases that pin adopted generations: no client may name them
 
 
 def lease_tag(client: str) -> str:
     """What status and logs show of a lease id: 8 hex digits of its SHA-256. The id itself is a bearer secret
     (whoever knows it holds the lease), so it is shown in full to nobody but its holder."""
-    if client.startswith(HANDOVER):
-        return client
     return hashlib.sha256(client.encode()).hexdigest()[:8]
 
 
@@ -132,6 +129,7 @@ class Generations:
         self.live: dict[int, Generation] = {}
         self.latest: Generation | None = None
         self.leases: dict[str, Lease] = {}
+        self.holds: dict[int, float] = {}  # adopted generation -> since when it is held for workers re-taking leases
         self.on_retire = on_retire  # called with each retired generation's number (its ledger record goes)
 
     # --- leases ----------------------------------------------------------------------------
@@ -155,10 +153,9 @@ class Generations:
         return lease
 
     def hold(self, generation: int) -> None:
-        """Pin an adopted generation for one lease timeout under a lease of its own (`handover-gN`, pid 0): a
+        """Keep an adopted generation live for one lease timeout (no lease of anyone's, no client in status): a
         worker whose lease the predecessor had not yet recorded re-takes it on this generation meanwhile."""
-        now = time.monotonic()
-        self.leases[f"{HANDOVER}{generation}"] = Lease(f"{HANDOVER}{generation}", 0, now, now, generation)
+        self.holds[generation] = time.monotonic()
 
     def restore(self, leases: list[dict]) -> None:
         """Grant again the leases a predecessor recorded (the daemon restarted under its workers), as if each had
@@ -182,9 +179,8 @@ class Generations:
                 for l in self.leases.values() if l.generation is not None and l.pid > 0]
 
     def get(self, client: str) -> Lease:
-        """The lease `client` names; its id is what proves a request comes from its holder (handover pseudo-leases
-        are nobody's: no request may name them)."""
-        lease = None if client.startswith(HANDOVER) else self.leases.get(client)
+        """The lease `client` names; its id is what proves a request comes from its holder."""
+        lease = self.leases.get(client)
         if lease is None:
             raise LeaseExpired(f"no lease {clip(client)!r} (expired or released)")
         return lease
@@ -207,7 +203,7 @@ class Generations:
         return lease
 
     def release(self, client: str) -> None:
-        if not client.startswith(HANDOVER) and self.leases.pop(client, None) is not None:
+        if self.leases.pop(client, None) is not None:
             self.retire()
 
     def expire(self, timeout_s: float) -> None:
@@ -225,6 +221,11 @@ class Generations:
         gone = silent + exited
         for lease in gone:
             del self.leases[lease.client]
+        ended = [n for n, since in self.holds.items() if now - since > timeout_s]
+        for number in ended:
+            del self.holds[number]
+        if ended and not gone:
+            self.retire()
         if gone:  # one line per sweep, however many went
             shown = ", ".join(f"{lease_tag(l.client)} (pid {l.pid})" for l in gone[:5])
             log.info("%d lease(s) ended: %d without heartbeat for over %.1fs, %d whose process is gone: %s%s",
@@ -243,12 +244,14 @@ class Generations:
     def check_room(self) -> None:
         """Refuse a new generation that would make more than `max_generations` live, naming the pinning leases."""
         pinned = self.pinned()
-        after = {g for g in self.live if g in pinned} | {0}  # 0 stands for the new one
+        after = {g for g in self.live if g in pinned or g in self.holds} | {0}  # 0 stands for the new one
         if len(after) <= self.max_generations:
             return
         latest = self.latest.number if self.latest else None
-        holders = ", ".join(f"pid {l.pid} (lease {lease_tag(l.client)}) on generation {g}"
-                            for g, leases in sorted(pinned.items()) if g != latest for l in leases)
+        holders = ", ".join([f"pid {l.pid} (lease {lease_tag(l.client)}) on generation {g}"
+                             for g, leases in sorted(pinned.items()) if g != latest for l in leases]
+                            + [f"the restart's hold on adopted generation {g} (one lease timeout)"
+                               for g in sorted(self.holds) if g != latest])
         raise GenerationLimit(
             f"a new generation would make {len(after)} live, over max_generations={self.max_generations}; "
             f"old generations are pinned by: {holders}. Have those workers refresh() or exit, or raise max_generations"
@@ -273,7 +276,7 @@ class Generations:
     def retire(self) -> list[int]:
         """Drop old generations no lease holds; unlink their segments that no live generation uses."""
         pinned = self.pinned()
-        gone = [g for n, g in self.live.items() if g is not self.latest and n not in pinned]
+        gone = [g for n, g in self.live.items() if g is not self.latest and n not in pinned and n not in self.holds]
         for gen in gone:
             del self.live[gen.number]
             gen.drop_index()

@@ -114,11 +114,11 @@ def remove_created(created: list[str], path: str) -> None:
     base = runtime_base()
     if os.path.dirname(os.path.abspath(path)) == base and base not in created:
         created = [base, *created]
-    for folder in reversed(created):
+    for folder in reversed(created):  # innermost first; one that is not empty keeps those above it too
         try:
             os.rmdir(folder)
         except OSError:
-            return
+            continue
 
 
 def check_file(path: str, what: str, mode: int | None = None) -> os.stat_result | None:

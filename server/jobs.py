@@ -18,7 +18,7 @@ from expertd import messages
 from expertd.errors import Busy, ExpertdError
 from expertd.messages import ABSENT
 
-from .loader import Built, Cancelled
+from .built import Built, Cancelled
 
 log = logging.getLogger("expertd.jobs")
 

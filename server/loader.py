@@ -14,22 +14,21 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
 from expertd.errors import ConfigError
 from expertd.hf import model_config
-from expertd.index import DEFAULT_SHM_DIR, SegmentEntry, TensorEntry, TensorIndex, write_json_atomic
-from expertd.partition import ExpertParallel
+from expertd.index import DEFAULT_SHM_DIR, SegmentEntry, TensorEntry, TensorIndex
+from expertd.partition import ExpertParallel, PartitionError
 
 from .arena import Arena
-from .building import (  # noqa: F401  (Cancelled, PreviousBytes, interleave, the constants: re-exported)
-    INDEX_BYTES_PER_TENSOR, TURNS_PER_THREAD, Build, Cancelled, PreviousBytes, interleave,
+from .building import (  # noqa: F401  (PreviousBytes, interleave, the constants: re-exported)
+    INDEX_BYTES_PER_TENSOR, TURNS_PER_THREAD, Build, PreviousBytes, interleave,
 )
+from .built import Built, Cancelled, publish  # noqa: F401  (re-exported: a build's result, and publishing it)
 from .compute import build_whole
 from .filling import OrderedPool, default_threads, dequantized
 from .layout import Plan, plan_checkpoint
@@ -57,30 +56,16 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-@dataclass
-class Built:
-    """A generation's tensors in shared memory and its index; `parts` holds, per served tensor,
-    the digest of each source part, which the next build compares against."""
-
-    arena: Arena  # the segments this build created (older ones belong to the generations that made them)
-    index: TensorIndex
-    parts: dict[str, list[str]]
-    known: dict[tuple, str] = field(default_factory=dict)  # source identity -> digest, to skip re-reading
-    bytes_written: int = 0
-    tensors_written: int = 0
-    seconds: float = 0.0
-    bytes_read: int = 0  # checkpoint bytes this build read
-
-    def close(self) -> None:
-        """Remove the segments this build created (a build that is not published, or a daemon that exits)."""
-        self.arena.unlink()
-
-
 def prepare(checkpoint: str, partition: ExpertParallel | None = None) -> tuple[Checkpoint, Plan]:
     """Open and fully validate a checkpoint (planning only `partition`'s experts when given); nothing is written."""
     ckpt = Checkpoint.open(checkpoint)
     try:
-        return ckpt, plan_checkpoint(ckpt, partition=partition)
+        plan = plan_checkpoint(ckpt, partition=partition)
+        if partition is not None and not any(t.experts is not None for t in plan.tensors):
+            raise PartitionError(f"expert_parallel (EP size {partition.size}) is set, but {checkpoint} "
+                                 f"({plan.model_type or 'no model_type'}) has no expert stacks to split over EP ranks: "
+                                 "a dense model is served whole; remove expert_parallel from the config")
+        return ckpt, plan
     except BaseException:
         ckpt.close()
         raise
@@ -181,13 +166,6 @@ def rebuild_tensors(ckpt: Checkpoint, plan, names: list[str], device: torch.devi
             result = torch.cat([dequantized(ckpt, src, device).reshape(-1) for src in planned.sources])
         out[name] = result.view(planned.shape)
     return out
-
-
-def publish(index: TensorIndex, index_path: str | None) -> None:
-    """Write a built generation's index JSON (temp + rename): readers see the old index or the new, whole."""
-    if index_path is not None:
-        os.makedirs(os.path.dirname(index_path) or ".", exist_ok=True)
-        write_json_atomic(index_path, index.to_dict(), indent=None)  # compact: ~0.5 MB at DeepSeek-V3 counts
 
 
 def load(ckpt: Checkpoint, plan: Plan, *, namespace: str, generation: int, index_path: str | None = None,

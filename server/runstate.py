@@ -29,7 +29,7 @@ from expertd.errors import ExpertdError
 from expertd import procfs
 from expertd.procfs import process_start_time
 from expertd.protocol import ipc_path, pack
-from expertd.shm import segment_path
+from expertd.segments import segment_path
 
 from . import hostpaths, sealed
 from .arena import SHM_DIR, segment_pattern, unlink_segment
@@ -73,9 +73,10 @@ class RunState:
         self.run_dir = run_dir
         self.manifest_path = os.path.join(run_dir, f"{namespace}.manifest.json")
         self._lock: socket.socket | None = None
-        self._made: list[str] = []  # folders this daemon created (removed again when empty)
+        self._made: list[str] = []  # folders this daemon, or the predecessor it follows, created (removed when empty)
         self._made_key = False  # whether this daemon created the run folder's key (see `release`)
         self.manifest_problem: str | None = None  # why the manifest there was not read, when one was
+        self.handover_from: int | None = None  # the pid that handed its generations over (`stop --keep`), if one did
 
     def acquire(self) -> None:
         """Take the namespace lock (refuse if a live daemon holds it), then make or check the run folder, the
@@ -147,7 +148,14 @@ class RunState:
         if manifest is None and self.manifest_problem is not None:
             log.warning("not adopting anything in namespace %r: %s; reaping what this user left there",
                         self.namespace, self.manifest_problem)
+        if manifest is not None:
+            self.handover_from = manifest.get("pid") if manifest.get("state") == "handover" else None
+            made = manifest.get("made")  # the folders it made are this daemon's to remove at a clean stop
+            self._note_made([f for f in made if isinstance(f, str) and os.path.isabs(f)] if isinstance(made, list) else [])
         return manifest
+
+    def _note_made(self, folders: list[str]) -> None:
+        self._made = sorted(set(self._made) | set(folders), key=len)  # outermost first
 
     def next_generation(self) -> int:
         previous = self.read_manifest() or {}
@@ -165,7 +173,7 @@ class RunState:
             "shm_dir": shm_dir, "expertd": expertd.__version__, "ledger": LEDGER_VERSION, "built_under": conditions,
             "segments": sorted({name for names in segments.values() for name in names} | set(staging)),
             "generations": {str(g): names for g, names in sorted(segments.items())},
-            "leases": list(leases),
+            "leases": list(leases), "made": self._made,
         }, self.purpose, sealed.ensure_key(self.run_dir, self.namespace), indent=1, sort_keys=True)
 
     def reap(self, shm_dir: str = SHM_DIR, keep=frozenset()) -> list[str]:
@@ -199,7 +207,10 @@ class RunState:
             log.warning("leaving %d file(s) named like segments of namespace %r in %s alone: another user owns them "
                         "(this daemon runs as uid %d): %s", len(foreign), self.namespace, shm_dir, os.geteuid(),
                         ", ".join(foreign))
-        if reaped:
+        if reaped and self.handover_from is not None:  # a planned restart: what is not served again (index segments)
+            log.info("handover from pid %s: removed %d segment(s) it left that this daemon makes anew or does not "
+                     "serve: %s", self.handover_from, len(reaped), ", ".join(reaped))
+        elif reaped:
             log.warning("reaped %d segment(s) left by a dead daemon of namespace %r in %s: %s",
                         len(reaped), self.namespace, shm_dir, ", ".join(reaped))
         return reaped
@@ -207,7 +218,7 @@ class RunState:
     def own_socket_folder(self, path: str) -> None:
         """Make (0700) or check the folder of the ipc socket `path` and what is at `path`: both must be this
         daemon's, or someone else could answer its clients (UnsafePath, exit 2)."""
-        hostpaths.ensure_private_dir(os.path.dirname(path) or ".", "socket folder")
+        self._note_made(hostpaths.ensure_private_dir(os.path.dirname(path) or ".", "socket folder"))
         hostpaths.check_socket(path)
 
     @staticmethod

@@ -13,32 +13,33 @@ import logging
 import os
 import time
 
-import torch
-
 from expertd import messages
-from expertd.errors import Busy, ExpertdError, GenerationGone, NotReady, ProtocolError, UpdateRejected
+from expertd.errors import Busy, ExpertdError, GenerationGone, NotReady, ProtocolError
+from expertd.procfs import default_threads
 
-from . import adopt, ledger, variants
+from . import adopt, ledger
 from .arena import segment_name, unlink_segment
+from .built import Built, Cancelled, publish
 from .config import DaemonConfig
 from .permissions import allowed_checkpoint
 from .runstate import RunState, namespace_segments
 from .generations import Generation, Generations, lease_tag, place_index
 from .jobs import Job, Jobs, forget_frames
-from .filling import default_threads
-from .loader import Built, Cancelled, build, prepare, publish, rebuild_tensors
-from .updates import Staging, build_update, plan_update
+from .pushes import PushOps
+
+# What builds (torch, transformers, the checkpoint reader, the kernels) is imported by the methods that start one,
+# so that serving adopted generations waits for none of it: `loader`, `updates`, `variants` (see `built`).
 
 log = logging.getLogger("expertd.daemon")
 
 LEASES_EVERY_S = 0.5  # the manifest's record of leases lags the live ones by at most this
 
 
-class WeightService:
-    def __init__(self, cfg: DaemonConfig, runstate: RunState, device: torch.device, should_stop):
+class WeightService(PushOps):
+    def __init__(self, cfg: DaemonConfig, runstate: RunState, should_stop):
         self.cfg = cfg
         self.runstate = runstate
-        self.device = device
+        self._device = None  # the torch device builds run on, resolved by the first one (`device`)
         self.should_stop = should_stop
         self.checkpoint = cfg.checkpoint  # what the latest generation was built from
         self.gens = Generations(cfg.max_generations, on_retire=lambda n: ledger.remove(self.run_dir, cfg.namespace, n),
@@ -48,13 +49,23 @@ class WeightService:
         self._recorded_leases: list[dict] = []  # the leases the manifest last recorded
         self._leases_written = 0.0
         self.jobs = Jobs()
-        self.staging: dict[int, Staging] = {}
+        self.staging = {}  # update number -> its Staging (`pushes`)
         self._updates = 0
         self.first_generation = 1
         self.load_error: BaseException | None = None
         self.build_progress = (0, 0)  # (bytes placed, bytes to place) of the latest build from a checkpoint
+        self._preparing = False  # a job is in `_prepare`: it has made nothing yet
         self.abandoned = False  # a build that had not stopped within stop_timeout_s when the daemon stopped
         self._live: set[str] = set()  # the segments of the generations live when it was abandoned
+
+    @property
+    def device(self):
+        """The torch device dequant runs on (`device:`), resolved once, by the first build that needs it."""
+        if self._device is None:
+            from .loader import resolve_device
+
+            self._device = resolve_device(self.cfg.device)
+        return self._device
 
     def latest(self) -> Generation:
         if self.gens.latest is None:
@@ -79,6 +90,8 @@ class WeightService:
 
     def _rebuild(self, names: list[str]) -> dict:
         """Tensors `names` made anew from the configured checkpoint (those it still makes)."""
+        from .loader import prepare, rebuild_tensors
+
         try:
             ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel)
         except ExpertdError as exc:
@@ -105,7 +118,7 @@ class WeightService:
         number = latest.number + 1
 
         def work():
-            ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel)
+            ckpt, plan = self._prepare(self.cfg.checkpoint)  # torch and transformers load here, while serving
             if adopt.matches(ckpt, plan, latest.built):
                 ckpt.close()
                 return None
@@ -135,7 +148,20 @@ class WeightService:
             log.info("update %d dropped unpublished: its lease %s is gone", held.number, lease_tag(held.client))
             self._cancel_held(held, "its updater's lease is gone")
 
+    def _prepare(self, checkpoint: str):
+        """`loader.prepare` on a job's thread (importing torch and transformers the first time): until it returns,
+        the job has made nothing, and a stop does not wait for it."""
+        self._preparing = True
+        try:
+            from .loader import prepare
+
+            return prepare(checkpoint, self.cfg.expert_parallel)
+        finally:
+            self._preparing = False
+
     def _build(self, ckpt, plan, number: int, previous):
+        from .loader import build
+
         self.build_progress = (0, plan.nbytes)
 
         def placed(nbytes: int) -> None:  # on the job's thread; a tuple swap is atomic
@@ -156,7 +182,7 @@ class WeightService:
         previous, number = self.gens.latest.built, self.gens.latest.number + 1
 
         def work():
-            ckpt, plan = prepare(checkpoint, self.cfg.expert_parallel)  # every check `start` does, before anything is created
+            ckpt, plan = self._prepare(checkpoint)  # every check `start` does, before anything is created
             return self._build(ckpt, plan, number, previous)
 
         def on_end(job: Job) -> None:
@@ -227,11 +253,6 @@ class WeightService:
             number = next(iter(self.staging))
             raise Busy(f"update {number} is staged and not yet committed; one reload or update at a time")
 
-    def _drop_staging(self, number: int) -> None:
-        staging = self.staging.pop(number, None)
-        if staging is not None:
-            staging.close()
-
     def op_refresh(self, req: messages.Refresh) -> dict:
         """Move the lease to the latest generation; the reply names its index segment."""
         latest = self.latest()
@@ -243,87 +264,11 @@ class WeightService:
         self.latest()
         return self._start_reload(checkpoint).report(messages.JobReply).wire()
 
-    def op_update(self, req: messages.Update) -> dict:
-        """Check a push against the latest generation and hand out a staging segment to write it into."""
-        lease = self.gens.get(req.client)
-        latest = self.latest()
-        self._check_idle()
-        self.gens.check_room()
-        pushes = plan_update(latest.index, req.tensors)
-        self._updates += 1
-        staging = Staging(self.cfg.namespace, self._updates, pushes, lease.client, group=self.cfg.group,
-                          shm_dir=self.cfg.shm_dir)
-        self.staging[staging.number] = staging
-        self._write_manifest("serving")
-        return staging.reply().wire()
-
-    def _staging_of(self, req: messages.UpdateRequest) -> Staging:
-        lease = self.gens.get(req.client)
-        staging = self.staging.get(req.update)
-        if staging is None or staging.client != lease.client:
-            raise UpdateRejected(f"no staged update {req.update!r} of lease {lease_tag(lease.client)}")
-        return staging
-
-    def op_stage(self, req: messages.Stage) -> dict:
-        """Write pushed bytes that came as frames of this request (an updater on another host) into its staging."""
-        staging = self._staging_of(req)
-        if staging.committed:
-            raise UpdateRejected(f"update {staging.number} is committed: its bytes can no longer change")
-        return messages.StageReply(written=staging.write(req.tensor, req.at, req.frames)).wire()
-
-    def op_publish(self, req: messages.Publish) -> dict:
-        """Publish an update committed with `hold` once it is built (every daemon of a push has built its share)."""
-        lease = self.gens.get(req.client)
-        job = self.jobs.get(req.job)
-        if job is None or not job.hold or job.client != lease.client:
-            raise UpdateRejected(f"no held update job {req.job!r} of lease {lease_tag(lease.client)}")
-        if job.state != "built":
-            raise UpdateRejected(f"update job {job.number} is {job.state}, not built: it cannot be published")
-        job.hold = False  # the loop publishes it between this request and the next
-        return job.report(messages.JobReply).wire()
-
-    def _cancel_held(self, job, why: str) -> None:
-        job.built.close()
-        job.built = None
-        job.state, job.error, job.message = "failed", "Aborted", f"update aborted before publishing: {why}"
-        job.hold = False
-        self._finish(job)
-
-    def op_commit(self, req: messages.Commit) -> dict:
-        """Verify the staged bytes and build the new generation from them (a job: poll it with `job`); with
-        `hold` the built generation waits for `publish` or `abort`."""
-        staging = self._staging_of(req)
-        self.jobs.check_idle()
-        previous, number = self.latest().built, self.gens.latest.number + 1
-        checksums = req.checksums
-
-        def work():
-            staged = staging.verify(checksums)
-            return build_update(previous, staging, staged, generation=number, device=self.device, group=self.cfg.group)
-
-        job = self._start_build("update", number, work, on_end=lambda job: self._drop_staging(staging.number))
-        job.hold, job.client = req.hold, staging.client
-        staging.committed = True
-        return job.report(messages.JobReply).wire()
-
-    def op_abort(self, req: messages.Abort) -> dict:
-        """Drop a staged update its updater will not commit (it failed after `update`), or a held one that is
-        built but not published (another daemon of the same push failed): its segments go and the next
-        reload or update may start."""
-        staging = self._staging_of(req)
-        held = self.jobs.held()
-        if staging.committed and held is not None and held.client == staging.client:
-            self._cancel_held(held, "its updater aborted it")
-            return messages.Done().wire()
-        if staging.committed:
-            raise UpdateRejected(f"update {staging.number} is committed and building: it can no longer be aborted")
-        self._drop_staging(staging.number)
-        self._write_manifest("serving")
-        return messages.Done().wire()
-
     def op_variant(self, req: messages.Variant) -> dict:
         """Dtype variants of served tensors for a worker whose transformers loads them in another dtype: cast once
         per host into the lease's generation (or `generation`, which must be live), reused by every later ask."""
+        from . import variants
+
         lease = self.gens.get(req.client)
         number = req.generation if req.generation is not None else self.gens.generation_of(lease).number
         gen = self.gens.live.get(number)
@@ -348,10 +293,16 @@ class WeightService:
     def close(self, keep: bool = False) -> None:
         """Remove every segment, staged update and the published index (the daemon is stopping); with `keep` (a
         handover) leave the live generations, their ledger and the manifest for a successor to adopt."""
-        self.abandoned = not self.jobs.join(self.cfg.stop_timeout_s)
+        if self._preparing and self.jobs.current is not None:  # reading headers or importing torch: nothing made yet
+            log.info("%s %d had not started building (it was still importing torch or planning the checkpoint): "
+                     "left unfinished", self.jobs.current.kind, self.jobs.current.number)
+            self.abandoned = True
+        else:
+            self.abandoned = not self.jobs.join(self.cfg.stop_timeout_s)
+            if self.abandoned:
+                log.error("%s %d did not stop within stop_timeout_s (%gs): abandoned, its segments unlinked",
+                          self.jobs.current.kind, self.jobs.current.number, self.cfg.stop_timeout_s)
         if self.abandoned:
-            log.error("%s %d did not stop within stop_timeout_s (%gs): abandoned, its segments unlinked",
-                      self.jobs.current.kind, self.jobs.current.number, self.cfg.stop_timeout_s)
             self._live = {name for names in self.gens.segments_by_generation().values() for name in names}
             self.sweep()
         job = self.jobs.current

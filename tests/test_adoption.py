@@ -259,7 +259,7 @@ def test_two_successors_race_and_a_kill_during_adoption(tiny_checkpoint, start_d
         while time.monotonic() < deadline and loser is None:
             loser = next((p for p in racers if p.poll() is not None), None)
             time.sleep(0.05)
-        assert loser is not None and loser.returncode == 2
+        assert loser is not None and loser.returncode == 2, loser.communicate() if loser else None
         err = loser.communicate()[1].strip().splitlines()
         assert len(err) == 1 and "NamespaceBusy" in err[0]
         winner = next(p for p in racers if p is not loser)

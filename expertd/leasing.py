@@ -1,0 +1,62 @@
+"""A lease, its index and a check of the served bytes, on the standard library, pyzmq, msgpack and xxhash.
+
+`ExpertClient` takes its lease here; `expertd verify` does all three without importing torch (a control
+command answers in a fraction of a second, not after the 2–3 s torch takes to import).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from . import index_segment, messages, procfs
+from .errors import DaemonTimeout, NotReady
+from .index import TensorIndex, bytes_checksum, checksum_parts
+from .protocol import PROTOCOL_VERSION
+from .segments import map_segment
+
+
+def lease_request(conn, **extra) -> messages.LeaseReply:
+    """Ask for a lease; the pid namespace and start time let a daemon in the same pid namespace drop it as soon
+    as this process is gone (not a lease timeout later)."""
+    pid = os.getpid()
+    return conn.send(messages.Lease(pid=pid, protocol=PROTOCOL_VERSION, pid_ns=procfs.pid_namespace(),
+                                    start_time=procfs.process_start_time(pid), **extra), messages.LeaseReply)
+
+
+def leased_index(conn, reply: messages.LeaseReply, timeout: float) -> TensorIndex:
+    """The index of the generation lease `reply` reads, waiting up to `timeout` seconds while the daemon loads."""
+    place = reply.index_segment or None
+    deadline = time.monotonic() + timeout
+    while place is None:
+        try:
+            place = conn.send(messages.Index(client=reply.client, segment=True), messages.IndexSegmentReply).index_segment
+        except NotReady as exc:
+            if time.monotonic() > deadline:
+                raise DaemonTimeout(f"daemon at {conn.endpoint} still loading after {timeout:.0f}s") from exc
+            time.sleep(0.05)
+    return index_segment.read(place)
+
+
+def changed_tensors(index: TensorIndex) -> list[str]:
+    """Names of the served tensors whose bytes in shared memory no longer hash to the index's checksum."""
+    sizes = {s.name: s.nbytes for s in index.segments}
+    by_segment: dict[str, list] = {}
+    for entry in index.tensors:
+        if entry.checksum is not None:
+            by_segment.setdefault(entry.segment, []).append(entry)
+    bad = []
+    for name, entries in by_segment.items():
+        mapping = map_segment(name, sizes[name], shm_dir=index.shm_dir)
+        try:
+            for entry in entries:
+                data = memoryview(mapping)[entry.offset: entry.offset + entry.nbytes]
+                try:
+                    if bytes_checksum(data, checksum_parts(entry.checksum)) != entry.checksum:
+                        bad.append(entry.name)
+                finally:
+                    data.release()
+        finally:
+            mapping.close()
+    order = {entry.name: k for k, entry in enumerate(index.tensors)}
+    return sorted(bad, key=order.__getitem__)

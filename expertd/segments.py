@@ -1,0 +1,64 @@
+"""Segment files: the one rule from a segment's name to its file, and mapping one (the standard library only).
+
+A segment is a file in the daemon's `shm_dir` (the index names it): `/dev/shm` by default, where POSIX
+shm_open puts it too, or a huge-page tmpfs or hugetlbfs mount. The daemon's control plane (adoption, the
+run state, the index segment) and the clients both open segments through here; tensor views over them are
+`expertd.shm`'s.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+from .errors import ShmError
+from .index import DEFAULT_SHM_DIR
+from .trust import check_owner
+
+OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # what shm_open uses: a segment is never a symlink
+
+
+def segment_path(name: str, shm_dir: str = DEFAULT_SHM_DIR) -> str:
+    """The file of segment `name` ("/{namespace}.{pid}.{tag}.{i}") in `shm_dir`. A name is one file name:
+    one that would leave `shm_dir` (a '/' inside, '.', '..', empty) is refused."""
+    base = name.lstrip("/")
+    if not base or "/" in base or base in (".", ".."):
+        raise ShmError(f"segment name {name!r} is not a file name in {shm_dir} (an index that names it is corrupt)")
+    return os.path.join(shm_dir, base)
+
+
+def map_segment(name: str, nbytes: int, writable: bool = False, shared_write: bool = False,
+                shm_dir: str = DEFAULT_SHM_DIR) -> mmap.mmap:
+    """Map a segment read-only, copy-on-write private (`writable`), or shared read-write
+    (`shared_write`: only for the staging segment an updater fills)."""
+    path = segment_path(name, shm_dir)
+    try:
+        fd = os.open(path, (os.O_RDWR if shared_write else os.O_RDONLY) | OPEN_FLAGS)
+    except FileNotFoundError as exc:
+        raise ShmError(f"shared-memory segment {name} ({path}) does not exist (daemon gone or restarted?)") from exc
+    except PermissionError as exc:
+        raise ShmError(f"no permission to open shared-memory segment {name} ({path}); run the worker as the "
+                       "daemon's user, or set group: in the daemon's config and add the worker's user to it") from exc
+    except OSError as exc:
+        raise ShmError(f"cannot open shared-memory segment {name} ({path}): {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        check_owner(path, st)  # a segment of someone this process does not trust is never mapped
+        size = st.st_size
+        if size < nbytes:
+            raise ShmError(f"segment {name} ({path}) has {size} bytes, index says {nbytes}")
+        try:
+            if shared_write:
+                return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            if writable:
+                return mmap.mmap(fd, nbytes, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            return mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as exc:
+            hint = ""
+            if writable and exc.errno == errno.ENOMEM:  # hugetlbfs reserves a private mapping's pages up front
+                hint = ("; a copy-on-write map of a hugetlbfs segment needs free huge pages for its whole size: "
+                        "attach without copy_on_write, or serve from a huge tmpfs")
+            raise ShmError(f"cannot map shared-memory segment {name} ({path}, {nbytes} bytes): {exc.strerror}{hint}") from exc
+    finally:
+        os.close(fd)
