@@ -13,6 +13,7 @@ from all its sources (`PlannedTensor.computed`) and is no view of them.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -149,6 +150,31 @@ def check_scale_values(ckpt: Checkpoint, scale: TensorInfo) -> None:
         )
 
 
+def read_packed(ckpt: Checkpoint, infos: list[TensorInfo], gap: int = 16 << 10, run: int = 4 << 20) -> bytearray:
+    """The bytes of `infos` back to back, in their order: tensors of one shard at most `gap` bytes apart are read
+    in one call with what lies between them, in runs of at most `run` bytes (tens of thousands of small scales
+    beside small weights cost a few reads, not one each; copying a small gap costs less than a call)."""
+    out = bytearray(sum(i.nbytes for i in infos))
+    mem, at = memoryview(out), [0, *itertools.accumulate(i.nbytes for i in infos)]
+    order = sorted(range(len(infos)), key=lambda k: (infos[k].file, infos[k].offset))
+    first = 0
+    while first < len(order):
+        head = infos[order[first]]
+        end, last = head.offset + head.nbytes, first + 1
+        while last < len(order):
+            info = infos[order[last]]
+            if info.file != head.file or info.offset - end > gap or info.offset + info.nbytes - head.offset > run:
+                break
+            end, last = max(end, info.offset + info.nbytes), last + 1
+        span = bytearray(end - head.offset)
+        ckpt.read_into(head, 0, memoryview(span))
+        for k in order[first:last]:
+            begin = infos[k].offset - head.offset
+            mem[at[k]: at[k + 1]] = span[begin: begin + infos[k].nbytes]
+        first = last
+    return out
+
+
 def check_scales(ckpt: Checkpoint, scales: list[TensorInfo]) -> None:
     """`check_scale_values` for many scales: read into one buffer per dtype and checked at once (tens
     of thousands of small scales cost one numpy pass, not one each); a failure is named by the
@@ -157,11 +183,7 @@ def check_scales(ckpt: Checkpoint, scales: list[TensorInfo]) -> None:
     for scale in scales:
         by_dtype.setdefault(scale.dtype, []).append(scale)
     for dtype, infos in by_dtype.items():
-        buf = bytearray(sum(i.nbytes for i in infos))
-        mem, at = memoryview(buf), 0
-        for info in infos:
-            ckpt.read_into(info, 0, mem[at: at + info.nbytes])
-            at += info.nbytes
+        buf = read_packed(ckpt, infos)
         if dtype == torch.uint8:  # MXFP4's e8m0: every byte but 0xff is a power of two
             ok = not buf or int(np.frombuffer(buf, np.uint8).max()) != 0xFF
         else:

@@ -56,6 +56,7 @@ def purpose(namespace: str, number: int) -> str:
     return f"expertd ledger {namespace} generation {number}"
 
 
+@collection_paused()  # a tuple per source identity made, and the record's text
 def write(run_dir: str, built, origin: str, conditions: dict) -> None:
     """Record a published generation, sealed under the run folder's key."""
     index = built.index
@@ -63,7 +64,7 @@ def write(run_dir: str, built, origin: str, conditions: dict) -> None:
         "ledger": LEDGER_VERSION, "expertd": expertd.__version__, "generation": index.generation, "origin": origin,
         "built_under": conditions, "index": index.to_dict(), "parts": built.parts,
         # (identity, digest) pairs go out as JSON lists, tuples and all: no list made per source (~90k at
-        # DeepSeek-V3's counts, whose allocation started full collections: ~0.4 s of every publish)
+        # DeepSeek-V3's counts)
         "known": list(built.known.items()),
     }, purpose(index.namespace, index.generation), sealed.ensure_key(run_dir, index.namespace))
 
@@ -102,17 +103,14 @@ def _read(run_dir: str, namespace: str, number: int) -> Record:
                          f"this expertd reads {LEDGER_VERSION}")
     try:
         index = TensorIndex.from_dict(data["index"])
-        known = {_tuple(identity): digest for identity, digest in data["known"]}
+        # an identity is (device, inode, size, mtime, offset, nbytes, dtype, shape): the shape the one list inside
+        known = {(*identity[:-1], tuple(identity[-1])): digest for identity, digest in data["known"]}
         record = Record(int(data["generation"]), index, dict(data["parts"]), known, str(data["origin"]),
                         dict(data["built_under"]))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
     if record.number != number or index.generation != number or index.namespace != namespace:
         raise ValueError(f"{path}: records generation {record.number} of namespace {index.namespace!r}, "
                          f"expected generation {number} of {namespace!r}")
     return record
 
-
-def _tuple(value: list) -> tuple:
-    """JSON's lists back to the tuple a source identity is (its shape the one list inside)."""
-    return tuple(tuple(v) if isinstance(v, list) else v for v in value)
