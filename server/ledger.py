@@ -25,7 +25,9 @@ from .heap import collection_paused
 
 log = logging.getLogger("expertd.ledger")
 
-LEDGER_VERSION = 2  # a successor adopts only generations recorded in the format it reads (2: sealed records)
+# A successor adopts only generations recorded in the format it reads (2: sealed records; 3: source identities
+# grouped by file, dtype and shape)
+LEDGER_VERSION = 3
 
 
 @dataclass
@@ -63,10 +65,36 @@ def write(run_dir: str, built, origin: str, conditions: dict) -> None:
     sealed.write(record_path(run_dir, index.namespace, index.generation), {
         "ledger": LEDGER_VERSION, "expertd": expertd.__version__, "generation": index.generation, "origin": origin,
         "built_under": conditions, "index": index.to_dict(), "parts": built.parts,
-        # (identity, digest) pairs go out as JSON lists, tuples and all: no list made per source (~90k at
-        # DeepSeek-V3's counts)
-        "known": list(built.known.items()),
+        "known": pack_known(built.known),
     }, purpose(index.namespace, index.generation), sealed.ensure_key(run_dir, index.namespace))
+
+
+def pack_known(known: dict[tuple, str]) -> list[list]:
+    """Source identities (device, inode, size, mtime, offset, nbytes, dtype, shape) -> digest, as the record holds
+    them: per file, dtype and shape, [device, inode, size, mtime, dtype, shape, offsets, nbytes, digests] (at
+    DeepSeek-V3's counts ~90k identities in a few hundred groups: a third of the JSON, encoded 3x faster)."""
+    groups: dict[tuple, tuple[list, list, list]] = {}
+    for (dev, ino, size, mtime, offset, nbytes, dtype, shape), digest in known.items():
+        group = groups.get((dev, ino, size, mtime, dtype, shape))
+        if group is None:
+            group = groups[dev, ino, size, mtime, dtype, shape] = ([], [], [])
+        group[0].append(offset)
+        group[1].append(nbytes)
+        group[2].append(digest)
+    return [[*key, *columns] for key, columns in groups.items()]
+
+
+def unpack_known(groups: list) -> dict[tuple, str]:
+    """`pack_known` undone; ValueError for groups whose columns differ in length."""
+    known: dict[tuple, str] = {}
+    for dev, ino, size, mtime, dtype, shape, offsets, nbytes, digests in groups:
+        if not len(offsets) == len(nbytes) == len(digests):
+            raise ValueError(f"a group of source identities has {len(offsets)} offsets, {len(nbytes)} sizes and "
+                             f"{len(digests)} digests")
+        shape = tuple(shape)
+        known.update(zip([(dev, ino, size, mtime, offset, n, dtype, shape) for offset, n in zip(offsets, nbytes)],
+                         digests))
+    return known
 
 
 def remove(run_dir: str, namespace: str, number: int) -> None:
@@ -103,8 +131,7 @@ def _read(run_dir: str, namespace: str, number: int) -> Record:
                          f"this expertd reads {LEDGER_VERSION}")
     try:
         index = TensorIndex.from_dict(data["index"])
-        # an identity is (device, inode, size, mtime, offset, nbytes, dtype, shape): the shape the one list inside
-        known = {(*identity[:-1], tuple(identity[-1])): digest for identity, digest in data["known"]}
+        known = unpack_known(data["known"])
         record = Record(int(data["generation"]), index, dict(data["parts"]), known, str(data["origin"]),
                         dict(data["built_under"]))
     except (KeyError, IndexError, TypeError, ValueError) as exc:
