@@ -24,10 +24,11 @@ from expertd.server.generations import place_index
 from expertd.server.tools.generate import generate
 
 # Python calls per checkpoint tensor added, by phase (measured: plan 52, most of it transformers' renaming rules and
-# the codec's naming; build 20; publish and reading the record back 0). Before issue 30: plan 62 (the codec asked
-# per expert weight), publish 6 (every fused tensor's source names scanned once more per number in them), ledger
-# read 18 (an identity rebuilt element by element).
-CALLS_PER_TENSOR = {"plan": 58, "build": 24, "publish": 2, "ledger read": 2}
+# the codec's naming; build 20; publish 4, grouping the ledger's source identities; reading the record back 0).
+# Before issue 30: plan 62 (the codec asked per expert weight), publish 6 (every fused tensor's source names
+# scanned once more per number in them, three times), ledger read 18 (each identity rebuilt element by element).
+CALLS_PER_TENSOR = {"plan": 58, "build": 24, "publish": 5, "ledger read": 2}
+
 # System calls that go with a segment, a shard or a file written (the served tensors and shards are the same at
 # 8 and 16 experts): none more for the doubled checkpoint
 PER_SEGMENT_CALLS = ("open", "close", "posix_fallocate", "ftruncate", "pwrite", "fsync", "fstat", "stat", "unlink",
