@@ -39,6 +39,7 @@ from expertd.errors import (
 from .heap import collection_paused
 
 INDEX_FILE = "model.safetensors.index.json"
+_DTYPE_NAMES = {dtype: str(dtype) for dtype in SAFETENSORS.values()}  # str() of a torch dtype costs a call into torch
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 << 20
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
@@ -228,7 +229,7 @@ class Checkpoint:
         self.config = config
         self.tensors = tensors
         self._handles: dict[str, object] = {}
-        self._stats: dict[str, os.stat_result] = {}
+        self._files: dict[str, tuple] = {}  # file -> (device, inode, size, mtime): what its identities start with
         self._maps: dict[str, torch.Tensor] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -288,10 +289,11 @@ class Checkpoint:
     def identity(self, info: TensorInfo) -> tuple:
         """Names `info`'s bytes as long as its file is not rewritten: same file (device, inode, size,
         mtime), same place. Equal identities mean equal bytes without reading them."""
-        st = self._stats.get(info.file)
-        if st is None:
-            st = self._stats[info.file] = os.stat(info.file)
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, info.offset, info.nbytes, str(info.dtype), info.shape)
+        file = self._files.get(info.file)
+        if file is None:
+            st = os.stat(info.file)
+            file = self._files[info.file] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return (*file, info.offset, info.nbytes, _DTYPE_NAMES.get(info.dtype) or str(info.dtype), info.shape)
 
     def view(self, info: TensorInfo) -> torch.Tensor:
         """A read-only tensor over the tensor's bytes in a mapping of its file: no copy, pages come in as
