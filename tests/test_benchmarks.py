@@ -114,14 +114,16 @@ def test_bench_ledger_writes_and_reads_a_record_of_the_counts_asked():
 
 
 def test_bench_restart_on_a_given_checkpoint(tmp_path):
-    """R1 adopts (the script exits unless the successor serves generation 1) beside a fresh start; R2 restarts the
-    daemon under a worker doing forward passes."""
+    """R1 adopts (the script exits unless the successor serves generation 1), after a SIGKILL and a planned
+    handover, beside a fresh start; R3 times the control commands; R2 restarts the daemon under a worker doing
+    forward passes."""
     import json
 
     text = run("bench_restart.py", "--workdir", str(tmp_path / "work"), "--checkpoint", TINY, "--reps", "1",
                "--restarts", "2")
     result = json.loads(text.strip().splitlines()[-1])
-    assert set(result["R1"]) == {"fresh", "full", "sizes"} and result["R1"]["fresh"]["ratio"] == 1.0
+    assert set(result["R1"]) == {"fresh", "full", "sizes", "handover"} and result["R1"]["fresh"]["ratio"] == 1.0
     assert all(row["seconds"] > 0 for row in result["R1"].values())
+    assert all(result["R3"][k] > 0 for k in ("stop", "status", "version")) and "stop_after_exit" in result["R3"]
     r2 = result["R2"]
     assert r2["restarts"] == 2 and r2["forwards"] > 0 and r2["errors"] == 0 and r2["same_lease"]
