@@ -17,7 +17,7 @@ from expertd import messages
 from expertd.errors import Busy, ExpertdError, GenerationGone, NotReady, ProtocolError
 from expertd.procfs import default_threads
 
-from . import adopt, ledger
+from . import adopt, ledger, variants
 from .arena import segment_name, unlink_segment
 from .built import Built, Cancelled, publish
 from .config import DaemonConfig
@@ -28,7 +28,8 @@ from .jobs import Job, Jobs, forget_frames
 from .pushes import PushOps
 
 # What builds (torch, transformers, the checkpoint reader, the kernels) is imported by the methods that start one,
-# so that serving adopted generations waits for none of it: `loader`, `updates`, `variants` (see `built`).
+# so that serving adopted generations waits for none of it: `loader` and `updates` (see `built`); a variant
+# imports torch only to cast (`variants._cast`).
 
 log = logging.getLogger("expertd.daemon")
 
@@ -267,8 +268,6 @@ class WeightService(PushOps):
     def op_variant(self, req: messages.Variant) -> dict:
         """Dtype variants of served tensors for a worker whose transformers loads them in another dtype: cast once
         per host into the lease's generation (or `generation`, which must be live), reused by every later ask."""
-        from . import variants
-
         lease = self.gens.get(req.client)
         number = req.generation if req.generation is not None else self.gens.generation_of(lease).number
         gen = self.gens.live.get(number)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from expertd.errors import VariantRejected
 from expertd.index import TensorEntry, tensor_checksum
 from expertd.messages import VARIANT_DTYPES
-from expertd.shm import map_segment, segment_bytes, to_dtype, view
 
 from .arena import Arena
 
@@ -111,7 +110,10 @@ def _summary(variants: list[Variant]) -> str:
 
 
 def _cast(gen, entry: TensorEntry, dtype: str, group: str | None) -> Variant:
-    """Cast one served tensor into a segment of its own (numbered after the generation's variants so far)."""
+    """Cast one served tensor into a segment of its own (numbered after the generation's variants so far). The
+    one step of a variant that needs torch: variants already made are handed out without it."""
+    from expertd.shm import map_segment, segment_bytes, to_dtype, view
+
     shm_dir = gen.index.shm_dir
     arena = Arena(gen.index.namespace, f"v{gen.number}", group=group, shm_dir=shm_dir)
     target = to_dtype(dtype)
