@@ -21,8 +21,9 @@ HEAVY = ("torch", "transformers", "safetensors", "numpy")
 
 CONTROL_MODULES = ("expertd.server.daemon", "expertd.server.service", "expertd.server.adopt",
                    "expertd.server.runstate", "expertd.server.generations", "expertd.server.jobs",
-                   "expertd.server.pushes", "expertd.server.variants", "expertd.server.stopping", "expertd.server.starting", "expertd.server.cli",
-                   "expertd.connection", "expertd.leasing", "expertd.segments", "expertd.index_segment")
+                   "expertd.server.pushes", "expertd.server.variants", "expertd.server.stopping",
+                   "expertd.server.starting", "expertd.server.cli", "expertd.connection", "expertd.leasing",
+                   "expertd.segments", "expertd.index_segment")
 
 
 def test_control_modules_import_no_torch():
