@@ -1,21 +1,25 @@
-"""What DeepSeek-V3's real tensor counts cost beyond their bytes, phase by phase, in one process.
+"""What DeepSeek-V3's real tensor counts cost beyond their bytes, phase by phase, as a daemon's load meets them.
 
     python benchmarks/bench_counts.py [--workdir /tmp/expertd-bench] [--reps 3]
         [--counts-checkpoint DIR --bytes-checkpoint DIR]
 
-The daemon's path to serving, phase by phase (each the best of REPS, the two checkpoints alternating):
+The daemon's path to serving, phase by phase, each load in a fresh process as a daemon makes it (the best of
+REPS, the two checkpoints alternating):
 imports (the daemon's modules, in a fresh process), plan (`loader.prepare`: headers read, checkpoint checked
 and planned), build (`loader.build`), index (`generations.place_index`: packed into its segment), JSON
 (`loader.publish`: the index file) and ledger (`ledger.write`: the sealed record). "publish" is the last three,
 what a daemon does between a finished build and serving. The checkpoints: DeepSeek-V3's real counts at tiny
 dims (`--preset dsv3-counts --shards 163`: ~92k checkpoint tensors) and about the same bytes in ~70 tensors
 (`--preset dsv3-bytes`); the cost per checkpoint tensor beyond the bytes is (t_counts - t_bytes) / n_tensors.
+A fresh process per load puts the garbage collector where a daemon's start has it: the full collection that
+~92k tensors' objects start lands in whichever phase it falls (often the index), as it would in the daemon.
 Goals (issue 30): <= 30 us a tensor, publish <= 0.2 s at the real counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -71,8 +75,19 @@ def phases(checkpoint: str) -> tuple[dict[str, float], int]:
     return times, n_tensors
 
 
+def fresh_phases(checkpoint: str, warmup: str) -> tuple[dict[str, float], int]:
+    """`phases` in a fresh process, as a daemon loads (its heap, and so its garbage collections, as at a start),
+    after planning `warmup` there (transformers' modeling code imported: not a cost of either checkpoint)."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--phases-of", checkpoint, "--warmup", warmup],
+                         check=True, capture_output=True, text=True).stdout
+    times, n_tensors = json.loads(out.splitlines()[-1])
+    return times, n_tensors
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--phases-of", help=argparse.SUPPRESS)  # one fresh process's measurement (see fresh_phases)
+    ap.add_argument("--warmup", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default="/tmp/expertd-bench")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--counts-checkpoint", help="a checkpoint with many tensors (default: generated dsv3-counts)")
@@ -81,6 +96,12 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
+    if args.phases_of:
+        from expertd.server import loader
+
+        loader.prepare(args.warmup)[0].close()
+        print(json.dumps(phases(args.phases_of)))
+        return 0
     os.makedirs(args.workdir, exist_ok=True)
     counts = args.counts_checkpoint or ensure_preset(args.workdir, "dsv3-counts-163", "dsv3-counts", 163)
     few = args.bytes_checkpoint or ensure_preset(args.workdir, "dsv3-bytes", "dsv3-bytes", 4)
@@ -88,17 +109,16 @@ def main() -> int:
         raise SystemExit("give two different checkpoints: --counts-checkpoint and --bytes-checkpoint")
     for path in (counts, few):
         warm(path)
-    phases(few)  # the first plan imports transformers' modeling code: not a cost of either checkpoint
     best: dict[str, dict[str, float]] = {counts: {}, few: {}}
     sizes = {}
     for rep in range(args.reps):
         for path in (counts, few) if rep % 2 == 0 else (few, counts):
-            times, sizes[path] = phases(path)
+            times, sizes[path] = fresh_phases(path, few)
             for name, t in times.items():
                 best[path][name] = min(t, best[path].get(name, t))
     imports = imports_seconds(args.reps)
     print(machine())
-    print(f"\nphases, one process (best of {args.reps}, alternating); imports in a fresh process: {imports:.2f} s\n")
+    print(f"\nphases, a fresh process each (best of {args.reps}, alternating); imports: {imports:.2f} s\n")
     print("| checkpoint | tensors | " + " | ".join(PHASES) + " | publish (index + JSON + ledger) | total |")
     print("|---|---:|" + "---:|" * (len(PHASES) + 2))
     total = {}
