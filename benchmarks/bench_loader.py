@@ -12,7 +12,8 @@ L1  at each thread count t: loader GB/s (bf16 out: `build` of the ~1 GB DeepSeek
 L3  start-to-serving (`expertd start` until status says serving: process start, imports, validation,
     load, index) of DeepSeek-V3's real tensor counts at tiny dims (`--preset dsv3-counts --shards 163`:
     61 layers, 256 routed experts, first 3 dense, MTP layer 61; ~92k checkpoint tensors) / the same of
-    about the same bytes in ~70 tensors (`--preset dsv3-bytes`). Goal <= 2.
+    about the same bytes in ~70 tensors (`--preset dsv3-bytes`). Goal <= 2. Also printed: the extra per
+    checkpoint tensor (issue 30: <= 30 us); `bench_counts.py` breaks it down by phase (plan, build, publish).
 L2  reading every checkpoint tensor (hash only, t threads): page faults through the shard mappings vs
     madvise(MADV_POPULATE_READ) first vs os.preadv into a reused buffer: GB/s read each.
 
