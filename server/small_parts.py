@@ -71,7 +71,9 @@ def int64_rows(rows: list) -> torch.Tensor:
     """Rows of equally many ints as an int64 tensor [rows, columns], made in C (`torch.tensor` of nested lists
     costs ~60 us a table: a batch of small parts makes two)."""
     flat = array.array("q", itertools.chain.from_iterable(rows))
-    return torch.frombuffer(flat, dtype=torch.int64).view(len(rows), -1) if rows else torch.empty(0, 0, dtype=torch.int64)
+    if not rows:
+        return torch.empty(0, 0, dtype=torch.int64)
+    return torch.frombuffer(flat, dtype=torch.int64).view(len(rows), -1)
 
 
 def fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tuple[str, dict, str]]:

@@ -34,9 +34,11 @@ CALLS_PER_TENSOR = {"plan": 58, "build": 24, "publish": 5, "ledger read": 2}
 PER_SEGMENT_CALLS = ("open", "close", "posix_fallocate", "ftruncate", "pwrite", "fsync", "fstat", "stat", "unlink",
                      "replace")
 
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """DeepSeek-V3's kinds of tensors at tiny dims, 3 MoE layers (and the MTP layer) of 8 and of 16 experts."""
+    """DeepSeek-V3's kinds of tensors at tiny dims, 3 MoE layers of 8 and of 16 experts (no MTP layer: its experts,
+    unused by the model, are served one segment each, which would grow the segments with the experts)."""
     out = {}
     for experts in (8, 16):
         folder = str(tmp_path_factory.mktemp("counts") / f"e{experts}")
