@@ -315,7 +315,8 @@ def test_stop_ends_the_daemon_while_a_build_hangs(how, tiny_checkpoint, larger_c
         assert time.monotonic() - started < stop_timeout_s + 10
         log = d.proc.stderr.read()
         assert code == 0, log
-        assert "did not stop within stop_timeout_s" in log
+        # caught building: abandoned after stop_timeout_s; caught still planning (reading headers): not waited for
+        assert "did not stop within stop_timeout_s" in log or "had not started building" in log, log
         assert not glob.glob(f"/dev/shm/{namespace}*")
     finally:
         conn.close()
