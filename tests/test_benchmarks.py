@@ -49,6 +49,22 @@ def test_bench_loader_on_given_checkpoints(tmp_path):
     assert "| many | " in text and "| few | " in text
 
 
+def test_bench_counts_on_given_checkpoints(tmp_path):
+    """The phases of a daemon's load, each in a fresh process, for two checkpoints; per tensor and publish."""
+    from expertd.server.tools.generate import generate
+
+    few, many = str(tmp_path / "few"), str(tmp_path / "many")
+    generate(few, preset="tiny", seed=0, shards=1)
+    generate(many, preset="tiny", seed=1, shards=5)
+    text = run("bench_counts.py", "--workdir", str(tmp_path / "work"), "--reps", "1",
+               "--counts-checkpoint", many, "--bytes-checkpoint", few)
+    for name in ("many", "few"):
+        (row,) = table_rows(text, name)
+        assert all(float(cell.removesuffix(" s")) >= 0 for cell in row[2:]), row
+    assert re.search(r"\*\*-?[0-9.]+ us\*\* per checkpoint tensor beyond the bytes", text), text
+    assert re.search(r"publish at [0-9,]+ tensors \*\*[0-9.]+ s\*\*", text), text
+
+
 def test_bench_loader_refuses_one_checkpoint_as_both_sides_of_l3(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_loader.py"), "--only", "L3", "--reps", "1",
                           "--workdir", str(tmp_path), "--checkpoint", TINY, "--counts-checkpoint", TINY,
