@@ -49,8 +49,9 @@ def refusal(manifest: dict, namespace: str, conditions: dict) -> str | None:
     """Why a predecessor's manifest may not be adopted under this config, or None."""
     if manifest.get("namespace") != namespace:
         return f"it is of namespace {manifest.get('namespace')!r}"
-    if manifest.get("ledger") != ledger.LEDGER_VERSION:
-        return f"its ledger format is {manifest.get('ledger')!r}, this expertd reads {ledger.LEDGER_VERSION}"
+    if manifest.get("ledger") not in ledger.READABLE:
+        return (f"its ledger format is {manifest.get('ledger')!r}, this expertd reads "
+                f"{' and '.join(map(str, ledger.READABLE))}")
     if manifest.get("shm_dir") != conditions.get("shm_dir"):
         return f"its shm_dir was {manifest.get('shm_dir')!r}, this config's is {conditions.get('shm_dir')!r}"
     return _conditions_differ(manifest.get("built_under"), conditions)

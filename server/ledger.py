@@ -28,6 +28,7 @@ log = logging.getLogger("expertd.ledger")
 # A successor adopts only generations recorded in the format it reads (2: sealed records; 3: source identities
 # grouped by file, dtype and shape)
 LEDGER_VERSION = 3
+READABLE = (2, 3)  # what a successor adopts: an upgrade from the release that wrote format 2 keeps its generations
 
 
 @dataclass
@@ -126,12 +127,13 @@ def _read(run_dir: str, namespace: str, number: int) -> Record:
         raise
     except (OSError, ValueError) as exc:  # UnsafePath (a key file that is not ours) is an OSError
         raise ValueError(f"{path}: unreadable ({exc})") from None
-    if not isinstance(data, dict) or data.get("ledger") != LEDGER_VERSION:
+    if not isinstance(data, dict) or data.get("ledger") not in READABLE:
         raise ValueError(f"{path}: ledger format {data.get('ledger') if isinstance(data, dict) else None!r}, "
-                         f"this expertd reads {LEDGER_VERSION}")
+                         f"this expertd reads {' and '.join(map(str, READABLE))}")
     try:
         index = TensorIndex.from_dict(data["index"])
-        known = unpack_known(data["known"])
+        known = unpack_known(data["known"]) if data["ledger"] == 3 else \
+            {_tuple(identity): digest for identity, digest in data["known"]}  # format 2: [[identity, digest], ...]
         record = Record(int(data["generation"]), index, dict(data["parts"]), known, str(data["origin"]),
                         dict(data["built_under"]))
     except (KeyError, IndexError, TypeError, ValueError) as exc:
@@ -141,3 +143,7 @@ def _read(run_dir: str, namespace: str, number: int) -> Record:
                          f"expected generation {number} of {namespace!r}")
     return record
 
+
+def _tuple(value: list) -> tuple:
+    """A format-2 record's source identity (JSON's lists) back to the tuple it is (its shape the one list inside)."""
+    return tuple(tuple(v) if isinstance(v, list) else v for v in value)

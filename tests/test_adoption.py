@@ -17,7 +17,7 @@ import torch
 
 from expertd.client import ExpertClient
 from expertd.errors import GenerationGone
-from expertd.server import sealed
+from expertd.server import ledger, sealed
 from expertd.server.generations import lease_tag
 from expertd.server.runstate import RunState
 from helpers.daemon import expertd_cmd
@@ -182,12 +182,24 @@ def test_stop_keep_hands_over_even_to_another_version(tiny_checkpoint, start_dae
     with open(manifest_path) as f:
         manifest = json.load(f)
     assert manifest["state"] == "handover"
-    manifest["expertd"] = "0.0.1"  # a successor of another expertd version adopts the same ledger format
-    manifest.pop("hmac")  # ...sealed by that predecessor, which holds the run folder's key
+    # a predecessor of the release before: expertd 0.0.1, ledger format 2 (each source identity a list beside its
+    # digest), sealed by it under the run folder's key
+    manifest["expertd"], manifest["ledger"] = "0.0.1", 2
+    manifest.pop("hmac")
     state = RunState(namespace, os.path.dirname(manifest_path))
-    sealed.write(manifest_path, manifest, state.purpose, sealed.load_key(state.run_dir, namespace), indent=1)
+    key = sealed.load_key(state.run_dir, namespace)
+    sealed.write(manifest_path, manifest, state.purpose, key, indent=1)
+    record = ledger.read(state.run_dir, namespace, 1)
+    with open(ledger.record_path(state.run_dir, namespace, 1)) as f:
+        written = json.load(f)
+    written.pop("hmac")
+    written["ledger"], written["expertd"] = 2, "0.0.1"
+    written["known"] = [[list(identity), digest] for identity, digest in record.known.items()]
+    sealed.write(ledger.record_path(state.run_dir, namespace, 1), written, ledger.purpose(namespace, 1), key)
+    assert ledger.read(state.run_dir, namespace, 1).known == record.known
     second = start_daemon(tiny_checkpoint)
     assert second.status()["generation"] == 1
+    assert wait_job(second)["state"] == "unchanged"  # the identities it read match the checkpoint's
     out = stop_and_read(second)
     assert "adopted generation(s) 1" in out
     assert not segments(namespace)
