@@ -1,0 +1,102 @@
+"""The "expertd" load format: vLLM builds an unquantized model and takes every weight from the daemon.
+
+The weights reach the model through its own `load_weights` (which fuses q/k/v and gate/up and stacks the experts
+the way vLLM's kernels want them); then, after vLLM's post-load processing, every parameter that still equals a
+served tensor byte for byte is bound to the shared, read-only view of it (`binding.bind_shared`). What vLLM derives
+(fused projections, its CPU kernel's packed experts) stays a private copy per engine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+from vllm.utils.torch_utils import set_default_torch_dtype
+
+from expertd.client import ExpertClient
+from expertd.client.parallel import check_partition
+from expertd.partition import PartitionError
+
+from .binding import bind_shared, report
+from .options import LoaderOptions, check_config, check_loaded
+
+log = logging.getLogger("expertd.vllm")
+
+
+def attach(options: LoaderOptions) -> ExpertClient:
+    """A lease on the daemon the options name (credentials as `ExpertClient` takes them, else from the environment)."""
+    return ExpertClient(options.endpoint, timeout=options.timeout, token=options.token, server_key=options.server_key,
+                        client_key=options.client_key)
+
+
+def check_daemon(client: ExpertClient, vllm_config: VllmConfig, model_config: ModelConfig) -> None:
+    """The daemon serves every expert of the model `model_config` describes; raised before the engine allocates."""
+    index = client.index()
+    if vllm_config.parallel_config.enable_expert_parallel and index.expert_parallel is not None \
+            and not index.expert_parallel.whole:
+        raise PartitionError(f"the daemon at {client.endpoint} serves EP ranks {list(index.expert_parallel.ranks)} of "
+                             f"EP size {index.expert_parallel.size}; load_format 'expertd' does not map vLLM's expert "
+                             f"parallelism onto a partitioned daemon yet: serve every expert")
+    check_partition(index, client.endpoint, None, 1)
+    check_config(index.config, model_config.hf_config.to_dict(), client.endpoint, model_config.model)
+
+
+def unquantized(vllm_config: VllmConfig, model_config: ModelConfig) -> None:
+    """Make the engine build unquantized layers whatever `quantization_config` the model folder has: the daemon
+    serves dequantized weights."""
+    if vllm_config.quant_config is not None or model_config.quantization is not None:
+        log.info("expertd serves dequantized weights: building unquantized layers instead of %s",
+                 model_config.quantization)
+    vllm_config.quant_config = None
+    model_config.quantization = None
+
+
+class ExpertdModelLoader(BaseModelLoader):
+    """`load_format="expertd"`: config from the model folder, weights from the daemon named in
+    `model_loader_extra_config` (see `LoaderOptions`)."""
+
+    def __init__(self, load_config):
+        super().__init__(load_config)
+        self.options = LoaderOptions.parse(load_config.model_loader_extra_config)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download: the weights are in the daemon's shared memory."""
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig, client: ExpertClient | None = None) -> None:
+        """Feed the served checkpoint tensors (checkpoint names, bf16 views) to the model's own `load_weights`."""
+        own = client is None
+        client = client or attach(self.options)
+        try:
+            loaded = model.load_weights(iter(client.tensors().items()))
+            check_loaded({name for name, _ in model.named_parameters()}, loaded, client.endpoint, model_config.model)
+        finally:
+            if own:
+                client.close()
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        client = attach(self.options)
+        try:
+            check_daemon(client, vllm_config, model_config)
+            unquantized(vllm_config, model_config)
+            load_config = vllm_config.load_config
+            device = torch.device(load_config.device or vllm_config.device_config.device)
+            with set_default_torch_dtype(model_config.dtype):
+                with device:
+                    model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                self.load_weights(model, model_config, client)
+                process_weights_after_loading(model, model_config, device)
+            if self.options.zero_copy and device.type == "cpu":
+                served = client.tensors()
+                log.info("%s", report(model, served, bind_shared(model, served)))
+        except BaseException:
+            client.close()
+            raise
+        if self.options.zero_copy:
+            model._expertd_client = client  # the lease lives as long as the model holds the views
+        else:
+            client.close()
+        return model.eval()
