@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import uuid
@@ -69,21 +70,29 @@ def run_engines(python: str, folder: str, engines: list[dict]) -> dict[str, dict
     return out
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
-    """Three daemons (bf16, FP8 blocks, bf16 partitioned for 2 EP ranks serving rank 0) and every engine of this
+    """Four daemons (bf16, FP8 blocks, compressed-tensors FP8, bf16 partitioned for 2 EP ranks serving rank 0) and every engine of this
     module run against them in one vLLM process; afterwards every daemon exits 0 and leaves no segment."""
-    from expertd.server.tools.generate import generate_model_type
+    from expertd.server.tools.generate import generate_model_type, quantize_saved_checkpoint
 
     root = tmp_path_factory.mktemp("vllm")
-    ckpt = {fmt: str(root / fmt) for fmt in ("bf16", "fp8")}
+    ckpt = {fmt: str(root / fmt) for fmt in ("bf16", "fp8", "compressed")}
     for fmt, folder in ckpt.items():
         generate_model_type(folder, "qwen3_moe", fp8=fmt == "fp8")
+    quantize_saved_checkpoint(ckpt["compressed"], scheme="channel")  # compressed-tensors FP8 (FP8_DYNAMIC's)
     namespace = f"edt{uuid.uuid4().hex[:10]}"
     daemons = {}
     try:
-        for name, checkpoint, extra in (("bf16", ckpt["bf16"], {}), ("fp8", ckpt["fp8"], {}),
-                                        ("ep", ckpt["bf16"], {"expert_parallel": {"size": 2, "ranks": [0]}})):
+        served = [(fmt, folder, {}) for fmt, folder in ckpt.items()]
+        for name, checkpoint, extra in (*served, ("ep", ckpt["bf16"], {"expert_parallel": {"size": 2, "ranks": [0]}})):
             daemons[name] = DaemonProcess.launch(root / f"daemon-{name}", checkpoint, f"{namespace}{name}", **extra)
         for d in daemons.values():
             d.wait_serving()
@@ -93,12 +102,15 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
             {"name": "vllm-bf16", "model": ckpt["bf16"]},
             {"name": "expertd-bf16", "model": bf16_config("no-weights-bf16"), "load_format": "expertd",
              "extra": ep["bf16"], "residency": True},
-            {"name": "vllm-fp8-dequantized",
-             "model": dequantized_folder(daemons["fp8"].endpoint, ckpt["fp8"], str(root / "fp8-dequantized"))},
-            {"name": "expertd-fp8", "model": model_folder(ckpt["fp8"], str(root / "no-weights-fp8")),
-             "load_format": "expertd", "extra": ep["fp8"]},
+            *[engine for fmt in ("fp8", "compressed") for engine in (
+                {"name": f"vllm-{fmt}-dequantized",
+                 "model": dequantized_folder(daemons[fmt].endpoint, ckpt[fmt], str(root / f"{fmt}-dequantized"))},
+                {"name": f"expertd-{fmt}", "model": model_folder(ckpt[fmt], str(root / f"no-weights-{fmt}")),
+                 "load_format": "expertd", "extra": ep[fmt]})],
             {"name": "no-daemon", "model": bf16_config("no-daemon"), "load_format": "expertd",
              "extra": {"endpoint": f"ipc://{root}/nothing/expertd.sock"}},
+            {"name": "nobody-listening", "model": bf16_config("nobody-listening"), "load_format": "expertd",
+             "extra": {"endpoint": f"tcp://127.0.0.1:{free_port()}", "timeout": 2}},
             {"name": "other-shapes", "model": bf16_config("other-shapes", moe_intermediate_size=256),
              "load_format": "expertd", "extra": ep["bf16"]},
             {"name": "other-names", "model": bf16_config("other-names", num_hidden_layers=3),
@@ -125,11 +137,12 @@ def test_greedy_tokens_equal_vllms_own_load_of_the_bf16_folder(runs):
     assert runs["expertd-bf16"]["tokens"] == reference
 
 
-def test_an_fp8_checkpoint_folder_builds_unquantized_layers_from_the_dequantized_weights(runs):
-    """The folder's config carries DeepSeek-style FP8 `quantization_config`; the engine is the bf16 model of what
-    the daemon serves (vLLM's own load of those bytes written as a bf16 checkpoint)."""
-    assert "error" not in runs["expertd-fp8"], runs["expertd-fp8"]
-    assert runs["expertd-fp8"]["tokens"] == runs["vllm-fp8-dequantized"]["tokens"]
+@pytest.mark.parametrize("fmt", ["fp8", "compressed"])
+def test_an_fp8_checkpoint_folder_builds_unquantized_layers_from_the_dequantized_weights(runs, fmt):
+    """The folder's config carries an FP8 `quantization_config` (DeepSeek's blocks; compressed-tensors per channel);
+    the engine is the bf16 model of what the daemon serves (vLLM's own load of those bytes as a bf16 checkpoint)."""
+    assert "error" not in runs[f"expertd-{fmt}"], runs[f"expertd-{fmt}"]
+    assert runs[f"expertd-{fmt}"]["tokens"] == runs[f"vllm-{fmt}-dequantized"]["tokens"]
 
 
 def test_parameters_vllm_uses_as_served_are_views_of_shared_memory(runs):
@@ -145,6 +158,7 @@ def test_parameters_vllm_uses_as_served_are_views_of_shared_memory(runs):
 
 @pytest.mark.parametrize("engine, error, needles", [
     ("no-daemon", "DaemonNotRunning", ["nothing/expertd.sock"]),
+    ("nobody-listening", "DaemonTimeout", ["tcp://127.0.0.1:"]),
     ("other-shapes", "ModelMismatch", ["bf16", "moe_intermediate_size=200", "moe_intermediate_size=256"]),
     ("other-names", "ModelMismatch", ["bf16", "num_hidden_layers=2", "num_hidden_layers=3"]),
     ("partitioned", "PartitionError", ["ep", "EP ranks [0] of EP size 2"]),
