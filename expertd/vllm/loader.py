@@ -9,6 +9,7 @@ served tensor byte for byte is bound to the shared, read-only view of it (`bindi
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from expertd.partition import PartitionError
 from .binding import bind_shared, report
 from .options import LoaderOptions, check_config, check_loaded
 
-log = logging.getLogger("expertd.vllm")
+log = logging.getLogger("vllm.expertd")  # under vLLM's logger: its handlers print it beside the engine's lines
 
 
 def attach(options: LoaderOptions) -> ExpertClient:
@@ -78,20 +79,28 @@ class ExpertdModelLoader(BaseModelLoader):
                 client.close()
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        t0 = time.perf_counter()
         client = attach(self.options)
         try:
             check_daemon(client, vllm_config, model_config)
             unquantized(vllm_config, model_config)
             load_config = vllm_config.load_config
             device = torch.device(load_config.device or vllm_config.device_config.device)
+            t1 = time.perf_counter()
             with set_default_torch_dtype(model_config.dtype):
                 with device:
                     model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                t2 = time.perf_counter()
                 self.load_weights(model, model_config, client)
+                t3 = time.perf_counter()
                 process_weights_after_loading(model, model_config, device)
+            t4 = time.perf_counter()
             if self.options.zero_copy and device.type == "cpu":
                 served = client.tensors()
                 log.info("%s", report(model, served, bind_shared(model, served)))
+            log.info("expertd: attached and checked %.2f s, model built %.2f s, weights copied in %.2f s, vLLM's "
+                     "post-load processing %.2f s, binding %.2f s", t1 - t0, t2 - t1, t3 - t2, t4 - t3,
+                     time.perf_counter() - t4)
         except BaseException:
             client.close()
             raise
