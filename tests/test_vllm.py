@@ -52,13 +52,15 @@ def dequantized_folder(endpoint: str, src: str, dst: str) -> str:
     return dst
 
 
-def run_engines(python: str, folder: str, engines: list[dict]) -> dict[str, dict]:
-    """Run `engines` (helpers/vllm_engines.py) in `python`, from `folder`; name -> what each reported."""
-    spec = os.path.join(folder, "engines.json")
+def run_engines(python: str, folder: str, engines: list[dict], multiprocess: bool = False) -> dict[str, dict]:
+    """Run `engines` (helpers/vllm_engines.py) in `python`, from `folder`; name -> what each reported. With
+    `multiprocess`, each engine runs as `vllm serve` does: its core and its worker in processes of their own."""
+    spec = os.path.join(folder, "engines-multiprocess.json" if multiprocess else "engines.json")
     with open(spec, "w") as f:
         json.dump({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engines": engines}, f)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    done = subprocess.run([python, ENGINES, spec], cwd=folder, env={**env, "PYTHONNOUSERSITE": "1"},
+    env.update(PYTHONNOUSERSITE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
+    done = subprocess.run([python, ENGINES, spec], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
     out = {}
@@ -119,7 +121,10 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
             {"name": "unknown-option", "model": bf16_config("unknown-option"), "load_format": "expertd",
              "extra": {**ep["bf16"], "endpiont": "x"}},
         ]
-        yield {**run_engines(vllm_python, str(root), engines), "endpoints": {n: d.endpoint for n, d in daemons.items()}}
+        multiprocess = [{"name": "expertd-bf16-multiprocess", "model": bf16_config("multiprocess"),
+                         "load_format": "expertd", "extra": ep["bf16"]}]
+        yield {**run_engines(vllm_python, str(root), engines), **run_engines(vllm_python, str(root), multiprocess, True),
+               "endpoints": {n: d.endpoint for n, d in daemons.items()}}
     finally:
         codes = {name: d.stop() for name, d in daemons.items()}
         left = glob.glob(f"/dev/shm/{namespace}*")
@@ -135,6 +140,11 @@ def test_greedy_tokens_equal_vllms_own_load_of_the_bf16_folder(runs):
     assert len(reference) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in reference)
     assert len({tuple(t) for t in reference}) == len(PROMPTS)  # the prompts lead to different continuations
     assert runs["expertd-bf16"]["tokens"] == reference
+
+
+def test_the_entry_point_registers_the_loader_in_the_engines_own_processes(runs):
+    """The multi-process engine (`vllm serve`'s): the load format is found in the engine core and its worker."""
+    assert runs["expertd-bf16-multiprocess"]["tokens"] == runs["vllm-bf16"]["tokens"]
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "compressed"])

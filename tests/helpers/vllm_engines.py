@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: apply_model sees it
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process (apply_model sees the model) unless set
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
