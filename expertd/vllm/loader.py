@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 import torch
 from torch import nn
@@ -106,6 +107,7 @@ class ExpertdModelLoader(BaseModelLoader):
             raise
         if self.options.zero_copy:
             model._expertd_client = client  # the lease lives as long as the model holds the views
+            weakref.finalize(model, client.close)  # and is released with the engine's model
         else:
             client.close()
         return model.eval()
