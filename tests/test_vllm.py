@@ -166,6 +166,10 @@ def test_parameters_vllm_uses_as_served_are_views_of_shared_memory(runs):
     assert not any("experts" in name for name in shared)
 
 
+def test_the_engine_holds_a_lease_while_it_lives_and_releases_it_with_its_model(runs):
+    assert runs["expertd-bf16"]["leases"] == [1, 0]
+
+
 @pytest.mark.parametrize("engine, error, needles", [
     ("no-daemon", "DaemonNotRunning", ["nothing/expertd.sock"]),
     ("nobody-listening", "DaemonTimeout", ["tcp://127.0.0.1:"]),

@@ -3,8 +3,9 @@
 Run by tests/test_vllm.py in the vLLM virtualenv (`helpers.vllm_venv`): `python vllm_engines.py SPEC`, SPEC a JSON
 file {"prompts": [[token ids]], "max_tokens": N, "engines": [{"name", "model", "load_format", "extra"}]}. One
 process for all engines: `import vllm` is the slow part (14-21 s), each `LLM()` 2-4 s. Per engine it prints
-{"name", "tokens": [[ids] per prompt], "residency": {parameter: [bytes, shared]}} or {"name", "error": {"types":
-the error's classes, "message"}}. Imports nothing of the tests' helpers.
+{"name", "tokens": [[ids] per prompt], "residency": {parameter: [bytes, shared]}, "leases": [the daemon's leases
+while the engine runs, after it is deleted] (with "residency")} or {"name", "error": {"types": the error's classes,
+"message"}}. Imports nothing of the tests' helpers.
 """
 
 import gc
@@ -26,6 +27,17 @@ def residency(model) -> dict:
     return {name: list(v) for name, v in where(model, client.index().shm_dir).items()}
 
 
+def leases(endpoint: str) -> int:
+    """How many leases the daemon at `endpoint` holds."""
+    from expertd.connection import Connection
+
+    conn = Connection(endpoint, timeout=10)
+    try:
+        return len(conn.request("status")["leases"])
+    finally:
+        conn.close()
+
+
 def run(engine: dict, prompts: list, max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -43,8 +55,12 @@ def run(engine: dict, prompts: list, max_tokens: int) -> dict:
     results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     out["tokens"] = [list(r.outputs[0].token_ids) for r in results]
     out["residency"] = llm.apply_model(residency)[0] if engine.get("residency") else {}
+    if engine.get("residency"):
+        out["leases"] = [leases(engine["extra"]["endpoint"])]
     del llm, results
     gc.collect()
+    if engine.get("residency"):
+        out["leases"].append(leases(engine["extra"]["endpoint"]))
     return out
 
 
