@@ -112,8 +112,8 @@ def main() -> None:
         daemon.wait_serving(timeout=900)
         for _ in range(args.reps):
             for mode, model, endpoint in (("vllm", ckpt, ""), ("expertd", weightless, daemon.endpoint)):
-                done = subprocess.run([python, os.path.abspath(__file__), "--engine", model, endpoint], cwd=args.workdir,
-                                      env=env, capture_output=True, text=True, timeout=900)
+                done = subprocess.run([python, os.path.abspath(__file__), "--engine", model, endpoint],
+                                      cwd=args.workdir, env=env, capture_output=True, text=True, timeout=900)
                 lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
                 if done.returncode or not lines:
                     raise SystemExit(f"{mode} engine failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -125,7 +125,9 @@ def main() -> None:
         r["copied"] = weights
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
-    print(f"# {machine()}; {VLLM}; CPU flags: {'avx512_bf16' if 'avx512_bf16' in open('/proc/cpuinfo').read() else 'avx2'}")
+    with open("/proc/cpuinfo") as f:
+        isa = "avx512_bf16" if "avx512_bf16" in f.read() else "no avx512_bf16"
+    print(f"# {machine()}; {VLLM}; CPU: {isa}")
     print(f"# Qwen3-MoE {args.layers} layers x {args.experts} experts, hidden {args.hidden}, moe_intermediate "
           f"{args.moe_intermediate}: {mib(weights)} bf16; medians of {args.reps}")
     print(f"V1  LLM() start-to-ready: vLLM's own load {med['vllm']['seconds']:.2f} s, load_format=expertd "

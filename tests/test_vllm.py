@@ -25,6 +25,7 @@ from helpers.daemon import DaemonProcess
 ENGINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "vllm_engines.py")
 PROMPTS = [[1, 2, 3, 4, 5], [7, 100, 200], [300, 5, 9, 11, 12, 13], [42]]
 MAX_TOKENS = 8
+FAMILIES = ("mixtral", "gpt_oss")  # bf16 checkpoints of other MoE families vLLM's CPU path runs
 pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
 
 
@@ -81,14 +82,15 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
-    """Four daemons (bf16, FP8 blocks, compressed-tensors FP8, bf16 partitioned for 2 EP ranks serving rank 0) and every engine of this
-    module run against them in one vLLM process; afterwards every daemon exits 0 and leaves no segment."""
+    """Daemons (Qwen3-MoE bf16, FP8 blocks, compressed-tensors FP8; Mixtral and gpt-oss bf16; Qwen3-MoE bf16
+    partitioned for 2 EP ranks, serving rank 0) and every engine of this module run against them in two vLLM
+    processes (in-process engines, then a multi-process one); afterwards every daemon exits 0 and leaves no segment."""
     from expertd.server.tools.generate import generate_model_type, quantize_saved_checkpoint
 
     root = tmp_path_factory.mktemp("vllm")
-    ckpt = {fmt: str(root / fmt) for fmt in ("bf16", "fp8", "compressed")}
+    ckpt = {fmt: str(root / fmt) for fmt in ("bf16", "fp8", "compressed", *FAMILIES)}
     for fmt, folder in ckpt.items():
-        generate_model_type(folder, "qwen3_moe", fp8=fmt == "fp8")
+        generate_model_type(folder, fmt if fmt in FAMILIES else "qwen3_moe", fp8=fmt == "fp8")
     quantize_saved_checkpoint(ckpt["compressed"], scheme="channel")  # compressed-tensors FP8 (FP8_DYNAMIC's)
     namespace = f"edt{uuid.uuid4().hex[:10]}"
     daemons = {}
@@ -109,6 +111,10 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
                  "model": dequantized_folder(daemons[fmt].endpoint, ckpt[fmt], str(root / f"{fmt}-dequantized"))},
                 {"name": f"expertd-{fmt}", "model": model_folder(ckpt[fmt], str(root / f"no-weights-{fmt}")),
                  "load_format": "expertd", "extra": ep[fmt]})],
+            *[engine for family in FAMILIES for engine in (
+                {"name": f"vllm-{family}", "model": ckpt[family]},
+                {"name": f"expertd-{family}", "model": model_folder(ckpt[family], str(root / f"no-weights-{family}")),
+                 "load_format": "expertd", "extra": ep[family]})],
             {"name": "no-daemon", "model": bf16_config("no-daemon"), "load_format": "expertd",
              "extra": {"endpoint": f"ipc://{root}/nothing/expertd.sock"}},
             {"name": "nobody-listening", "model": bf16_config("nobody-listening"), "load_format": "expertd",
@@ -117,13 +123,16 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
              "load_format": "expertd", "extra": ep["bf16"]},
             {"name": "other-names", "model": bf16_config("other-names", num_hidden_layers=3),
              "load_format": "expertd", "extra": ep["bf16"]},
+            {"name": "unserved-parameters", "model": bf16_config("unserved-parameters", attention_bias=True),
+             "load_format": "expertd", "extra": ep["bf16"]},
             {"name": "partitioned", "model": bf16_config("partitioned"), "load_format": "expertd", "extra": ep["ep"]},
             {"name": "unknown-option", "model": bf16_config("unknown-option"), "load_format": "expertd",
              "extra": {**ep["bf16"], "endpiont": "x"}},
         ]
         multiprocess = [{"name": "expertd-bf16-multiprocess", "model": bf16_config("multiprocess"),
                          "load_format": "expertd", "extra": ep["bf16"]}]
-        yield {**run_engines(vllm_python, str(root), engines), **run_engines(vllm_python, str(root), multiprocess, True),
+        yield {**run_engines(vllm_python, str(root), engines),
+               **run_engines(vllm_python, str(root), multiprocess, multiprocess=True),
                "endpoints": {n: d.endpoint for n, d in daemons.items()}}
     finally:
         codes = {name: d.stop() for name, d in daemons.items()}
@@ -140,6 +149,12 @@ def test_greedy_tokens_equal_vllms_own_load_of_the_bf16_folder(runs):
     assert len(reference) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in reference)
     assert len({tuple(t) for t in reference}) == len(PROMPTS)  # the prompts lead to different continuations
     assert runs["expertd-bf16"]["tokens"] == reference
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_families_from_a_weightless_folder_equal_vllms_own_load(runs, family):
+    assert "error" not in runs[f"expertd-{family}"], runs[f"expertd-{family}"]
+    assert runs[f"expertd-{family}"]["tokens"] == runs[f"vllm-{family}"]["tokens"]
 
 
 def test_the_entry_point_registers_the_loader_in_the_engines_own_processes(runs):
@@ -175,6 +190,7 @@ def test_the_engine_holds_a_lease_while_it_lives_and_releases_it_with_its_model(
     ("nobody-listening", "DaemonTimeout", ["tcp://127.0.0.1:"]),
     ("other-shapes", "ModelMismatch", ["bf16", "moe_intermediate_size=200", "moe_intermediate_size=256"]),
     ("other-names", "ModelMismatch", ["bf16", "num_hidden_layers=2", "num_hidden_layers=3"]),
+    ("unserved-parameters", "ModelMismatch", ["bf16", "serves no tensor for 2 parameter(s)", "qkv_proj.bias"]),
     ("partitioned", "PartitionError", ["ep", "EP ranks [0] of EP size 2"]),
     ("unknown-option", "ConfigError", ["endpiont"]),
 ])

@@ -21,6 +21,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from expertd.client import ExpertClient
 from expertd.client.parallel import check_partition
+from expertd.errors import ModelMismatch
 from expertd.partition import PartitionError
 
 from .binding import bind_shared, report
@@ -73,7 +74,11 @@ class ExpertdModelLoader(BaseModelLoader):
         own = client is None
         client = client or attach(self.options)
         try:
-            loaded = model.load_weights(iter(client.tensors().items()))
+            try:
+                loaded = model.load_weights(iter(client.tensors().items()))
+            except (KeyError, AssertionError) as exc:  # vLLM's loaders: a name the model lacks, a shape that differs
+                raise ModelMismatch(f"the daemon at {client.endpoint} serves tensors that {model_config.model}'s model "
+                                    f"({type(model).__name__}) cannot take: {type(exc).__name__}: {exc}") from exc
             check_loaded({name for name, _ in model.named_parameters()}, loaded, client.endpoint, model_config.model)
         finally:
             if own:

@@ -41,13 +41,14 @@ class LoaderOptions:
         if unknown:
             raise ConfigError(f"model_loader_extra_config of load_format 'expertd' has unknown keys {unknown}; "
                               f"known: {sorted(cls.__dataclass_fields__)}")
+        where = "model_loader_extra_config"
         for key in ("endpoint", "token", "server_key", "client_key"):
             if extra.get(key) is not None and not isinstance(extra[key], str):
-                raise ConfigError(f"model_loader_extra_config[{key!r}] must be a string, not {type(extra[key]).__name__}")
+                raise ConfigError(f"{where}[{key!r}] must be a string, not {type(extra[key]).__name__}")
         if not isinstance(extra.get("timeout", 30.0), (int, float)) or isinstance(extra.get("timeout"), bool):
-            raise ConfigError(f"model_loader_extra_config['timeout'] must be a number of seconds, not {extra['timeout']!r}")
+            raise ConfigError(f"{where}['timeout'] must be a number of seconds, not {extra['timeout']!r}")
         if not isinstance(extra.get("zero_copy", True), bool):
-            raise ConfigError(f"model_loader_extra_config['zero_copy'] must be true or false, not {extra['zero_copy']!r}")
+            raise ConfigError(f"{where}['zero_copy'] must be true or false, not {extra['zero_copy']!r}")
         return cls(**extra)
 
 
