@@ -26,15 +26,20 @@ ENGINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "v
 PROMPTS = [[1, 2, 3, 4, 5], [7, 100, 200], [300, 5, 9, 11, 12, 13], [42]]
 MAX_TOKENS = 8
 FAMILIES = ("mixtral", "gpt_oss")  # bf16 checkpoints of other MoE families vLLM's CPU path runs
+# quantized checkpoints the daemon serves dequantized: Qwen3-MoE in DeepSeek's FP8 blocks and in compressed-tensors
+# FP8 (per channel), gpt-oss in its MXFP4 release format
+QUANTIZED = ("fp8", "compressed", "mxfp4")
 pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
 
 
 def model_folder(src: str, dst: str, **changes) -> str:
-    """A model folder holding only `src`'s config.json (with `changes`) and generation_config.json: no weights."""
+    """A model folder holding only `src`'s config.json (with `changes`; None removes a key) and
+    generation_config.json: no weights."""
     os.makedirs(dst)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     config.update(changes)
+    config = {key: value for key, value in config.items() if not (key in changes and value is None)}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f)
     shutil.copy(os.path.join(src, "generation_config.json"), dst)
@@ -82,16 +87,20 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
-    """Daemons (Qwen3-MoE bf16, FP8 blocks, compressed-tensors FP8; Mixtral and gpt-oss bf16; Qwen3-MoE bf16
-    partitioned for 2 EP ranks, serving rank 0) and every engine of this module run against them in two vLLM
-    processes (in-process engines, then a multi-process one); afterwards every daemon exits 0 and leaves no segment."""
+    """Daemons (Qwen3-MoE bf16, FP8 blocks, compressed-tensors FP8; gpt-oss MXFP4; Mixtral and gpt-oss bf16;
+    Qwen3-MoE bf16 partitioned for 2 EP ranks, serving rank 0) and every engine of this module run against them in
+    two vLLM processes (in-process engines, then a multi-process one); afterwards every daemon exits 0 and leaves no
+    segment."""
     from expertd.server.tools.generate import generate_model_type, quantize_saved_checkpoint
+    from expertd.server.tools.requantize import write_mxfp4
 
     root = tmp_path_factory.mktemp("vllm")
-    ckpt = {fmt: str(root / fmt) for fmt in ("bf16", "fp8", "compressed", *FAMILIES)}
+    ckpt = {fmt: str(root / fmt) for fmt in ("bf16", *QUANTIZED, *FAMILIES)}
     for fmt, folder in ckpt.items():
-        generate_model_type(folder, fmt if fmt in FAMILIES else "qwen3_moe", fp8=fmt == "fp8")
+        model_type = fmt if fmt in FAMILIES else "gpt_oss" if fmt == "mxfp4" else "qwen3_moe"
+        generate_model_type(folder, model_type, fp8=fmt == "fp8")
     quantize_saved_checkpoint(ckpt["compressed"], scheme="channel")  # compressed-tensors FP8 (FP8_DYNAMIC's)
+    write_mxfp4(ckpt["mxfp4"])  # gpt-oss's release format: MXFP4 experts
     namespace = f"edt{uuid.uuid4().hex[:10]}"
     daemons = {}
     try:
@@ -106,7 +115,7 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
             {"name": "vllm-bf16", "model": ckpt["bf16"]},
             {"name": "expertd-bf16", "model": bf16_config("no-weights-bf16"), "load_format": "expertd",
              "extra": ep["bf16"], "residency": True},
-            *[engine for fmt in ("fp8", "compressed") for engine in (
+            *[engine for fmt in QUANTIZED for engine in (
                 {"name": f"vllm-{fmt}-dequantized",
                  "model": dequantized_folder(daemons[fmt].endpoint, ckpt[fmt], str(root / f"{fmt}-dequantized"))},
                 {"name": f"expertd-{fmt}", "model": model_folder(ckpt[fmt], str(root / f"no-weights-{fmt}")),
@@ -162,10 +171,11 @@ def test_the_entry_point_registers_the_loader_in_the_engines_own_processes(runs)
     assert runs["expertd-bf16-multiprocess"]["tokens"] == runs["vllm-bf16"]["tokens"]
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "compressed"])
-def test_an_fp8_checkpoint_folder_builds_unquantized_layers_from_the_dequantized_weights(runs, fmt):
-    """The folder's config carries an FP8 `quantization_config` (DeepSeek's blocks; compressed-tensors per channel);
-    the engine is the bf16 model of what the daemon serves (vLLM's own load of those bytes as a bf16 checkpoint)."""
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_a_quantized_checkpoint_folder_builds_unquantized_layers_from_the_dequantized_weights(runs, fmt):
+    """The folder's config carries the checkpoint's `quantization_config` (FP8 blocks, compressed-tensors FP8,
+    MXFP4); the engine is the bf16 model of what the daemon serves (vLLM's own load of those bytes as a bf16
+    checkpoint)."""
     assert "error" not in runs[f"expertd-{fmt}"], runs[f"expertd-{fmt}"]
     assert runs[f"expertd-{fmt}"]["tokens"] == runs[f"vllm-{fmt}-dequantized"]["tokens"]
 

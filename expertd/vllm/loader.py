@@ -56,6 +56,9 @@ def unquantized(vllm_config: VllmConfig, model_config: ModelConfig) -> None:
                  model_config.quantization)
     vllm_config.quant_config = None
     model_config.quantization = None
+    for config in {id(c): c for c in (model_config.hf_config, model_config.hf_text_config)}.values():
+        if hasattr(config, "quantization_config"):  # some models read it themselves (gpt-oss's load_weights)
+            delattr(config, "quantization_config")
 
 
 class ExpertdModelLoader(BaseModelLoader):
