@@ -3,7 +3,7 @@
 The weights reach the model through its own `load_weights` (which fuses q/k/v and gate/up and stacks the experts
 the way vLLM's kernels want them); then, after vLLM's post-load processing, every parameter that still equals a
 served tensor byte for byte is bound to the shared, read-only view of it (`binding.bind_shared`). What vLLM derives
-(fused projections, its CPU kernel's packed experts) stays a private copy per engine.
+(fused projections, its CPU kernel's packed experts, oneDNN's packed linear layers) stays a private copy per engine.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from vllm.model_executor.model_loader.utils import initialize_model, process_wei
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from expertd.client import ExpertClient
-from expertd.client.parallel import check_partition
 from expertd.errors import ModelMismatch
 from expertd.partition import PartitionError
 
@@ -36,15 +35,14 @@ def attach(options: LoaderOptions) -> ExpertClient:
                         client_key=options.client_key)
 
 
-def check_daemon(client: ExpertClient, vllm_config: VllmConfig, model_config: ModelConfig) -> None:
+def check_daemon(client: ExpertClient, model_config: ModelConfig) -> None:
     """The daemon serves every expert of the model `model_config` describes; raised before the engine allocates."""
     index = client.index()
-    if vllm_config.parallel_config.enable_expert_parallel and index.expert_parallel is not None \
-            and not index.expert_parallel.whole:
-        raise PartitionError(f"the daemon at {client.endpoint} serves EP ranks {list(index.expert_parallel.ranks)} of "
-                             f"EP size {index.expert_parallel.size}; load_format 'expertd' does not map vLLM's expert "
-                             f"parallelism onto a partitioned daemon yet: serve every expert")
-    check_partition(index, client.endpoint, None, 1)
+    ep = index.expert_parallel
+    if ep is not None and not ep.whole:
+        raise PartitionError(f"the daemon at {client.endpoint} serves EP ranks {list(ep.ranks)} of EP size {ep.size} "
+                             f"only, and load_format 'expertd' does not map a vLLM engine (expert-parallel or not) "
+                             f"onto a partitioned daemon yet: attach it to a daemon without `expert_parallel`")
     check_config(index.config, model_config.hf_config.to_dict(), client.endpoint, model_config.model)
 
 
@@ -91,7 +89,7 @@ class ExpertdModelLoader(BaseModelLoader):
         t0 = time.perf_counter()
         client = attach(self.options)
         try:
-            check_daemon(client, vllm_config, model_config)
+            check_daemon(client, model_config)
             unquantized(vllm_config, model_config)
             load_config = vllm_config.load_config
             device = torch.device(load_config.device or vllm_config.device_config.device)
