@@ -1,9 +1,10 @@
 """vLLM's `load_format="expertd"` (expertd/vllm): real daemons, engines in a virtualenv with vLLM's CPU build.
 
-This environment has no vLLM: the engines run in `vllm_python` (cached in ~/.cache/expertd, built when missing),
-all of them in one process (`helpers/vllm_engines.py`: `import vllm` costs 14-21 s, an engine 2-4 s). Tiny Qwen3-MoE
-checkpoints, bf16 and DeepSeek-style FP8 blocks; each engine generates greedily from the same prompts. Engines that
-must be refused report the error their `LLM()` raised.
+This environment has no vLLM: the engines run in `vllm_python` (cached in ~/.cache/expertd, built when missing), in
+two processes (`helpers/vllm_engines.py`: `import vllm` costs 14-21 s, an engine 2-4 s): the in-process engines one
+after another, then a multi-process one. Tiny checkpoints (Qwen3-MoE bf16, FP8 blocks, compressed-tensors FP8;
+gpt-oss MXFP4 and bf16; Mixtral bf16); each engine generates greedily from the same prompts. Engines that must be
+refused report the error their `LLM()` raised. vLLM's own cache goes to the test's folder.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def run_engines(python: str, folder: str, engines: list[dict], multiprocess: boo
     with open(spec, "w") as f:
         json.dump({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engines": engines}, f)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env.update(PYTHONNOUSERSITE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
+    env.update(PYTHONNOUSERSITE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+               VLLM_CACHE_ROOT=os.path.join(folder, "vllm-cache"), VLLM_CONFIG_ROOT=os.path.join(folder, "vllm-config"),
+               VLLM_NO_USAGE_STATS="1")
     done = subprocess.run([python, ENGINES, spec], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"

@@ -2,7 +2,8 @@
 
 Bound after vLLM's post-load processing and only where the parameter still equals the served tensor byte for byte
 (same name, shape and dtype): a parameter vLLM fused (qkv_proj, gate_up_proj), repacked (its CPU kernel's experts)
-or replaced keeps its private copy. The views are read-only mappings; vLLM never writes a weight after loading.
+or replaced keeps its private copy. The views are read-only mappings: a forward pass never writes a weight, an
+in-place reload would (and dies of SIGSEGV), hence the loader's `zero_copy: false`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def residency(model: nn.Module, shm_dir: str) -> dict[str, tuple[int, bool]]:
     return out
 
 
-def report(model: nn.Module, served: dict[str, torch.Tensor], bound: list[str]) -> str:
+def report(served: dict[str, torch.Tensor], bound: list[str]) -> str:
     """One line: the served bytes the engine maps (bound parameters) and those it copied into private memory (every
     other served tensor: fused, repacked or kept by a kernel in its own layout, e.g. oneDNN's packed linear weights,
     which are no parameter of the model)."""

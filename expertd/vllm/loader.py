@@ -104,7 +104,7 @@ class ExpertdModelLoader(BaseModelLoader):
             t4 = time.perf_counter()
             if self.options.zero_copy and device.type == "cpu":
                 served = client.tensors()
-                log.info("%s", report(model, served, bind_shared(model, served)))
+                log.info("%s", report(served, bind_shared(model, served)))
             log.info("expertd: attached and checked %.2f s, model built %.2f s, weights copied in %.2f s, vLLM's "
                      "post-load processing %.2f s, binding %.2f s", t1 - t0, t2 - t1, t3 - t2, t4 - t3,
                      time.perf_counter() - t4)
