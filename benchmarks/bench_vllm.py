@@ -107,6 +107,7 @@ def main() -> None:
     daemon = DaemonProcess.launch(os.path.join(args.workdir, "daemon"), ckpt, f"edtbench{uuid.uuid4().hex[:8]}",
                                   stdout=subprocess.DEVNULL)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(VLLM_CACHE_ROOT=os.path.join(args.workdir, "vllm-cache"), VLLM_NO_USAGE_STATS="1")
     runs: dict[str, list[dict]] = {"vllm": [], "expertd": []}
     try:
         daemon.wait_serving(timeout=900)
