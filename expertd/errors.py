@@ -148,3 +148,12 @@ class CorruptIndex(ProtocolError):
 
 class VersionMismatch(ProtocolError, DaemonError):
     """The client and the daemon speak different protocol versions; the message names both."""
+
+
+class ModelMismatch(ExpertdError, ValueError):
+    """The daemon serves another model than the one an engine was asked to build (a config value, a tensor name or
+    a shape differs); the message names the endpoint and the first difference."""
+
+
+class MissingDependency(ExpertdError, ImportError):
+    """An optional integration was used without the package it needs; the message says what to install."""

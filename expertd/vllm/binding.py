@@ -1,0 +1,57 @@
+"""Zero copy where vLLM allows it: parameters that vLLM uses exactly as served become the daemon's shared views.
+
+Bound after vLLM's post-load processing and only where the parameter still equals the served tensor byte for byte
+(same name, shape and dtype): a parameter vLLM fused (qkv_proj, gate_up_proj), repacked (its CPU kernel's experts)
+or replaced keeps its private copy. The views are read-only mappings: a forward pass never writes a weight, an
+in-place reload would (and dies of SIGSEGV), hence the loader's `zero_copy: false`.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+from torch import nn
+
+from expertd.client.residency import shared_ranges
+
+
+def bind_shared(model: nn.Module, served: dict[str, torch.Tensor]) -> list[str]:
+    """Point each parameter of `model` that equals the served tensor of its name at that (shared) tensor; returns
+    the names bound."""
+    bound = []
+    for name, param in model.named_parameters():
+        view = served.get(name)
+        if view is None or view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
+            continue
+        if param.data_ptr() != view.data_ptr() and torch.equal(param.data, view):
+            param.data = view
+            bound.append(name)
+    return bound
+
+
+def residency(model: nn.Module, shm_dir: str) -> dict[str, tuple[int, bool]]:
+    """name -> (bytes, whether they lie in a read-only shared mapping of `shm_dir`), for every parameter and buffer
+    of `model` (a tensor shared by two names is listed under the first)."""
+    ranges = shared_ranges(shm_dir)
+    starts = [lo for lo, _ in ranges]
+    out, seen = {}, set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        key = (t.data_ptr(), t.numel())
+        if key in seen:
+            continue
+        seen.add(key)
+        size, lo = t.numel() * t.element_size(), t.data_ptr()
+        k = bisect.bisect_right(starts, lo) - 1
+        out[name] = (size, t.device.type == "cpu" and (size == 0 or (k >= 0 and lo + size <= ranges[k][1])))
+    return out
+
+
+def report(served: dict[str, torch.Tensor], bound: list[str]) -> str:
+    """One line: the served bytes the engine maps (bound parameters) and those it copied into private memory (every
+    other served tensor: fused, repacked or kept by a kernel in its own layout, e.g. oneDNN's packed linear weights,
+    which are no parameter of the model)."""
+    shared = sum(served[name].nbytes for name in bound)
+    private = sum(t.nbytes for t in served.values()) - shared
+    return (f"expertd: {len(bound)} parameter(s) bound to shared memory ({shared / 2**20:.2f} MiB); "
+            f"{len(served) - len(bound)} served tensor(s) copied into the engine ({private / 2**20:.2f} MiB)")

@@ -1,0 +1,119 @@
+"""The "expertd" load format: vLLM builds an unquantized model and takes every weight from the daemon.
+
+The weights reach the model through its own `load_weights` (which fuses q/k/v and gate/up and stacks the experts
+the way vLLM's kernels want them); then, after vLLM's post-load processing, every parameter that still equals a
+served tensor byte for byte is bound to the shared, read-only view of it (`binding.bind_shared`). What vLLM derives
+(fused projections, its CPU kernel's packed experts, oneDNN's packed linear layers) stays a private copy per engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig, VllmConfig
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+from vllm.utils.torch_utils import set_default_torch_dtype
+
+from expertd.client import ExpertClient
+from expertd.errors import ModelMismatch
+from expertd.partition import PartitionError
+
+from .binding import bind_shared, report
+from .options import LoaderOptions, check_config, check_loaded
+
+log = logging.getLogger("vllm.expertd")  # under vLLM's logger: its handlers print it beside the engine's lines
+
+
+def attach(options: LoaderOptions) -> ExpertClient:
+    """A lease on the daemon the options name (credentials as `ExpertClient` takes them, else from the environment)."""
+    return ExpertClient(options.endpoint, timeout=options.timeout, token=options.token, server_key=options.server_key,
+                        client_key=options.client_key)
+
+
+def check_daemon(client: ExpertClient, model_config: ModelConfig) -> None:
+    """The daemon serves every expert of the model `model_config` describes; raised before the engine allocates."""
+    index = client.index()
+    ep = index.expert_parallel
+    if ep is not None and not ep.whole:
+        raise PartitionError(f"the daemon at {client.endpoint} serves EP ranks {list(ep.ranks)} of EP size {ep.size} "
+                             f"only, and load_format 'expertd' does not map a vLLM engine (expert-parallel or not) "
+                             f"onto a partitioned daemon yet: attach it to a daemon without `expert_parallel`")
+    check_config(index.config, model_config.hf_config.to_dict(), client.endpoint, model_config.model)
+
+
+def unquantized(vllm_config: VllmConfig, model_config: ModelConfig) -> None:
+    """Make the engine build unquantized layers whatever `quantization_config` the model folder has: the daemon
+    serves dequantized weights."""
+    if vllm_config.quant_config is not None or model_config.quantization is not None:
+        log.info("expertd serves dequantized weights: building unquantized layers instead of %s",
+                 model_config.quantization)
+    vllm_config.quant_config = None
+    model_config.quantization = None
+    for config in {id(c): c for c in (model_config.hf_config, model_config.hf_text_config)}.values():
+        if hasattr(config, "quantization_config"):  # some models read it themselves (gpt-oss's load_weights)
+            delattr(config, "quantization_config")
+
+
+class ExpertdModelLoader(BaseModelLoader):
+    """`load_format="expertd"`: config from the model folder, weights from the daemon named in
+    `model_loader_extra_config` (see `LoaderOptions`)."""
+
+    def __init__(self, load_config):
+        super().__init__(load_config)
+        self.options = LoaderOptions.parse(load_config.model_loader_extra_config)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download: the weights are in the daemon's shared memory."""
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig, client: ExpertClient | None = None) -> None:
+        """Feed the served checkpoint tensors (checkpoint names, bf16 views) to the model's own `load_weights`."""
+        own = client is None
+        client = client or attach(self.options)
+        try:
+            try:
+                loaded = model.load_weights(iter(client.tensors().items()))
+            except (KeyError, AssertionError) as exc:  # vLLM's loaders: a name the model lacks, a shape that differs
+                raise ModelMismatch(f"the daemon at {client.endpoint} serves tensors that {model_config.model}'s model "
+                                    f"({type(model).__name__}) cannot take: {type(exc).__name__}: {exc}") from exc
+            check_loaded({name for name, _ in model.named_parameters()}, loaded, client.endpoint, model_config.model)
+        finally:
+            if own:
+                client.close()
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        t0 = time.perf_counter()
+        client = attach(self.options)
+        try:
+            check_daemon(client, model_config)
+            unquantized(vllm_config, model_config)
+            load_config = vllm_config.load_config
+            device = torch.device(load_config.device or vllm_config.device_config.device)
+            t1 = time.perf_counter()
+            with set_default_torch_dtype(model_config.dtype):
+                with device:
+                    model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                t2 = time.perf_counter()
+                self.load_weights(model, model_config, client)
+                t3 = time.perf_counter()
+                process_weights_after_loading(model, model_config, device)
+            t4 = time.perf_counter()
+            if self.options.zero_copy and device.type == "cpu":
+                served = client.tensors()
+                log.info("%s", report(served, bind_shared(model, served)))
+            log.info("expertd: attached and checked %.2f s, model built %.2f s, weights copied in %.2f s, vLLM's "
+                     "post-load processing %.2f s, binding %.2f s", t1 - t0, t2 - t1, t3 - t2, t4 - t3,
+                     time.perf_counter() - t4)
+        except BaseException:
+            client.close()
+            raise
+        if self.options.zero_copy:
+            model._expertd_client = client  # the lease lives as long as the model holds the views
+            weakref.finalize(model, client.close)  # and is released with the engine's model
+        else:
+            client.close()
+        return model.eval()

@@ -1,0 +1,75 @@
+"""Run vLLM engines one after another in this process and print what each generated, as JSON lines.
+
+Run by tests/test_vllm.py in the vLLM virtualenv (`helpers.vllm_venv`): `python vllm_engines.py SPEC`, SPEC a JSON
+file {"prompts": [[token ids]], "max_tokens": N, "engines": [{"name", "model", "load_format", "extra"}]}. One
+process for all engines: `import vllm` is the slow part (14-21 s), each `LLM()` 2-4 s. Per engine it prints
+{"name", "tokens": [[ids] per prompt], "residency": {parameter: [bytes, shared]}, "leases": [the daemon's leases
+while the engine runs, after it is deleted] (with "residency")} or {"name", "error": {"types": the error's classes,
+"message"}}. Imports nothing of the tests' helpers.
+"""
+
+import gc
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process (apply_model sees the model) unless set
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def residency(model) -> dict:
+    """Where each parameter of the engine's model lies, when it was loaded from expertd."""
+    client = getattr(model, "_expertd_client", None)
+    if client is None:
+        return {}
+    from expertd.vllm.binding import residency as where
+
+    return {name: list(v) for name, v in where(model, client.index().shm_dir).items()}
+
+
+def leases(endpoint: str) -> int:
+    """How many leases the daemon at `endpoint` holds."""
+    from expertd.connection import Connection
+
+    conn = Connection(endpoint, timeout=10)
+    try:
+        return len(conn.request("status")["leases"])
+    finally:
+        conn.close()
+
+
+def run(engine: dict, prompts: list, max_tokens: int) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    out = {"name": engine["name"]}
+    try:
+        llm = LLM(model=engine["model"], load_format=engine.get("load_format", "auto"), dtype="bfloat16",
+                  enforce_eager=True, skip_tokenizer_init=True, seed=0,
+                  model_loader_extra_config=engine.get("extra") or {})
+    except Exception as exc:  # the error the loader raised, maybe wrapped by the engine
+        while exc.__cause__ is not None and not type(exc).__module__.startswith("expertd"):
+            exc = exc.__cause__
+        out["error"] = {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
+        return out
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    out["tokens"] = [list(r.outputs[0].token_ids) for r in results]
+    out["residency"] = llm.apply_model(residency)[0] if engine.get("residency") else {}
+    if engine.get("residency"):
+        out["leases"] = [leases(engine["extra"]["endpoint"])]
+    del llm, results
+    gc.collect()
+    if engine.get("residency"):
+        out["leases"].append(leases(engine["extra"]["endpoint"]))
+    return out
+
+
+def main(path: str) -> None:
+    with open(path) as f:
+        spec = json.load(f)
+    for engine in spec["engines"]:
+        print("ENGINE " + json.dumps(run(engine, spec["prompts"], spec["max_tokens"])), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

