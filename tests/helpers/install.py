@@ -23,6 +23,20 @@ def run(cmd: list[str], cwd, timeout: float = 600) -> subprocess.CompletedProces
     return proc
 
 
+def cached_venv(name: str, *steps: list[str]) -> str:
+    """The python of the virtualenv ~/.cache/expertd/NAME, made once: each step is pip's arguments, run in it in
+    order (`install ...`, `uninstall -y ...`); one whose steps did not all finish is made again."""
+    venv = os.path.join(os.path.expanduser("~"), ".cache", "expertd", name)
+    python = os.path.join(venv, "bin", "python")
+    ready = os.path.join(venv, ".expertd-ready")
+    if not os.path.exists(ready):
+        run([sys.executable, "-m", "venv", "--clear", venv], cwd="/")
+        for step in steps:
+            run([python, *PIP, *step], cwd=venv, timeout=1800)
+        open(ready, "w").close()
+    return python
+
+
 def copy_tracked_files(dst) -> None:
     """Copy the files git tracks (as they are in the working tree) to `dst`."""
     listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout

@@ -8,9 +8,8 @@ written by `llmcompressor_write.py`, run in that virtualenv (it imports nothing 
 from __future__ import annotations
 
 import os
-import sys
 
-from helpers.install import PIP, TORCH, run
+from helpers.install import TORCH, cached_venv, run
 
 LLMCOMPRESSOR = "llmcompressor==0.14.0.1"  # pins transformers<=5.17 and compressed-tensors==0.19.0 itself
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llmcompressor_write.py")
@@ -18,16 +17,9 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "llmcompressor
 
 def llmcompressor_venv() -> str:
     """The python of a virtualenv with `LLMCOMPRESSOR` (made once, cached in ~/.cache/expertd)."""
-    venv = os.path.join(os.path.expanduser("~"), ".cache", "expertd", f"venv-{LLMCOMPRESSOR.replace('==', '-')}")
-    python = os.path.join(venv, "bin", "python")
-    ready = os.path.join(venv, ".expertd-ready")
-    if not os.path.exists(ready):
-        run([sys.executable, "-m", "venv", "--clear", venv], cwd="/")
-        # torch first, the one installed here, so llmcompressor's `torch<=2.14` is already met (no CUDA wheels)
-        run([python, *PIP, "install", TORCH], cwd=venv, timeout=1200)
-        run([python, *PIP, "install", TORCH, LLMCOMPRESSOR], cwd=venv, timeout=1200)
-        open(ready, "w").close()
-    return python
+    # torch first, the one installed here, so llmcompressor's `torch<=2.14` is already met (no CUDA wheels)
+    return cached_venv(f"venv-{LLMCOMPRESSOR.replace('==', '-')}", ["install", TORCH],
+                       ["install", TORCH, LLMCOMPRESSOR])
 
 
 def write_compressed(python: str, bf16_folder: str, out_folder: str, scheme: str, timeout: float = 600) -> None:

