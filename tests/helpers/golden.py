@@ -127,6 +127,7 @@ def run_scenario(endpoint: str) -> Recorder:
     auth_token=TOKEN and lease_timeout_s=LEASE_TIMEOUT_S."""
     from expertd.client import ExpertClient, push_all
     from expertd.client.push import _abort, _send_staged
+    from expertd.leasing import lease_request
 
     with Recorder() as rec:
         conn = Connection(endpoint, timeout=30, token=TOKEN)
@@ -142,7 +143,7 @@ def run_scenario(endpoint: str) -> Recorder:
                 time.sleep(0.05)
             assert rec.where("heartbeat"), "the client's heartbeat thread sent no heartbeat"
             client.status()
-            extra = ExpertClient._lease_request(conn, generation=client.generation).client  # a resume
+            extra = lease_request(conn, generation=client.generation).client  # a resume
             conn.request("release", client=extra)
             client.update({PUSHED: torch.full((320,), 1.5, dtype=torch.bfloat16)})  # update, commit, job
             client.refresh()
