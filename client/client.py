@@ -22,7 +22,7 @@ from expertd.shm import map_segments, view
 from .parallel import bind_sharded, check_partition
 from .quiet import attaching
 from .restore import restore
-from .variants import fetch, log_casts
+from .variants import derive, fetch, log_casts
 from .views import IndexViews
 
 log = logging.getLogger("expertd.client")
@@ -315,10 +315,24 @@ class ExpertClient:
     def _variants(self, index: TensorIndex, need: dict[str, tuple[str, str]], views: IndexViews) -> None:
         """Map the dtype variants `need` names, made by the daemon once per host (`variants.fetch`)."""
         entries = fetch(self._conn, self.lease, index, need)
+        self._map_entries(entries, index)
+        views.variants.update({(e.name, e.dtype): e for e in entries})
+
+    def derived(self, items: list[dict]) -> list[torch.Tensor]:
+        """Read-only views of derived tensors of the generation this client reads (`expertd.derived.request`
+        items: a served tensor gathered into an engine's layout), made by the daemon once per host."""
+        self._check_gone()
+        index = self.index()
+        entries = derive(self._conn, self.lease, index, items)
+        self._map_entries(entries, index)
+        return [view(self._segments, e) for e in entries]
+
+    def _map_entries(self, entries, index: TensorIndex) -> None:
+        """Map the segments of variant entries not mapped yet."""
+        self._attach()
         new = {e.segment: e.offset + e.nbytes for e in entries if e.segment not in self._segments}
         self._segments.update(map_segments([SegmentEntry(name, nbytes) for name, nbytes in new.items()],
                                            writable=self.copy_on_write, shm_dir=index.shm_dir))
-        views.variants.update({(e.name, e.dtype): e for e in entries})
 
     def _remap(self, index: TensorIndex) -> None:
         """Map the segments a new index adds; forget those it no longer uses (views keep theirs alive)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from expertd import messages
+from expertd.derived import GATHER
 from expertd.errors import DaemonError, GenerationGone, ProtocolError, VariantRejected
 from expertd.index import TensorEntry, TensorIndex
 
@@ -30,11 +31,7 @@ def fetch(conn, lease: str, index: TensorIndex, need: dict[str, tuple[str, str]]
         log.warning("the daemon made no dtype variants (%s: %s): %d tensor(s) become private copies",
                     type(exc).__name__, exc, len(need))
         return []
-    try:
-        entries = [TensorEntry(t["name"], t["segment"], t["offset"], t["nbytes"], list(t["shape"]), t["dtype"],
-                               checksum=t.get("checksum")) for t in reply.tensors]
-    except (KeyError, TypeError) as exc:
-        raise ProtocolError(f"the daemon's reply to variant: malformed entry ({exc})") from exc
+    entries = _entries(reply)
     if [(e.name, e.dtype) for e in entries] != asked:
         raise ProtocolError(f"the daemon's variants {[(e.name, e.dtype) for e in entries][:4]} do not answer the "
                             f"request {asked[:4]}")
@@ -57,3 +54,22 @@ def log_casts(model, dtype, index: TensorIndex, views, need: dict) -> None:
     if views.copies:
         log.warning("generation %d: %d tensor(s) are private copies, not shared memory (served as %s; %s): %s",
                     index.generation, len(views.copies), served, why, ", ".join(views.copies[:3]))
+
+
+def derive(conn, lease: str, index: TensorIndex, items: list[dict]) -> list[TensorEntry]:
+    """The derived tensors `items` asks for (`expertd.derived.request`), of the index's generation, in order: made by
+    the daemon once per host (VariantRejected names what it refused)."""
+    reply = conn.send(messages.Variant(client=lease, generation=index.generation, tensors=items), messages.VariantReply)
+    entries = _entries(reply)
+    if [(e.name, list(e.shape)) for e in entries] != [(i["name"], list(i[GATHER]["shape"])) for i in items]:
+        raise ProtocolError(f"the daemon's derived tensors {[(e.name, e.shape) for e in entries][:4]} do not answer "
+                            f"the request {[i['name'] for i in items][:4]}")
+    return entries
+
+
+def _entries(reply) -> list[TensorEntry]:
+    try:
+        return [TensorEntry(t["name"], t["segment"], t["offset"], t["nbytes"], list(t["shape"]), t["dtype"],
+                            checksum=t.get("checksum")) for t in reply.tensors]
+    except (KeyError, TypeError) as exc:
+        raise ProtocolError(f"the daemon's reply to variant: malformed entry ({exc})") from exc

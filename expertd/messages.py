@@ -151,7 +151,8 @@ VARIANT_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.flo
 @dataclass
 class Variant(LeaseRequest):
     op: ClassVar[str] = "variant"
-    tensors: list = F(list, required=True, items=dict)  # [{name: served name, dtype: one of VARIANT_DTYPES}]
+    tensors: list = F(list, required=True, items=dict)  # [{name: served name, dtype: one of VARIANT_DTYPES}] or
+    # [{name, gather: {index, length, shape}}] (expertd.derived)
     generation: int | None = F(int, None, lo=1)  # default: the generation the lease reads
 
 

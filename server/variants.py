@@ -1,4 +1,5 @@
-"""Dtype variants: a served tensor cast to the dtype another transformers release loads it as, once per host.
+"""Variants: a served tensor cast to the dtype another transformers release loads it as, or rearranged into an
+engine's layout (`expertd.derived`), made once per host.
 
 The daemon serves every tensor in the dtype its own transformers loads it as (`expertd.hf_dtypes`). A worker
 on another release may want another dtype for a few tensors (transformers 5.24 keeps DeepSeek-V3's routers in
@@ -8,6 +9,9 @@ owner and mode as any segment), checksums them and hands out the entry; every la
 bytes. A variant belongs to the generation it was asked in: it lives while that generation does (a lease
 on it keeps both), is listed in `status`, and is unlinked when the generation retires. A newer generation
 whose served tensor is the same bytes (same segment and offset) reuses the variant instead of casting again.
+
+A derived variant (a gather: vLLM's packed experts) is named by its index and shape instead of a dtype. The
+derived bytes of a generation may total at most its served bytes: a reader cannot fill the host's memory.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 import math
 from dataclasses import dataclass
 
+from expertd.derived import GATHER, Gather
 from expertd.errors import VariantRejected
 from expertd.index import TensorEntry, tensor_checksum
 from expertd.messages import VARIANT_DTYPES
@@ -36,67 +41,92 @@ class Variant:
 
     of: TensorEntry
     entry: TensorEntry
-
+    key: str = ""  # "" for a dtype cast; the derivation's name (`Gather.key`) for a derived tensor
 
     def to_wire(self) -> dict:
         e = self.entry
         return {"name": e.name, "dtype": e.dtype, "segment": e.segment, "offset": e.offset, "nbytes": e.nbytes,
-                "shape": list(e.shape), "checksum": e.checksum, "served_dtype": self.of.dtype}
+                "shape": list(e.shape), "checksum": e.checksum, "served_dtype": self.of.dtype,
+                **({"derivation": self.key} if self.key else {})}
 
     def status(self) -> dict:
         return {"name": self.entry.name, "dtype": self.entry.dtype, "served_dtype": self.of.dtype,
-                "nbytes": self.entry.nbytes, "segment": self.entry.segment}
+                "nbytes": self.entry.nbytes, "segment": self.entry.segment,
+                **({"derivation": self.key, "shape": list(self.entry.shape)} if self.key else {})}
 
 
-def wanted(tensors: list[dict], served: dict[str, TensorEntry], generation: int) -> list[tuple[TensorEntry, str]]:
-    """The requested (served entry, dtype) pairs, checked: every name served, every dtype a float type, the served
-    tensor a float one (VariantRejected naming the tensor and the dtype otherwise)."""
+def wanted(tensors: list[dict], served: dict[str, TensorEntry], generation: int) -> list[tuple]:
+    """The requested (served entry, what, gather) triples, checked: every name served; a cast's dtype a float type
+    and the served tensor a float one (`what` is the dtype, gather None); a gather well-formed for the served
+    shape (`what` is its key). VariantRejected names the tensor and what was asked otherwise."""
     out = []
     for i, item in enumerate(tensors):
         name, dtype = item.get("name"), item.get("dtype")
-        if not isinstance(name, str) or not isinstance(dtype, str):
-            raise VariantRejected(f"op 'variant': tensors[{i}] must be a map with a string 'name' and 'dtype'")
+        derived = GATHER in item
+        if not isinstance(name, str) or not (derived or isinstance(dtype, str)):
+            raise VariantRejected(f"op 'variant': tensors[{i}] must be a map with a string 'name' and a 'dtype' or "
+                                  f"a {GATHER!r}")
         entry = served.get(name)
         if entry is None:
+            asked = "a derived layout" if derived else f"{dtype[:40]!r}"
             raise VariantRejected(f"no tensor {name[:200]!r} in generation {generation}: a variant of it in "
-                                  f"{dtype[:40]!r} cannot be made (variants are asked by served name)")
+                                  f"{asked} cannot be made (variants are asked by served name)")
+        if derived:
+            gather = Gather(name, item[GATHER], list(entry.shape), f"tensors[{i}]")
+            out.append((entry, gather.key, gather))
+            continue
         if dtype not in VARIANT_DTYPES:
             raise VariantRejected(f"dtype {dtype[:40]!r} asked for {name!r} is not a float type: a variant is one of "
                                   f"{', '.join(VARIANT_DTYPES)}")
         if entry.dtype not in VARIANT_DTYPES:
             raise VariantRejected(f"{name!r} is served as {entry.dtype}: only float tensors have dtype variants "
                                   f"({dtype!r} asked)")
-        out.append((entry, dtype))
+        out.append((entry, dtype, None))
     return out
+
+
+def _what(variant: Variant) -> str:
+    return variant.key or variant.entry.dtype
 
 
 def make(gen, others, tensors: list[dict], group: str | None = None) -> list[Variant]:
     """The variants `tensors` asks of generation `gen`: those it has, those another live generation (`others`)
-    made of the same bytes, and the rest cast now into new segments of `gen`. In request order."""
+    made of the same bytes, and the rest made now into new segments of `gen`. In request order."""
     served = {t.name: t for t in gen.index.tensors}
     asked = wanted(tensors, served, gen.number)
-    reusable = {(same_bytes(v.of), v.entry.dtype): v for other in others for v in other.variants.values()}
+    reusable = {(same_bytes(v.of), _what(v)): v for other in others for v in other.variants.values()}
+    budget = sum(t.nbytes for t in gen.index.tensors) - sum(v.entry.nbytes for v in gen.variants.values() if v.key)
     out, made = [], []
     try:
-        for entry, dtype in asked:
-            if entry.dtype == dtype:  # already served so: the served tensor is its own variant
+        for entry, what, gather in asked:
+            if gather is None and entry.dtype == what:  # already served so: the served tensor is its own variant
                 out.append(Variant(entry, entry))
                 continue
-            variant = gen.variants.get((entry.name, dtype))
+            variant = gen.variants.get((entry.name, what))
             if variant is None:
-                found = reusable.get((same_bytes(entry), dtype))
-                variant = Variant(entry, found.entry) if found is not None else _cast(gen, entry, dtype, group)
+                found = reusable.get((same_bytes(entry), what))
+                if found is not None:
+                    variant = Variant(entry, found.entry, found.key)
+                elif gather is None:
+                    variant = _make(gen, entry, list(entry.shape), what, group, None)
+                else:
+                    budget -= math.prod(gather.shape) * entry.nbytes // max(1, math.prod(entry.shape))
+                    if budget < 0:
+                        raise VariantRejected(f"generation {gen.number}: deriving {entry.name!r} in shape "
+                                              f"{list(gather.shape)} would take its derived tensors past its served "
+                                              f"bytes (the most a generation derives)")
+                    variant = _make(gen, entry, list(gather.shape), entry.dtype, group, gather)
                 if found is None:
                     made.append(variant)
-                gen.variants[(entry.name, dtype)] = variant
+                gen.variants[(entry.name, what)] = variant
             out.append(variant)
     except BaseException:
         for variant in made:  # nothing half-made stays: the request fails whole
-            gen.variants.pop((variant.entry.name, variant.entry.dtype), None)
+            gen.variants.pop((variant.entry.name, _what(variant)), None)
             gen.drop_variant(variant)
         raise
     if made:
-        log.info("generation %d: %d dtype variant(s) cast once for this host (%s; %.1f MiB)", gen.number, len(made),
+        log.info("generation %d: %d variant(s) made once for this host (%s; %.1f MiB)", gen.number, len(made),
                  _summary(made), sum(v.entry.nbytes for v in made) / 2**20)
     return out
 
@@ -104,32 +134,36 @@ def make(gen, others, tensors: list[dict], group: str | None = None) -> list[Var
 def _summary(variants: list[Variant]) -> str:
     counts: dict[tuple[str, str], int] = {}
     for v in variants:
-        key = (v.of.dtype.removeprefix("torch."), v.entry.dtype.removeprefix("torch."))
+        key = (v.of.dtype.removeprefix("torch."), "derived layout" if v.key else v.entry.dtype.removeprefix("torch."))
         counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{n} {a} -> {b}" for (a, b), n in counts.items())
 
 
-def _cast(gen, entry: TensorEntry, dtype: str, group: str | None) -> Variant:
-    """Cast one served tensor into a segment of its own (numbered after the generation's variants so far). The
-    one step of a variant that needs torch: variants already made are handed out without it."""
+def _make(gen, entry: TensorEntry, shape: list[int], dtype: str, group: str | None, gather) -> Variant:
+    """Make one variant into a segment of its own (numbered after the generation's variants so far): the served
+    tensor cast to `dtype`, or gathered by `gather`. The one step of a variant that needs torch: variants already
+    made are handed out without it."""
+    from expertd.derived import gather_into
     from expertd.shm import map_segment, segment_bytes, to_dtype, view
 
     shm_dir = gen.index.shm_dir
     arena = Arena(gen.index.namespace, f"v{gen.number}", group=group, shm_dir=shm_dir)
     target = to_dtype(dtype)
-    nbytes = math.prod(entry.shape) * target.itemsize
+    nbytes = math.prod(shape) * target.itemsize
     placement = arena.add(nbytes, gen.next_variant())
     try:
         sizes = {s.name: s.nbytes for s in gen.index.segments}
         source = {entry.segment: segment_bytes(map_segment(entry.segment, sizes[entry.segment], shm_dir=shm_dir))}
-        out = arena.tensor(placement, tuple(entry.shape), target)
-        out.copy_(view(source, entry))
+        out = arena.tensor(placement, tuple(shape), target)
+        if gather is None:
+            out.copy_(view(source, entry))
+        else:
+            gather_into(out, view(source, entry), gather)
         checksum = tensor_checksum(out)
         del out, source
         arena.unmap()  # the daemon keeps no writable mapping
     except BaseException:
         arena.unlink()
         raise
-    cast = TensorEntry(entry.name, placement.segment, 0, nbytes, list(entry.shape), dtype, [entry.name],
-                       checksum=checksum)
-    return Variant(entry, cast)
+    made = TensorEntry(entry.name, placement.segment, 0, nbytes, shape, dtype, [entry.name], checksum=checksum)
+    return Variant(entry, made, gather.key if gather is not None else "")

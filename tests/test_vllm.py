@@ -184,14 +184,15 @@ def test_a_quantized_checkpoint_folder_builds_unquantized_layers_from_the_dequan
 
 
 def test_parameters_vllm_uses_as_served_are_views_of_shared_memory(runs):
-    """Embeddings, lm_head and every norm map the daemon's segments; what vLLM's CPU path repacks (the experts'
-    w13/w2) is a private copy (the README lists it)."""
+    """Embeddings, lm_head and every norm map the daemon's segments as served; the experts' w13/w2, which vLLM's CPU
+    kernel pads and packs, map the daemon's derived layout of them."""
     where = runs["expertd-bf16"]["residency"]
     shared = {name for name, (size, is_shared) in where.items() if is_shared and size}
     norms = {name for name in where if name.endswith("norm.weight")}
     assert {"model.embed_tokens.weight", "lm_head.weight"} | norms <= shared
     assert len(norms) == 2 * 4 + 1  # input/post-attention/q/k norms of 2 layers, and the final norm
-    assert not any("experts" in name for name in shared)
+    experts = {name for name in where if name.endswith((".experts.w13_weight", ".experts.w2_weight"))}
+    assert len(experts) == 2 * 2 and experts <= shared
 
 
 def test_the_engine_holds_a_lease_while_it_lives_and_releases_it_with_its_model(runs):

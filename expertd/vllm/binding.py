@@ -47,11 +47,13 @@ def residency(model: nn.Module, shm_dir: str) -> dict[str, tuple[int, bool]]:
     return out
 
 
-def report(served: dict[str, torch.Tensor], bound: list[str]) -> str:
-    """One line: the served bytes the engine maps (bound parameters) and those it copied into private memory (every
-    other served tensor: fused, repacked or kept by a kernel in its own layout, e.g. oneDNN's packed linear weights,
-    which are no parameter of the model)."""
-    shared = sum(served[name].nbytes for name in bound)
-    private = sum(t.nbytes for t in served.values()) - shared
-    return (f"expertd: {len(bound)} parameter(s) bound to shared memory ({shared / 2**20:.2f} MiB); "
-            f"{len(served) - len(bound)} served tensor(s) copied into the engine ({private / 2**20:.2f} MiB)")
+def report(model: nn.Module, served_bytes: int, bound: list[str], derived: list[str]) -> str:
+    """One line: the parameters bound to shared memory (as served, or the daemon's derived expert layout) and the
+    bytes the model's other parameters hold privately. Kernels' own copies (oneDNN's packed linear weights) are
+    no parameter of the model and are not counted here."""
+    params = dict(model.named_parameters())
+    size = lambda names: sum(params[n].nbytes for n in names)  # noqa: E731
+    private = sum(p.nbytes for n, p in params.items() if n not in set(bound) | set(derived))
+    return (f"expertd: {len(bound) + len(derived)} parameter(s) map shared memory ({size(bound) / 2**20:.2f} MiB as "
+            f"served, {size(derived) / 2**20:.2f} MiB in the daemon's derived expert layout); the model's other "
+            f"parameters hold {private / 2**20:.2f} MiB privately (of {served_bytes / 2**20:.2f} MiB served)")

@@ -24,6 +24,7 @@ from expertd.errors import ModelMismatch
 from expertd.partition import PartitionError
 
 from .binding import bind_shared, report
+from .derive import expert_sources, share_experts
 from .options import LoaderOptions, check_config, check_loaded
 
 log = logging.getLogger("vllm.expertd")  # under vLLM's logger: its handlers print it beside the engine's lines
@@ -99,12 +100,18 @@ class ExpertdModelLoader(BaseModelLoader):
                     model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
                 t2 = time.perf_counter()
                 self.load_weights(model, model_config, client)
+                share = self.options.zero_copy and device.type == "cpu"
+                sources = expert_sources(model, client.served_tensors()) if share else {}
+                loaded = {owner: {leaf: (tuple(p.shape), p.dtype) for leaf, p in modules[owner].named_parameters(
+                    recurse=False)} for modules in [dict(model.named_modules())]
+                    for owner in {name.rpartition(".")[0] for name in sources}}
                 t3 = time.perf_counter()
                 process_weights_after_loading(model, model_config, device)
             t4 = time.perf_counter()
-            if self.options.zero_copy and device.type == "cpu":
+            if share:
                 served = client.tensors()
-                log.info("%s", report(served, bind_shared(model, served)))
+                bound, packed = bind_shared(model, served), share_experts(model, client, sources, loaded)
+                log.info("%s", report(model, sum(t.nbytes for t in served.values()), bound, packed))
             log.info("expertd: attached and checked %.2f s, model built %.2f s, weights copied in %.2f s, vLLM's "
                      "post-load processing %.2f s, binding %.2f s", t1 - t0, t2 - t1, t3 - t2, t4 - t3,
                      time.perf_counter() - t4)

@@ -1,0 +1,116 @@
+"""Derived tensors: a served tensor rearranged into an engine's own layout, made once per host by the daemon.
+
+A derivation is a gather within blocks. The served tensor [B, ...] is B blocks of n elements (one expert each,
+for a stacked expert tensor); the derived tensor is B blocks of m elements, element j of every block being
+element `index[j]` of the source block, or zero where `index[j] == -1`. Zero padding and any value-independent
+permutation are such gathers, e.g. vLLM's CPU MoE layout: the intermediate size padded, then each expert packed
+for the CPU's ISA (`cpu_prepack_moe_weight`).
+
+The daemon makes the bytes from its own served bytes: a client can ask for a rearrangement of what is served,
+never put bytes of its own into shared memory. The index travels deflated as int32 differences (a packing's
+index is regular: a few kilobytes per expert shape); one request carries each distinct index once.
+
+Client-safe: torch is imported by the functions that compute, not by this module (the daemon's control plane
+imports it).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import xxhash
+
+from .errors import VariantRejected
+
+GATHER = "gather"
+MAX_INDEX_BYTES = 512 << 10  # a deflated index, well under a request's cap; a plain per-element index is not sent
+
+
+def encode(index) -> bytes:
+    """Deflate a gather index (an int tensor of m entries in [-1, n)) as little-endian int32 differences."""
+    import torch
+
+    index = index.to(torch.int64).flatten()
+    deltas = torch.empty_like(index)
+    deltas[:1] = index[:1]
+    deltas[1:] = index[1:] - index[:-1]
+    return zlib.compress(deltas.to(torch.int32).numpy().tobytes(), 6)
+
+
+def request(name: str, index_bytes: bytes, length: int, shape: tuple[int, ...]) -> dict:
+    """One item of a `variant` request: served tensor `name` gathered by a deflated index into `shape`."""
+    return {"name": name, GATHER: {"index": index_bytes, "length": int(length), "shape": [int(s) for s in shape]}}
+
+
+class Gather:
+    """A checked gather request for one served tensor (`source_shape`): no torch, nothing decompressed yet."""
+
+    def __init__(self, name: str, spec, source_shape: list[int], where: str):
+        if not isinstance(spec, dict) or not isinstance(spec.get("index"), bytes):
+            raise VariantRejected(f"op 'variant': {where}[{GATHER!r}] must be a map with a binary 'index'")
+        length, shape = spec.get("length"), spec.get("shape")
+        if (not isinstance(length, int) or isinstance(length, bool) or length < 1 or not isinstance(shape, list)
+                or not shape or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)):
+            raise VariantRejected(f"op 'variant': {where}[{GATHER!r}] needs a positive int 'length' and a 'shape' "
+                                  f"of positive ints, got length={length!r} shape={shape!r}")
+        if len(spec["index"]) > MAX_INDEX_BYTES:
+            raise VariantRejected(f"op 'variant': the gather index for {name!r} is {len(spec['index'])} bytes "
+                                  f"deflated; at most {MAX_INDEX_BYTES}")
+        blocks = source_shape[0] if source_shape else 1
+        if not source_shape or shape[0] != blocks or math.prod(shape) != blocks * length:
+            raise VariantRejected(f"op 'variant': a gather of {name!r} (served as {source_shape}) must keep its "
+                                  f"{blocks} block(s) of the first dimension: shape {shape} is not {blocks} blocks "
+                                  f"of length {length}")
+        self.name, self.length, self.shape, self.blocks = name, length, tuple(shape), blocks
+        self.source_block = math.prod(source_shape) // blocks
+        self.deflated = spec["index"]
+        self._index = None
+
+    def raw(self) -> bytes:
+        """The inflated int32 differences, exactly `length` of them (a deflate bomb stops at that size)."""
+        if self._index is None:
+            inflater = zlib.decompressobj()
+            try:
+                raw = inflater.decompress(self.deflated, 4 * self.length + 1)
+            except zlib.error as exc:
+                raise VariantRejected(f"op 'variant': the gather index for {self.name!r} is not deflated data "
+                                      f"({exc})") from None
+            if len(raw) != 4 * self.length or not inflater.eof or inflater.unconsumed_tail:
+                raise VariantRejected(f"op 'variant': the gather index for {self.name!r} does not inflate to "
+                                      f"{self.length} int32 differences")
+            self._index = raw
+        return self._index
+
+    @property
+    def key(self) -> str:
+        """What names this derivation: the inflated index and the derived shape."""
+        digest = xxhash.xxh3_128_hexdigest(self.raw() + repr(self.shape).encode())
+        return f"{GATHER}:{digest}"
+
+    def index(self):
+        """The index as an int64 tensor, checked to lie in [-1, source block) (torch: the daemon's making step)."""
+        import torch
+
+        index = torch.frombuffer(bytearray(self.raw()), dtype=torch.int32).to(torch.int64).cumsum(0)
+        lo, hi = int(index.min()), int(index.max())
+        if lo < -1 or hi >= self.source_block:
+            raise VariantRejected(f"op 'variant': the gather index for {self.name!r} holds {lo if lo < -1 else hi}, "
+                                  f"outside [-1, {self.source_block}) (the served block's elements)")
+        return index
+
+
+def gather_into(out, source, gather: Gather, chunk_bytes: int = 64 << 20) -> None:
+    """Fill `out` (the derived tensor) from `source` (the served tensor) by `gather`, a few blocks at a time."""
+    import torch
+
+    index = gather.index()
+    pad = index < 0
+    take = index.clamp(min=0)
+    src, dst = source.reshape(gather.blocks, -1), out.view(gather.blocks, -1)
+    step = max(1, chunk_bytes // max(1, gather.length * source.element_size()))
+    for b in range(0, gather.blocks, step):
+        part = src[b:b + step].index_select(1, take)
+        if bool(pad.any()):
+            part[:, pad] = 0
+        dst[b:b + step].copy_(part)

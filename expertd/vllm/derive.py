@@ -1,0 +1,143 @@
+"""The experts in vLLM's own layout, once per host: found with vLLM's own ops, made by the daemon, mapped by all.
+
+vLLM's CPU MoE kernel keeps its experts (`w13_weight`, `w2_weight`) padded and packed for the CPU's ISA, a layout
+that does not depend on the values. So the layout is found by running the layer's own post-load step on probes,
+one expert whose elements carry their own position in base-255 digits (exact in bf16), and reading where each
+element went: a gather index (`expertd.derived`). The daemon gathers its served expert stack by that index into a
+segment of the generation, once per host; every engine checks that the daemon's bytes equal its own post-load
+result, then maps them instead. A layer whose layout is not such a gather (or whose probe fails) keeps vLLM's
+private copy, said in one log line.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import re
+
+import torch
+from torch import nn
+
+from expertd import derived
+
+log = logging.getLogger("vllm.expertd")
+BASE = 255  # digit d of a position is stored as d + 1 in 1..255 (0 marks padding); exact in bf16
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+REQUEST_BYTES = 768 << 10  # a variant request's items, under the daemon's message cap
+
+
+def _layer(name: str) -> str | None:
+    found = LAYER.search(name)
+    return found.group(1) if found else None
+
+
+def expert_sources(model: nn.Module, served: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Before vLLM's post-load step: parameter name -> (served name, shape) for each stacked parameter (3 or more
+    dimensions: experts) equal to a served tensor of its layer."""
+    by_layer: dict[tuple, list[str]] = {}
+    for name, t in served.items():
+        if t.dim() >= 3:
+            by_layer.setdefault((_layer(name), tuple(t.shape), t.dtype), []).append(name)
+    out = {}
+    for name, param in model.named_parameters():
+        if param.dim() < 3 or param.device.type != "cpu":
+            continue
+        for candidate in by_layer.get((_layer(name), tuple(param.shape), param.dtype), []):
+            if torch.equal(param.data, served[candidate]):
+                out[name] = (candidate, tuple(param.shape))
+                break
+    return out
+
+
+def _digits(shape: tuple[int, ...], dtype: torch.dtype, digit: int) -> torch.Tensor:
+    """One expert of `shape` (first dimension dropped) whose elements hold digit `digit` of their position, + 1."""
+    n = math.prod(shape[1:])
+    return ((torch.arange(n) // BASE ** digit) % BASE + 1).to(dtype).reshape(1, *shape[1:])
+
+
+def probe(module: nn.Module, shapes: dict[str, tuple[int, ...]], loaded: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Gather indices (leaf name -> index into one expert) of the layout the post-load step of `module` gives the
+    parameters `shapes` names; `loaded`: every parameter of the module as loaded (shape, dtype). Raises ValueError
+    where the layout is not a gather."""
+    experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    if experts is None or not hasattr(experts, "process_weights_after_loading"):
+        raise ValueError(f"{type(module).__name__} has no fused experts kernel with a post-load step")
+    blocks = next(iter(shapes.values()))[0]
+    count = max(1, math.ceil(math.log(max(math.prod(s[1:]) for s in shapes.values()), BASE)))
+    index: dict[str, torch.Tensor] = {}
+    pads: dict[str, torch.Tensor] = {}
+    for digit in range(count):
+        standin = nn.Module()
+        for leaf, (shape, dtype) in loaded.items():
+            one = (1, *shape[1:]) if shape and shape[0] == blocks else shape
+            value = _digits(shape, dtype, digit) if leaf in shapes else torch.zeros(one, dtype=dtype)
+            standin.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
+        copy.copy(experts).process_weights_after_loading(standin)  # a copy: nothing of the real kernel changes
+        for leaf in shapes:
+            out = getattr(standin, leaf).detach().float().flatten()
+            if out.numel() == 0 or not torch.equal(out, out.round()) or float(out.min()) < 0 or float(out.max()) > BASE:
+                raise ValueError(f"{leaf}: the post-load step changed the probe's values, not only their places")
+            pad = out == 0
+            if leaf in pads and not torch.equal(pads[leaf], pad):
+                raise ValueError(f"{leaf}: padding differs between probes")
+            pads[leaf] = pad
+            part = (out.to(torch.int64) - 1).clamp(min=0) * BASE ** digit
+            index[leaf] = part if digit == 0 else index[leaf] + part
+    for leaf in shapes:
+        index[leaf][pads[leaf]] = -1
+    return index
+
+
+def share_experts(model: nn.Module, client, sources: dict, loaded: dict[str, dict]) -> list[str]:
+    """After vLLM's post-load step: map each expert parameter vLLM repacked onto the daemon's derived tensor of it
+    (`sources`: `expert_sources`' result; `loaded`: module name -> its parameters as loaded (shape, dtype)).
+    Returns the parameter names bound."""
+    modules = dict(model.named_modules())
+    names = {id(m): name for name, m in modules.items()}
+    by_module: dict[str, dict[str, str]] = {}
+    for name, (served_name, _shape) in sources.items():
+        owner, _, leaf = name.rpartition(".")
+        by_module.setdefault(owner, {})[leaf] = served_name
+    encoded: dict[tuple, bytes] = {}
+    wanted = []  # (module, leaf, item)
+    for owner, leaves in by_module.items():
+        module = modules[owner]
+        shapes = {leaf: loaded[owner][leaf][0] for leaf in leaves}
+        key = tuple(sorted((leaf, shape, loaded[owner][leaf][1]) for leaf, shape in shapes.items()))
+        try:
+            if key not in encoded:
+                indices = probe(module, shapes, loaded[owner])
+                encoded[key] = {leaf: (derived.encode(i), i.numel()) for leaf, i in indices.items()}
+        except (ValueError, RuntimeError, TypeError, AttributeError) as exc:
+            log.info("expertd: %s keeps vLLM's private layout of its experts (%s)", owner, exc)
+            encoded[key] = None
+        if encoded[key] is None:
+            continue
+        for leaf, served_name in leaves.items():
+            index, length = encoded[key][leaf]
+            current = getattr(module, leaf)
+            wanted.append((module, leaf, derived.request(served_name, index, length, tuple(current.shape))))
+    bound = []
+    for batch in _batches(wanted):
+        views = client.derived([item for _, _, item in batch])
+        for (module, leaf, item), view in zip(batch, views):
+            param = getattr(module, leaf)
+            if param.shape == view.shape and param.dtype == view.dtype and torch.equal(param.data, view):
+                param.data = view
+                bound.append(f"{names[id(module)]}.{leaf}")
+            else:
+                log.warning("expertd: the daemon's layout of %s differs from vLLM's: kept private", item["name"])
+    return bound
+
+
+def _batches(wanted: list) -> list[list]:
+    out, size = [[]], 0
+    for entry in wanted:
+        nbytes = len(entry[2][derived.GATHER]["index"]) + 512
+        if out[-1] and size + nbytes > REQUEST_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(entry)
+        size += nbytes
+    return [batch for batch in out if batch]
