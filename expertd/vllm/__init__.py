@@ -30,4 +30,14 @@ def register() -> None:
     register_model_loader(LOAD_FORMAT)(ExpertdModelLoader)
 
 
-__all__ = ["LOAD_FORMAT", "register"]
+def refresh(llm) -> list[dict]:
+    """Follow the daemon's latest generation in a running engine (`LLM`, between requests): the lease moves to it
+    and the modules whose weights changed are reloaded from shared memory (derived layouts made once per host).
+    One summary per worker: the generation, how many checkpoint tensors changed, the modules reloaded, the
+    parameters rebound, the seconds it took."""
+    from .following import refresh_model
+
+    return llm.apply_model(refresh_model)
+
+
+__all__ = ["LOAD_FORMAT", "refresh", "register"]

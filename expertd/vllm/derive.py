@@ -89,10 +89,12 @@ def probe(module: nn.Module, shapes: dict[str, tuple[int, ...]], loaded: dict[st
     return index
 
 
-def share_experts(model: nn.Module, client, sources: dict, loaded: dict[str, dict]) -> list[str]:
+def share_experts(model: nn.Module, client, sources: dict, loaded: dict[str, dict],
+                  remember: dict | None = None) -> list[str]:
     """After vLLM's post-load step: map each expert parameter vLLM repacked onto the daemon's derived tensor of it
     (`sources`: `expert_sources`' result; `loaded`: module name -> its parameters as loaded (shape, dtype)).
-    Returns the parameter names bound."""
+    Returns the parameter names bound; `remember` gets, for each, the request that makes it (a refresh asks again
+    on the new generation)."""
     modules = dict(model.named_modules())
     names = {id(m): name for name, m in modules.items()}
     by_module: dict[str, dict[str, str]] = {}
@@ -119,22 +121,30 @@ def share_experts(model: nn.Module, client, sources: dict, loaded: dict[str, dic
             current = getattr(module, leaf)
             wanted.append((module, leaf, derived.request(served_name, index, length, tuple(current.shape))))
     bound = []
-    for batch in _batches(wanted):
-        views = client.derived([item for _, _, item in batch])
-        for (module, leaf, item), view in zip(batch, views):
-            param = getattr(module, leaf)
-            if param.shape == view.shape and param.dtype == view.dtype and torch.equal(param.data, view):
-                param.data = view
-                bound.append(f"{names[id(module)]}.{leaf}")
-            else:
-                log.warning("expertd: the daemon's layout of %s differs from vLLM's: kept private", item["name"])
+    for (module, leaf, item), view in zip(wanted, fetch(client, [item for _, _, item in wanted])):
+        param = getattr(module, leaf)
+        if param.shape == view.shape and param.dtype == view.dtype and torch.equal(param.data, view):
+            param.data = view
+            bound.append(f"{names[id(module)]}.{leaf}")
+            if remember is not None:
+                remember[bound[-1]] = item
+        else:
+            log.warning("expertd: the daemon's layout of %s differs from vLLM's: kept private", item["name"])
     return bound
 
 
-def _batches(wanted: list) -> list[list]:
+def fetch(client, items: list[dict]) -> list[torch.Tensor]:
+    """The daemon's derived tensors `items` asks for, in requests under the message cap."""
+    views = []
+    for batch in _batches(items):
+        views.extend(client.derived(batch))
+    return views
+
+
+def _batches(items: list[dict]) -> list[list]:
     out, size = [[]], 0
-    for entry in wanted:
-        nbytes = len(entry[2][derived.GATHER]["index"]) + 512
+    for entry in items:
+        nbytes = len(entry[derived.GATHER]["index"]) + 512
         if out[-1] and size + nbytes > REQUEST_BYTES:
             out.append([])
             size = 0

@@ -23,8 +23,10 @@ from expertd.client import ExpertClient
 from expertd.errors import ModelMismatch
 from expertd.partition import PartitionError
 
-from .binding import bind_shared, report
-from .derive import expert_sources, share_experts
+from . import following
+from .binding import report
+from .derive import expert_sources
+from .following import Loaded, recording
 from .options import LoaderOptions, check_config, check_loaded
 
 log = logging.getLogger("vllm.expertd")  # under vLLM's logger: its handlers print it beside the engine's lines
@@ -71,13 +73,14 @@ class ExpertdModelLoader(BaseModelLoader):
     def download_model(self, model_config: ModelConfig) -> None:
         """Nothing to download: the weights are in the daemon's shared memory."""
 
-    def load_weights(self, model: nn.Module, model_config: ModelConfig, client: ExpertClient | None = None) -> None:
+    def load_weights(self, model: nn.Module, model_config: ModelConfig, client: ExpertClient | None = None,
+                     tagged=iter) -> None:
         """Feed the served checkpoint tensors (checkpoint names, bf16 views) to the model's own `load_weights`."""
         own = client is None
         client = client or attach(self.options)
         try:
             try:
-                loaded = model.load_weights(iter(client.tensors().items()))
+                loaded = model.load_weights(tagged(iter(client.tensors().items())))
             except (KeyError, AssertionError) as exc:  # vLLM's loaders: a name the model lacks, a shape that differs
                 raise ModelMismatch(f"the daemon at {client.endpoint} serves tensors that {model_config.model}'s model "
                                     f"({type(model).__name__}) cannot take: {type(exc).__name__}: {exc}") from exc
@@ -94,24 +97,25 @@ class ExpertdModelLoader(BaseModelLoader):
             unquantized(vllm_config, model_config)
             load_config = vllm_config.load_config
             device = torch.device(load_config.device or vllm_config.device_config.device)
+            share = self.options.zero_copy and device.type == "cpu"
+            record = Loaded(client)
             t1 = time.perf_counter()
             with set_default_torch_dtype(model_config.dtype):
                 with device:
                     model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
                 t2 = time.perf_counter()
-                self.load_weights(model, model_config, client)
-                share = self.options.zero_copy and device.type == "cpu"
+                with recording(model, record) as tagged:
+                    self.load_weights(model, model_config, client, tagged)
                 sources = expert_sources(model, client.served_tensors()) if share else {}
-                loaded = {owner: {leaf: (tuple(p.shape), p.dtype) for leaf, p in modules[owner].named_parameters(
-                    recurse=False)} for modules in [dict(model.named_modules())]
-                    for owner in {name.rpartition(".")[0] for name in sources}}
                 t3 = time.perf_counter()
                 process_weights_after_loading(model, model_config, device)
             t4 = time.perf_counter()
             if share:
-                served = client.tensors()
-                bound, packed = bind_shared(model, served), share_experts(model, client, sources, loaded)
-                log.info("%s", report(model, sum(t.nbytes for t in served.values()), bound, packed))
+                shapes = {owner: {leaf: record.params[f"{owner}.{leaf}"][1:] for leaf in leaves}
+                          for owner, leaves in record.owners(sources).items()}
+                bound, packed = following.share(model, record, sources, shapes)
+                following.release_replaced(model, record)
+                log.info("%s", report(model, sum(t.nbytes for t in client.tensors().values()), bound, packed))
             log.info("expertd: attached and checked %.2f s, model built %.2f s, weights copied in %.2f s, vLLM's "
                      "post-load processing %.2f s, binding %.2f s", t1 - t0, t2 - t1, t3 - t2, t4 - t3,
                      time.perf_counter() - t4)
@@ -120,6 +124,7 @@ class ExpertdModelLoader(BaseModelLoader):
             raise
         if self.options.zero_copy:
             model._expertd_client = client  # the lease lives as long as the model holds the views
+            model._expertd_loaded = record  # what a refresh needs (expertd.vllm.refresh)
             weakref.finalize(model, client.close)  # and is released with the engine's model
         else:
             client.close()

@@ -38,26 +38,66 @@ def leases(endpoint: str) -> int:
         conn.close()
 
 
-def run(engine: dict, prompts: list, max_tokens: int) -> dict:
-    from vllm import LLM, SamplingParams, TokensPrompt
+def engine_for(engine: dict):
+    from vllm import LLM
 
+    return LLM(model=engine["model"], load_format=engine.get("load_format", "auto"), dtype="bfloat16",
+               enforce_eager=True, skip_tokenizer_init=True, seed=0, model_loader_extra_config=engine.get("extra") or {})
+
+
+def generate(llm, prompts: list, max_tokens: int) -> list:
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(r.outputs[0].token_ids) for r in results]
+
+
+def push(endpoint: str, names: list, seed: int) -> int:
+    """Publish a generation in which the served tensors `names` are replaced by others of their kind (the same
+    tensor of another layer, or its negation): a trainer's update."""
+    import torch
+
+    from expertd.client import ExpertClient
+
+    with ExpertClient(endpoint, heartbeat=False) as client:
+        served = client.served_tensors()
+        gen = torch.Generator().manual_seed(seed)
+        new = {name: (served[name].float() * (1 + torch.rand(served[name].shape, generator=gen))).to(
+            served[name].dtype) for name in names}
+        return client.update(new)
+
+
+def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None:
+    """An update pushed, `expertd.vllm.refresh`, the tokens after it and a fresh engine's on the new generation."""
+    import expertd.vllm
+
+    out["generation"] = push(engine["extra"]["endpoint"], engine["refresh"]["tensors"], engine["refresh"]["seed"])
+    out["refreshed"] = expertd.vllm.refresh(llm)[0]
+    out["tokens_after"] = generate(llm, prompts, max_tokens)
+    out["residency_after"] = llm.apply_model(residency)[0]
+    second = engine_for(engine)
+    out["fresh_tokens"] = generate(second, prompts, max_tokens)
+    del second
+    gc.collect()
+
+
+def run(engine: dict, prompts: list, max_tokens: int) -> dict:
     out = {"name": engine["name"]}
     try:
-        llm = LLM(model=engine["model"], load_format=engine.get("load_format", "auto"), dtype="bfloat16",
-                  enforce_eager=True, skip_tokenizer_init=True, seed=0,
-                  model_loader_extra_config=engine.get("extra") or {})
+        llm = engine_for(engine)
     except Exception as exc:  # the error the loader raised, maybe wrapped by the engine
         while exc.__cause__ is not None and not type(exc).__module__.startswith("expertd"):
             exc = exc.__cause__
         out["error"] = {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
         return out
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    out["tokens"] = [list(r.outputs[0].token_ids) for r in results]
+    out["tokens"] = generate(llm, prompts, max_tokens)
+    if engine.get("refresh"):
+        follow(llm, engine, prompts, max_tokens, out)
     out["residency"] = llm.apply_model(residency)[0] if engine.get("residency") else {}
     if engine.get("residency"):
         out["leases"] = [leases(engine["extra"]["endpoint"])]
-    del llm, results
+    del llm
     gc.collect()
     if engine.get("residency"):
         out["leases"].append(leases(engine["extra"]["endpoint"]))
