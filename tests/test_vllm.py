@@ -9,6 +9,7 @@ refused report the error their `LLM()` raised. vLLM's own cache goes to the test
 
 from __future__ import annotations
 
+import concurrent.futures
 import glob
 import importlib
 import json
@@ -30,7 +31,15 @@ FAMILIES = ("mixtral", "gpt_oss")  # bf16 checkpoints of other MoE families vLLM
 # quantized checkpoints the daemon serves dequantized: Qwen3-MoE in DeepSeek's FP8 blocks and in compressed-tensors
 # FP8 (per channel), gpt-oss in its MXFP4 release format
 QUANTIZED = ("fp8", "compressed", "mxfp4")
+# what a trainer's update changes before the refresh: an expert stack (vLLM packs it), a projection vLLM fuses
+# (q_proj into qkv_proj, which oneDNN packs on AVX-512) and a norm it uses as served
+REFRESHED = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
 pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
+
+
+def is_expert(name: str) -> bool:
+    """A stacked expert weight of vLLM's fused MoE (`...experts.w13_weight`, `...routed_experts.w2_weight`)."""
+    return name.endswith(("experts.w13_weight", "experts.w2_weight"))
 
 
 def model_folder(src: str, dst: str, **changes) -> str:
@@ -59,10 +68,11 @@ def dequantized_folder(endpoint: str, src: str, dst: str) -> str:
     return dst
 
 
-def run_engines(python: str, folder: str, engines: list[dict], multiprocess: bool = False) -> dict[str, dict]:
+def run_engines(python: str, folder: str, engines: list[dict], multiprocess: bool = False,
+                tag: str = "") -> dict[str, dict]:
     """Run `engines` (helpers/vllm_engines.py) in `python`, from `folder`; name -> what each reported. With
     `multiprocess`, each engine runs as `vllm serve` does: its core and its worker in processes of their own."""
-    spec = os.path.join(folder, "engines-multiprocess.json" if multiprocess else "engines.json")
+    spec = os.path.join(folder, f"engines{tag}-multiprocess.json" if multiprocess else f"engines{tag}.json")
     with open(spec, "w") as f:
         json.dump({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engines": engines}, f)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
@@ -108,7 +118,8 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
     daemons = {}
     try:
         served = [(fmt, folder, {}) for fmt, folder in ckpt.items()]
-        for name, checkpoint, extra in (*served, ("ep", ckpt["bf16"], {"expert_parallel": {"size": 2, "ranks": [0]}})):
+        for name, checkpoint, extra in (*served, ("ep", ckpt["bf16"], {"expert_parallel": {"size": 2, "ranks": [0]}}),
+                                        ("refresh", ckpt["bf16"], {}), ("pair", ckpt["bf16"], {})):
             daemons[name] = DaemonProcess.launch(root / f"daemon-{name}", checkpoint, f"{namespace}{name}", **extra)
         for d in daemons.values():
             d.wait_serving()
@@ -140,10 +151,16 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
             {"name": "partitioned", "model": bf16_config("partitioned"), "load_format": "expertd", "extra": ep["ep"]},
             {"name": "unknown-option", "model": bf16_config("unknown-option"), "load_format": "expertd",
              "extra": {**ep["bf16"], "endpiont": "x"}},
+            {"name": "refresh", "model": bf16_config("refresh"), "load_format": "expertd", "extra": ep["refresh"],
+             "refresh": {"tensors": REFRESHED, "seed": 3}},
         ]
+        pair = [{"name": f"pair-{k}", "model": bf16_config(f"pair-{k}"), "load_format": "expertd", "extra": ep["pair"],
+                 "barrier": str(root), "peers": ["pair-0", "pair-1"]} for k in range(2)]
         multiprocess = [{"name": "expertd-bf16-multiprocess", "model": bf16_config("multiprocess"),
                          "load_format": "expertd", "extra": ep["bf16"]}]
-        yield {**run_engines(vllm_python, str(root), engines),
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two engine processes on one host, side by side
+            pairs = list(pool.map(lambda k: run_engines(vllm_python, str(root), [pair[k]], tag=str(k)), range(2)))
+        yield {**run_engines(vllm_python, str(root), engines), **pairs[0], **pairs[1],
                **run_engines(vllm_python, str(root), multiprocess, multiprocess=True),
                "endpoints": {n: d.endpoint for n, d in daemons.items()}}
     finally:
@@ -191,8 +208,36 @@ def test_parameters_vllm_uses_as_served_are_views_of_shared_memory(runs):
     norms = {name for name in where if name.endswith("norm.weight")}
     assert {"model.embed_tokens.weight", "lm_head.weight"} | norms <= shared
     assert len(norms) == 2 * 4 + 1  # input/post-attention/q/k norms of 2 layers, and the final norm
-    experts = {name for name in where if name.endswith((".experts.w13_weight", ".experts.w2_weight"))}
+    experts = {name for name in where if is_expert(name)}
     assert len(experts) == 2 * 2 and experts <= shared
+
+
+def test_two_engines_on_one_host_hold_one_copy_of_the_experts(runs):
+    """Two engine processes side by side, each measured while both map the experts: the sum of their proportional
+    set sizes of the expert bytes (private ones counted whole) is at most 1.1 x one copy; greedy output as vLLM's."""
+    one = [runs[f"pair-{k}"]["experts"] for k in range(2)]
+    assert all(e["private"] == 0 and e["total"] > 0 for e in one), one
+    assert sum(e["pss"] + e["private"] for e in one) <= 1.1 * one[0]["total"], one
+    assert sum(e["pss"] for e in one) >= 0.9 * one[0]["total"], one  # the pages are there, shared, not missing
+    assert all(runs[f"pair-{k}"]["tokens"] == runs["vllm-bf16"]["tokens"] for k in range(2))
+
+
+def test_refresh_after_an_update_equals_a_fresh_engine_on_the_new_generation(runs):
+    """An update changes an expert stack, a projection vLLM fuses and a norm; `expertd.vllm.refresh(llm)` remaps the
+    experts in the daemon's derived layout of the new bytes, reloads the fused projection and the norm from shared
+    memory, and the engine then generates what a fresh engine loaded from the new generation does."""
+    run = runs["refresh"]
+    assert "error" not in run, run
+    assert run["tokens"] == runs["vllm-bf16"]["tokens"] and run["tokens_after"] != run["tokens"]
+    assert run["tokens_after"] == run["fresh_tokens"]
+    done = run["refreshed"]
+    assert done["generation"] == run["generation"] == 2
+    assert len(done["remapped"]) == 1 and is_expert(done["remapped"][0]) and ".layers.1." in done["remapped"][0]
+    assert done["modules"] == ["model.layers.0.self_attn.qkv_proj", "model.norm"]
+    assert run["live_after"] == [2]  # the engine's lease left generation 1, which retired
+    where = run["residency_after"]
+    experts = {name for name in where if is_expert(name)}
+    assert experts and all(where[name][1] for name in experts | {"model.norm.weight"}), where
 
 
 def test_the_engine_holds_a_lease_while_it_lives_and_releases_it_with_its_model(runs):

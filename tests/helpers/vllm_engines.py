@@ -27,6 +27,57 @@ def residency(model) -> dict:
     return {name: list(v) for name, v in where(model, client.index().shm_dir).items()}
 
 
+def is_expert(name: str) -> bool:
+    return name.endswith(("experts.w13_weight", "experts.w2_weight"))
+
+
+def expert_memory(model) -> dict:
+    """The experts' bytes in this process: "pss" of the shared mappings holding them (each mapping counted once,
+    its pages shared by every process mapping them), "private" those not in a shared mapping, "total"."""
+    experts = [p for n, p in model.named_parameters() if is_expert(n)]
+    maps, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                current = [lo, hi, head[1][3] == "s", 0]
+                maps.append(current)
+            elif head[0] == "Pss:" and current is not None:
+                current[3] = int(head[1]) * 1024
+    held, private = {}, 0
+    for p in experts:
+        lo = p.data_ptr()
+        found = next((m for m in maps if m[0] <= lo < m[1] and m[2]), None)
+        if found is None:
+            private += p.nbytes
+        else:
+            held[found[0]] = found[3]
+    return {"pss": sum(held.values()), "private": private, "total": sum(p.nbytes for p in experts)}
+
+
+def barrier(folder: str, name: str, step: str, peers: list) -> None:
+    """Wait until every engine of `peers` reached `step` (files in `folder`)."""
+    import time
+
+    open(os.path.join(folder, f"{name}.{step}"), "w").close()
+    deadline = time.monotonic() + 600
+    while not all(os.path.exists(os.path.join(folder, f"{peer}.{step}")) for peer in peers):
+        assert time.monotonic() < deadline, f"peers {peers} did not reach {step}"
+        time.sleep(0.1)
+
+
+def live(endpoint: str) -> list:
+    """The generations the daemon at `endpoint` keeps."""
+    from expertd.connection import Connection
+
+    conn = Connection(endpoint, timeout=10)
+    try:
+        return sorted(g["generation"] for g in conn.request("status")["generations"])
+    finally:
+        conn.close()
+
+
 def leases(endpoint: str) -> int:
     """How many leases the daemon at `endpoint` holds."""
     from expertd.connection import Connection
@@ -74,6 +125,7 @@ def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None
 
     out["generation"] = push(engine["extra"]["endpoint"], engine["refresh"]["tensors"], engine["refresh"]["seed"])
     out["refreshed"] = expertd.vllm.refresh(llm)[0]
+    out["live_after"] = live(engine["extra"]["endpoint"])
     out["tokens_after"] = generate(llm, prompts, max_tokens)
     out["residency_after"] = llm.apply_model(residency)[0]
     second = engine_for(engine)
@@ -92,6 +144,10 @@ def run(engine: dict, prompts: list, max_tokens: int) -> dict:
         out["error"] = {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
         return out
     out["tokens"] = generate(llm, prompts, max_tokens)
+    if engine.get("peers"):  # engines of one host side by side: measured while all of them map the experts
+        barrier(engine["barrier"], engine["name"], "loaded", engine["peers"])
+        out["experts"] = llm.apply_model(expert_memory)[0]
+        barrier(engine["barrier"], engine["name"], "measured", engine["peers"])
     if engine.get("refresh"):
         follow(llm, engine, prompts, max_tokens, out)
     out["residency"] = llm.apply_model(residency)[0] if engine.get("residency") else {}
