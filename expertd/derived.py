@@ -68,8 +68,12 @@ class Gather:
         self._index = None
 
     def raw(self) -> bytes:
-        """The inflated int32 differences, exactly `length` of them (a deflate bomb stops at that size)."""
+        """The inflated int32 differences, exactly `length` of them (a deflate bomb stops at that size, which is at
+        most twice the source block: padding never doubles a block)."""
         if self._index is None:
+            if self.length > 2 * self.source_block:
+                raise VariantRejected(f"op 'variant': a gather of {self.name!r} into blocks of {self.length} elements: "
+                                      f"at most twice the served block's {self.source_block}")
             inflater = zlib.decompressobj()
             try:
                 raw = inflater.decompress(self.deflated, 4 * self.length + 1)
@@ -85,8 +89,9 @@ class Gather:
     @property
     def key(self) -> str:
         """What names this derivation: the inflated index and the derived shape."""
-        digest = xxhash.xxh3_128_hexdigest(self.raw() + repr(self.shape).encode())
-        return f"{GATHER}:{digest}"
+        digest = xxhash.xxh3_128(self.raw())
+        digest.update(repr(self.shape).encode())
+        return f"{GATHER}:{digest.hexdigest()}"
 
     def index(self):
         """The index as an int64 tensor, checked to lie in [-1, source block) (torch: the daemon's making step)."""

@@ -55,10 +55,11 @@ class Variant:
                 **({"derivation": self.key, "shape": list(self.entry.shape)} if self.key else {})}
 
 
-def wanted(tensors: list[dict], served: dict[str, TensorEntry], generation: int) -> list[tuple]:
+def wanted(tensors: list[dict], served: dict[str, TensorEntry], generation: int, limit: int) -> list[tuple]:
     """The requested (served entry, what, gather) triples, checked: every name served; a cast's dtype a float type
     and the served tensor a float one (`what` is the dtype, gather None); a gather well-formed for the served
-    shape (`what` is its key). VariantRejected names the tensor and what was asked otherwise."""
+    shape and no larger than `limit` bytes (`what` is its key; checked before its index is inflated).
+    VariantRejected names the tensor and what was asked otherwise."""
     out = []
     for i, item in enumerate(tensors):
         name, dtype = item.get("name"), item.get("dtype")
@@ -73,6 +74,10 @@ def wanted(tensors: list[dict], served: dict[str, TensorEntry], generation: int)
                                   f"{asked} cannot be made (variants are asked by served name)")
         if derived:
             gather = Gather(name, item[GATHER], list(entry.shape), f"tensors[{i}]")
+            if _size(gather, entry) > limit:
+                raise VariantRejected(f"generation {generation}: deriving {name!r} in shape {list(gather.shape)} "
+                                      f"takes {_size(gather, entry)} bytes, more than its {limit} served bytes (the "
+                                      f"most a generation derives)")
             out.append((entry, gather.key, gather))
             continue
         if dtype not in VARIANT_DTYPES:
@@ -85,6 +90,10 @@ def wanted(tensors: list[dict], served: dict[str, TensorEntry], generation: int)
     return out
 
 
+def _size(gather: Gather, entry: TensorEntry) -> int:
+    return math.prod(gather.shape) * entry.nbytes // max(1, math.prod(entry.shape))
+
+
 def _what(variant: Variant) -> str:
     return variant.key or variant.entry.dtype
 
@@ -93,10 +102,11 @@ def make(gen, others, tensors: list[dict], group: str | None = None) -> list[Var
     """The variants `tensors` asks of generation `gen`: those it has, those another live generation (`others`)
     made of the same bytes, and the rest made now into new segments of `gen`. In request order."""
     served = {t.name: t for t in gen.index.tensors}
-    asked = wanted(tensors, served, gen.number)
+    limit = sum(t.nbytes for t in gen.index.tensors)
+    asked = wanted(tensors, served, gen.number, limit)
     reusable = {(same_bytes(v.of), _what(v)): v for other in others for v in other.variants.values()}
-    budget = sum(t.nbytes for t in gen.index.tensors) - sum(v.entry.nbytes for v in gen.variants.values() if v.key)
-    out, made = [], []
+    budget = limit - sum(v.entry.nbytes for v in gen.variants.values() if v.key)
+    out, made, added = [], [], []
     try:
         for entry, what, gather in asked:
             if gather is None and entry.dtype == what:  # already served so: the served tensor is its own variant
@@ -110,7 +120,7 @@ def make(gen, others, tensors: list[dict], group: str | None = None) -> list[Var
                 elif gather is None:
                     variant = _make(gen, entry, list(entry.shape), what, group, None)
                 else:
-                    budget -= math.prod(gather.shape) * entry.nbytes // max(1, math.prod(entry.shape))
+                    budget -= _size(gather, entry)
                     if budget < 0:
                         raise VariantRejected(f"generation {gen.number}: deriving {entry.name!r} in shape "
                                               f"{list(gather.shape)} would take its derived tensors past its served "
@@ -119,10 +129,12 @@ def make(gen, others, tensors: list[dict], group: str | None = None) -> list[Var
                 if found is None:
                     made.append(variant)
                 gen.variants[(entry.name, what)] = variant
+                added.append((entry.name, what))
             out.append(variant)
     except BaseException:
-        for variant in made:  # nothing half-made stays: the request fails whole
-            gen.variants.pop((variant.entry.name, _what(variant)), None)
+        for key in added:  # nothing of a refused request stays listed: the request fails whole
+            gen.variants.pop(key, None)
+        for variant in made:  # and what it made is unlinked
             gen.drop_variant(variant)
         raise
     if made:
