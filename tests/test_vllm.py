@@ -30,7 +30,11 @@ MAX_TOKENS = 8
 FAMILIES = ("mixtral", "gpt_oss")  # bf16 checkpoints of other MoE families vLLM's CPU path runs
 # quantized checkpoints the daemon serves dequantized: Qwen3-MoE in DeepSeek's FP8 blocks and in compressed-tensors
 # FP8 (per channel), gpt-oss in its MXFP4 release format
-QUANTIZED = ("fp8", "compressed", "mxfp4")
+QUANTIZED = ("fp8", "compressed", "mxfp4", "deepseek_v3")
+# DeepSeek-V3 (FP8 blocks): vLLM's CPU MLA kernel takes head size 576 only (kv_lora_rank 512 + qk_rope_head_dim 64,
+# as the release has), and vLLM reads the router's method from config keys transformers 5.x does not write
+MADE_WITH = {"deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}}
+FOLDER_KEYS = {"deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}}
 # what a trainer's update changes before the refresh: an expert stack (vLLM packs it), a projection vLLM fuses
 # (q_proj into qkv_proj, which oneDNN packs on AVX-512) and a norm it uses as served
 REFRESHED = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
@@ -56,13 +60,13 @@ def model_folder(src: str, dst: str, **changes) -> str:
     return dst
 
 
-def dequantized_folder(endpoint: str, src: str, dst: str) -> str:
+def dequantized_folder(endpoint: str, src: str, dst: str, **changes) -> str:
     """A bf16 checkpoint of what the daemon at `endpoint` serves (the reference vLLM loads by itself)."""
     from safetensors.torch import save_file
 
     from expertd.client import ExpertClient
 
-    model_folder(src, dst, quantization_config=None)
+    model_folder(src, dst, quantization_config=None, **changes)
     with ExpertClient(endpoint, heartbeat=False) as client:
         save_file({name: t.clone() for name, t in client.tensors().items()}, os.path.join(dst, "model.safetensors"))
     return dst
@@ -110,8 +114,8 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("vllm")
     ckpt = {fmt: str(root / fmt) for fmt in ("bf16", *QUANTIZED, *FAMILIES)}
     for fmt, folder in ckpt.items():
-        model_type = fmt if fmt in FAMILIES else "gpt_oss" if fmt == "mxfp4" else "qwen3_moe"
-        generate_model_type(folder, model_type, fp8=fmt == "fp8")
+        model_type = fmt if fmt in (*FAMILIES, "deepseek_v3") else "gpt_oss" if fmt == "mxfp4" else "qwen3_moe"
+        generate_model_type(folder, model_type, fp8=fmt in ("fp8", "deepseek_v3"), **MADE_WITH.get(fmt, {}))
     quantize_saved_checkpoint(ckpt["compressed"], scheme="channel")  # compressed-tensors FP8 (FP8_DYNAMIC's)
     write_mxfp4(ckpt["mxfp4"])  # gpt-oss's release format: MXFP4 experts
     namespace = f"edt{uuid.uuid4().hex[:10]}"
@@ -131,13 +135,15 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
              "extra": ep["bf16"], "residency": True},
             *[engine for fmt in QUANTIZED for engine in (
                 {"name": f"vllm-{fmt}-dequantized",
-                 "model": dequantized_folder(daemons[fmt].endpoint, ckpt[fmt], str(root / f"{fmt}-dequantized"))},
-                {"name": f"expertd-{fmt}", "model": model_folder(ckpt[fmt], str(root / f"no-weights-{fmt}")),
-                 "load_format": "expertd", "extra": ep[fmt]})],
+                 "model": dequantized_folder(daemons[fmt].endpoint, ckpt[fmt], str(root / f"{fmt}-dequantized"),
+                                             **FOLDER_KEYS.get(fmt, {}))},
+                {"name": f"expertd-{fmt}", "model": model_folder(ckpt[fmt], str(root / f"no-weights-{fmt}"),
+                                                                 **FOLDER_KEYS.get(fmt, {})),
+                 "load_format": "expertd", "extra": ep[fmt], "residency": True})],
             *[engine for family in FAMILIES for engine in (
                 {"name": f"vllm-{family}", "model": ckpt[family]},
                 {"name": f"expertd-{family}", "model": model_folder(ckpt[family], str(root / f"no-weights-{family}")),
-                 "load_format": "expertd", "extra": ep[family]})],
+                 "load_format": "expertd", "extra": ep[family], "residency": True})],
             {"name": "no-daemon", "model": bf16_config("no-daemon"), "load_format": "expertd",
              "extra": {"endpoint": f"ipc://{root}/nothing/expertd.sock"}},
             {"name": "nobody-listening", "model": bf16_config("nobody-listening"), "load_format": "expertd",
@@ -184,6 +190,15 @@ def test_greedy_tokens_equal_vllms_own_load_of_the_bf16_folder(runs):
 def test_other_families_from_a_weightless_folder_equal_vllms_own_load(runs, family):
     assert "error" not in runs[f"expertd-{family}"], runs[f"expertd-{family}"]
     assert runs[f"expertd-{family}"]["tokens"] == runs[f"vllm-{family}"]["tokens"]
+
+
+@pytest.mark.parametrize("engine", [f"expertd-{name}" for name in ("bf16", *QUANTIZED, *FAMILIES)])
+def test_every_expert_byte_of_every_family_lies_in_shared_memory(runs, engine):
+    """Whatever the family and the checkpoint's format, the engine's expert stacks map the daemon's segments (as
+    served, or in the derived layout of vLLM's CPU kernel): none is a private copy."""
+    where = runs[engine]["residency"]
+    experts = {name: shared for name, (size, shared) in where.items() if is_expert(name) and size}
+    assert experts and all(experts.values()), experts
 
 
 def test_the_entry_point_registers_the_loader_in_the_engines_own_processes(runs):

@@ -16,12 +16,15 @@ from torch import nn
 from expertd.client.residency import shared_ranges
 
 
-def bind_shared(model: nn.Module, served: dict[str, torch.Tensor]) -> list[str]:
-    """Point each parameter of `model` that equals the served tensor of its name at that (shared) tensor; returns
-    the names bound."""
+def bind_shared(model: nn.Module, served: dict[str, torch.Tensor], feeds: dict[str, set[str]] | None = None
+                ) -> list[str]:
+    """Point each parameter of `model` that equals the served tensor of its name, or the one served tensor that fed
+    it (`feeds`: gpt-oss's `embedding` is the checkpoint's `embed_tokens`), at that (shared) tensor; returns the names
+    bound."""
     bound = []
     for name, param in model.named_parameters():
-        view = served.get(name)
+        fed = (feeds or {}).get(name) or ()
+        view = served.get(name) if name in served else served.get(next(iter(fed))) if len(fed) == 1 else None
         if view is None or view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
             continue
         if param.data_ptr() != view.data_ptr() and torch.equal(param.data, view):

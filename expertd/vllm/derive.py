@@ -32,9 +32,12 @@ def _layer(name: str) -> str | None:
     return found.group(1) if found else None
 
 
-def expert_sources(model: nn.Module, served: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Before vLLM's post-load step: parameter name -> (served name, shape) for each stacked parameter (3 or more
-    dimensions: experts) equal to a served tensor of its layer."""
+def expert_sources(model: nn.Module, served: dict[str, torch.Tensor], feeds: dict[str, set[str]] | None = None
+                   ) -> dict[str, tuple[str, torch.Tensor | None]]:
+    """Before vLLM's post-load step: parameter name -> (served name, load index) for each stacked parameter (3 or
+    more dimensions: experts) that is a served tensor of its layer as loaded (index None), or that the model's
+    `load_weights` made from one served tensor (`feeds`) by a value-independent rearrangement within each expert
+    (gpt-oss's transposed, interleaved gate/up): its gather index, found by loading probes (`load_layout`)."""
     by_layer: dict[tuple, list[str]] = {}
     for name, t in served.items():
         if t.dim() >= 3:
@@ -45,9 +48,41 @@ def expert_sources(model: nn.Module, served: dict[str, torch.Tensor]) -> dict[st
             continue
         for candidate in by_layer.get((_layer(name), tuple(param.shape), param.dtype), []):
             if torch.equal(param.data, served[candidate]):
-                out[name] = (candidate, tuple(param.shape))
+                out[name] = (candidate, None)
                 break
+        else:
+            fed = (feeds or {}).get(name) or set()
+            feed = next(iter(fed)) if len(fed) == 1 else None
+            source = served.get(feed) if feed is not None else None
+            if source is not None and source.dtype == param.dtype and source.shape[0] == param.shape[0] \
+                    and source.numel() == param.numel():
+                index = load_layout(model, param, feed, source)
+                if index is not None:
+                    out[name] = (feed, index)
     return out
+
+
+def load_layout(model: nn.Module, param: nn.Parameter, feed: str, source: torch.Tensor) -> torch.Tensor | None:
+    """Where the model's `load_weights` puts each element of one expert of `source` in `param`'s expert (a gather
+    index), found by loading probes under the served name `feed`; the loaded bytes are put back. None where the
+    result is not such a rearrangement (checked again on the real bytes: `share_experts` compares)."""
+    saved = param.data.clone()
+    n = source[0].numel()
+    index = None
+    try:
+        for digit in range(max(1, math.ceil(math.log(n, BASE)))):
+            probe_values = _digits(tuple(source.shape), source.dtype, digit).expand(source.shape).contiguous()
+            model.load_weights(iter([(feed, probe_values)]))
+            out = param.data[0].float().flatten()
+            if not torch.equal(out, out.round()) or float(out.min()) < 1 or float(out.max()) > BASE:
+                return None
+            part = (out.to(torch.int64) - 1) * BASE ** digit
+            index = part if index is None else index + part
+    except (KeyError, AssertionError, RuntimeError, ValueError):
+        return None
+    finally:
+        param.data.copy_(saved)
+    return index if bool((index < n).all()) else None
 
 
 def _digits(shape: tuple[int, ...], dtype: torch.dtype, digit: int) -> torch.Tensor:
@@ -97,29 +132,35 @@ def share_experts(model: nn.Module, client, sources: dict, loaded: dict[str, dic
     on the new generation)."""
     modules = dict(model.named_modules())
     names = {id(m): name for name, m in modules.items()}
-    by_module: dict[str, dict[str, str]] = {}
-    for name, (served_name, _shape) in sources.items():
+    by_module: dict[str, dict[str, tuple]] = {}
+    for name, source in sources.items():
         owner, _, leaf = name.rpartition(".")
-        by_module.setdefault(owner, {})[leaf] = served_name
-    encoded: dict[tuple, bytes] = {}
+        by_module.setdefault(owner, {})[leaf] = source
+    probed: dict[tuple, dict | None] = {}
+    encoded: dict[bytes, tuple[bytes, int]] = {}
     wanted = []  # (module, leaf, item)
     for owner, leaves in by_module.items():
         module = modules[owner]
         shapes = {leaf: loaded[owner][leaf][0] for leaf in leaves}
         key = tuple(sorted((leaf, shape, loaded[owner][leaf][1]) for leaf, shape in shapes.items()))
-        try:
-            if key not in encoded:
-                indices = probe(module, shapes, loaded[owner])
-                encoded[key] = {leaf: (derived.encode(i), i.numel()) for leaf, i in indices.items()}
-        except (ValueError, RuntimeError, TypeError, AttributeError) as exc:
-            log.info("expertd: %s keeps vLLM's private layout of its experts (%s)", owner, exc)
-            encoded[key] = None
-        if encoded[key] is None:
+        if key not in probed:
+            try:
+                probed[key] = probe(module, shapes, loaded[owner])
+            except (ValueError, RuntimeError, TypeError, AttributeError) as exc:
+                log.info("expertd: %s keeps vLLM's private layout of its experts (%s)", owner, exc)
+                probed[key] = None
+        if probed[key] is None:
             continue
-        for leaf, served_name in leaves.items():
-            index, length = encoded[key][leaf]
+        for leaf, (served_name, at_load) in leaves.items():
+            index = probed[key][leaf]
+            if at_load is not None:  # the load's own rearrangement first, then the post-load step's
+                index = torch.where(index >= 0, at_load[index.clamp(min=0)], index)
+            raw = index.to(torch.int32).numpy().tobytes()
+            if raw not in encoded:
+                encoded[raw] = (derived.encode(index), index.numel())
+            deflated, length = encoded[raw]
             current = getattr(module, leaf)
-            wanted.append((module, leaf, derived.request(served_name, index, length, tuple(current.shape))))
+            wanted.append((module, leaf, derived.request(served_name, deflated, length, tuple(current.shape))))
     bound = []
     for (module, leaf, item), view in zip(wanted, fetch(client, [item for _, _, item in wanted])):
         param = getattr(module, leaf)

@@ -49,18 +49,29 @@ def recording(model: nn.Module, loaded: Loaded):
     """Record, while the model's `load_weights` runs inside, which checkpoint tensors feed each parameter; yields
     a function that wraps the weights iterator."""
     current = [None]
-    originals = {}
+    originals, copies = {}, []
+
+    def note(name):
+        if current[0] is not None:
+            loaded.feeds.setdefault(name, set()).add(current[0])
+
     for name, param in model.named_parameters():
         loaded.params[name] = (param, tuple(param.shape), param.dtype)
+
+        def copy(*args, _name=name, _inner=param.copy_, **kwargs):  # loaders that write the parameter themselves
+            note(_name)
+            return _inner(*args, **kwargs)
+
+        param.copy_ = copy
+        copies.append(param)
         inner = getattr(param, "weight_loader", None)
-        if inner is None:  # loaded by vLLM's default loader, under its own name
-            loaded.feeds[name] = {name}
+        if inner is None:  # loaded by vLLM's default loader, under its own name (unless copied into, above)
+            loaded.feeds.setdefault(name, set()).add(name)
             continue
         originals[name] = inner
 
         def record(*args, _name=name, _inner=inner, **kwargs):
-            if current[0] is not None:
-                loaded.feeds.setdefault(_name, set()).add(current[0])
+            note(_name)
             return _inner(*args, **kwargs)
 
         param.weight_loader = record
@@ -76,6 +87,8 @@ def recording(model: nn.Module, loaded: Loaded):
     finally:
         for name, inner in originals.items():
             loaded.params[name][0].weight_loader = inner
+        for param in copies:
+            del param.copy_
 
 
 def release_replaced(model: nn.Module, loaded: Loaded) -> None:
@@ -90,7 +103,7 @@ def release_replaced(model: nn.Module, loaded: Loaded) -> None:
 def share(model: nn.Module, loaded: Loaded, sources: dict, shapes: dict) -> tuple[list[str], list[str]]:
     """Bind what vLLM uses as served to the shared views, and its repacked experts to the daemon's derived ones."""
     served = loaded.client.tensors()
-    return bind_shared(model, served), share_experts(model, loaded.client, sources, shapes, loaded.derived)
+    return bind_shared(model, served, loaded.feeds), share_experts(model, loaded.client, sources, shapes, loaded.derived)
 
 
 def changed_tensors(client) -> tuple[int, int, set[str]]:
@@ -122,7 +135,7 @@ def reload_modules(model: nn.Module, loaded: Loaded, owners: dict[str, list[str]
     feeding = sorted(set().union(*(loaded.feeds[name] for name in fed))) if fed else []
     with set_default_torch_dtype(next(iter(loaded.params.values()))[2]):
         model.load_weights(iter([(name, tensors[name]) for name in feeding]))
-    sources = expert_sources(_Only(model, fed), loaded.client.served_tensors())
+    sources = expert_sources(_Only(model, fed), loaded.client.served_tensors(), loaded.feeds)
     for owner in owners:
         method = getattr(modules[owner], "quant_method", None)
         if method is None or not hasattr(method, "process_weights_after_loading"):
@@ -170,3 +183,6 @@ class _Only(nn.Module):
 
     def named_modules(self, *args, **kwargs):
         return self._model.named_modules(*args, **kwargs)
+
+    def load_weights(self, weights):
+        return self._model.load_weights(weights)

@@ -106,7 +106,7 @@ class ExpertdModelLoader(BaseModelLoader):
                 t2 = time.perf_counter()
                 with recording(model, record) as tagged:
                     self.load_weights(model, model_config, client, tagged)
-                sources = expert_sources(model, client.served_tensors()) if share else {}
+                sources = expert_sources(model, client.served_tensors(), record.feeds) if share else {}
                 t3 = time.perf_counter()
                 process_weights_after_loading(model, model_config, device)
             t4 = time.perf_counter()
