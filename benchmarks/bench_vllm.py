@@ -4,13 +4,21 @@
                                     [--moe-intermediate 512] [--reps 3] [--python VLLM_PYTHON]
 
 V1  `LLM()` start-to-ready (the constructor, in-process engine, `import vllm` done before the clock starts) with
-    `load_format="expertd"` from a folder holding config files only ÷ vLLM's own load of the bf16 checkpoint
-    folder (page cache warm, runs alternated, each engine in a fresh process, medians of --reps).
-V2  per engine: the served bytes it maps (parameters bound to the daemon's shared views) and those it copied into
-    private memory (fused, repacked or packed by a kernel), and the growth of the process's private memory
-    (`Anonymous` of /proc/self/smaps_rollup) across `LLM()`, which includes the KV cache
+    `load_format="expertd"` from a folder holding config files only, the daemon serving the FP8 (128x128 blocks)
+    checkpoint ÷ vLLM's own load of the bf16 folder; vLLM's own load of the FP8 folder is tried too (its CPU FP8
+    kernels need AMX: on a CPU without, the error is printed). Page cache warm, runs alternated, each engine in a
+    fresh process, medians of --reps.
+V2  per engine: the served bytes it maps (parameters bound to shared memory, as served or in the daemon's derived
+    expert layout) and the bytes its other parameters hold privately, and the growth of the process's private
+    memory (`Anonymous` of /proc/self/smaps_rollup) across `LLM()`, which includes the KV cache
     (VLLM_CPU_KVCACHE_SPACE=1 GiB) for both modes alike.
-The checkpoint is a bf16 Qwen3-MoE written by `expertd generate`'s writer (default ~200 MB); the engines run in the
+V3  4 engine processes side by side on one host, measured while all 4 map the experts: the sum of their
+    proportional set sizes of the expert bytes (+ expert bytes held privately) ÷ one copy; the same for 4 engines
+    of vLLM's own load (each holds its own copy: 4).
+V4  `expertd.vllm.refresh(llm)` after an update that changes one expert stack (gate_up of layer 0): in the first
+    engine (the daemon derives the new layout) and in a second one (maps it), ÷ a fresh `LLM()` on the new
+    generation.
+The checkpoint is a Qwen3-MoE written by `expertd generate`'s writer (default ~200 MB bf16); the engines run in the
 vLLM virtualenv the tests use (tests/helpers/vllm_venv.py, built when missing), with this tree's wheel installed.
 """
 
@@ -37,7 +45,7 @@ def private_bytes() -> int:
     return int(fields["Anonymous"].split()[0]) * 1024
 
 
-def engine(model: str, endpoint: str | None) -> dict:
+def engine(model: str, endpoint: str | None, side_by_side: tuple | None = None, refresh: tuple | None = None) -> dict:
     """Run in the vLLM virtualenv: one engine, timed and measured."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -52,22 +60,83 @@ def engine(model: str, endpoint: str | None) -> dict:
 
     def placement(m) -> tuple[int, int]:
         client = getattr(m, "_expertd_client", None)
-        if client is None:
-            return 0, None  # vLLM's own load: every weight read from the files into the engine
+        if client is None:  # vLLM's own load: every weight read from the files into the engine
+            return 0, sum(p.nbytes for p in m.parameters())
         from expertd.vllm.binding import residency
 
-        shared = sum(size for size, is_shared in residency(m, client.index().shm_dir).values() if is_shared)
-        return shared, sum(t.nbytes for t in client.tensors().values()) - shared
+        where = residency(m, client.index().shm_dir).values()
+        return sum(size for size, shared in where if shared), sum(size for size, shared in where if not shared)
 
     shared, copied = llm.apply_model(placement)[0]
-    return {"seconds": seconds, "private_grown": grown, "shared": shared, "copied": copied}
+    out = {"seconds": seconds, "private_grown": grown, "shared": shared, "copied": copied}
+    if side_by_side:  # V3: measured while every engine of the host maps its experts
+        barrier(*side_by_side, "loaded")
+        out.update(llm.apply_model(expert_memory)[0])
+        barrier(*side_by_side, "measured")
+    if refresh:  # V4: a trainer's update, then this engine follows it
+        out["refresh"] = follow(llm, endpoint, *refresh)
+    return out
 
 
-def checkpoint(folder: str, args) -> str:
+def expert_memory(model) -> dict:
+    """The experts' bytes in this process: Pss of the shared mappings holding them, and those held privately."""
+    experts = [p for n, p in model.named_parameters() if n.endswith(("experts.w13_weight", "experts.w2_weight"))]
+    maps, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                current = [*(int(x, 16) for x in head[0].split("-")), head[1][3] == "s", 0]
+                maps.append(current)
+            elif head[0] == "Pss:" and current is not None:
+                current[3] = int(head[1]) * 1024
+    held, private = {}, 0
+    for p in experts:
+        found = next((m for m in maps if m[0] <= p.data_ptr() < m[1] and m[2]), None)
+        if found is None:
+            private += p.nbytes
+        else:
+            held[found[0]] = found[3]
+    return {"expert_pss": sum(held.values()), "expert_private": private, "expert_bytes": sum(p.nbytes for p in experts)}
+
+
+def barrier(folder: str, name: str, count: str, step: str) -> None:
+    open(os.path.join(folder, f"{name}.{step}"), "w").close()
+    deadline = time.monotonic() + 900
+    while len([f for f in os.listdir(folder) if f.endswith(f".{step}")]) < int(count):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"engines did not all reach {step}")
+        time.sleep(0.05)
+
+
+def follow(llm, endpoint: str, folder: str, name: str) -> dict:
+    """The first engine pushes an update of one expert stack; each engine then refreshes, timed (the second waits
+    for the first, so that it maps what the first made the daemon derive)."""
+    import torch
+
+    import expertd.vllm
+    from expertd.client import ExpertClient
+
+    barrier(folder, name, "2", "loaded")  # both engines on the generation before the update
+    if name == "first":
+        with ExpertClient(endpoint, heartbeat=False) as client:
+            stack = next(n for n in client.served_tensors() if n.endswith("layers.0.mlp.experts.gate_up_proj"))
+            client.update({stack: -client.served_tensors()[stack]})
+    else:
+        barrier(folder, name, "1", "refreshed")
+    t0 = time.perf_counter()
+    done = expertd.vllm.refresh(llm)[0]
+    seconds = time.perf_counter() - t0
+    if name == "first":
+        barrier(folder, name, "1", "refreshed")
+    return {"seconds": seconds, "remapped": len(done["remapped"]), "modules": len(done["modules"])}
+
+
+def checkpoint(folder: str, args, fp8: bool = False) -> str:
     from expertd.server.tools.generate import generate_model_type
 
     if not os.path.exists(os.path.join(folder, "config.json")):
-        generate_model_type(folder, "qwen3_moe", fp8=False, max_shard_size="2GB", num_hidden_layers=args.layers,
+        generate_model_type(folder, "qwen3_moe", fp8=fp8, max_shard_size="2GB", num_hidden_layers=args.layers,
                             num_local_experts=args.experts, hidden_size=args.hidden,
                             moe_intermediate_size=args.moe_intermediate)
     return folder
@@ -83,10 +152,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--python", help="the vLLM virtualenv's python (default: the tests' cached one)")
     parser.add_argument("--engine", nargs=2, metavar=("MODEL", "ENDPOINT"), help=argparse.SUPPRESS)
+    parser.add_argument("--side", nargs=3, metavar=("FOLDER", "NAME", "COUNT"), help=argparse.SUPPRESS)
+    parser.add_argument("--refresh", nargs=2, metavar=("FOLDER", "NAME"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:  # the child, in the vLLM virtualenv
         model, endpoint = args.engine
-        print("RESULT " + json.dumps(engine(model, endpoint or None)), flush=True)
+        print("RESULT " + json.dumps(engine(model, endpoint or None, args.side, args.refresh)), flush=True)
         return
 
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -98,45 +169,83 @@ def main() -> None:
 
     os.makedirs(args.workdir, exist_ok=True)
     python = args.python or install_wheel(vllm_venv(), build_wheel(tempfile.mkdtemp(dir=args.workdir)))
-    ckpt = checkpoint(os.path.join(args.workdir, f"qwen3moe-{args.layers}x{args.experts}-{args.hidden}"), args)
+    name = f"qwen3moe-{args.layers}x{args.experts}-{args.hidden}"
+    ckpt = checkpoint(os.path.join(args.workdir, name), args)
+    fp8 = checkpoint(os.path.join(args.workdir, name + "-fp8"), args, fp8=True)
     weightless = os.path.join(args.workdir, "config-only")
     os.makedirs(weightless, exist_ok=True)
-    for name in ("config.json", "generation_config.json"):
-        with open(os.path.join(ckpt, name)) as src, open(os.path.join(weightless, name), "w") as dst:
+    for file in ("config.json", "generation_config.json"):
+        with open(os.path.join(fp8, file)) as src, open(os.path.join(weightless, file), "w") as dst:
             dst.write(src.read())
-    daemon = DaemonProcess.launch(os.path.join(args.workdir, "daemon"), ckpt, f"edtbench{uuid.uuid4().hex[:8]}",
+    daemon = DaemonProcess.launch(os.path.join(args.workdir, "daemon"), fp8, f"edtbench{uuid.uuid4().hex[:8]}",
                                   stdout=subprocess.DEVNULL)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(VLLM_CACHE_ROOT=os.path.join(args.workdir, "vllm-cache"), VLLM_NO_USAGE_STATS="1")
+
+    def start(model: str, endpoint: str, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen([python, os.path.abspath(__file__), "--engine", model, endpoint, *extra],
+                                cwd=args.workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(proc: subprocess.Popen, what: str, fail: bool = True) -> dict | str:
+        out, err = proc.communicate(timeout=1800)
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            if not fail:
+                return next((line for line in reversed(err.splitlines()) if "Error" in line), err[-300:])
+            raise SystemExit(f"{what} engine failed ({proc.returncode}):\n{err[-4000:]}")
+        return json.loads(lines[-1][len("RESULT "):])
+
+    def side_by_side(count: int, model: str, endpoint: str, tag: str, refresh: bool = False) -> list[dict]:
+        folder = tempfile.mkdtemp(dir=args.workdir, prefix=tag)
+        names = ["first", "second"] if refresh else [str(k) for k in range(count)]
+        procs = [start(model, endpoint, *(["--refresh", folder, n] if refresh else ["--side", folder, n, str(count)]))
+                 for n in names]
+        return [result(proc, tag) for proc in procs]
+
     runs: dict[str, list[dict]] = {"vllm": [], "expertd": []}
     try:
         daemon.wait_serving(timeout=900)
         for _ in range(args.reps):
             for mode, model, endpoint in (("vllm", ckpt, ""), ("expertd", weightless, daemon.endpoint)):
-                done = subprocess.run([python, os.path.abspath(__file__), "--engine", model, endpoint],
-                                      cwd=args.workdir, env=env, capture_output=True, text=True, timeout=900)
-                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-                if done.returncode or not lines:
-                    raise SystemExit(f"{mode} engine failed ({done.returncode}):\n{done.stderr[-4000:]}")
-                runs[mode].append(json.loads(lines[-1][len("RESULT "):]))
+                runs[mode].append(result(start(model, endpoint), mode))
+        fp8_own = result(start(fp8, ""), "vllm-fp8", fail=False)
+        four = {"expertd": side_by_side(4, weightless, daemon.endpoint, "v3-expertd"),
+                "vllm": side_by_side(4, ckpt, "", "v3-vllm")}
+        refreshed = side_by_side(2, weightless, daemon.endpoint, "v4", refresh=True)
+        fresh = result(start(weightless, daemon.endpoint), "fresh")
     finally:
         daemon.stop()
     weights = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.endswith(".safetensors"))
-    for r in runs["vllm"]:
-        r["copied"] = weights
     med = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}
     mib = lambda n: f"{n / 2**20:.1f} MiB"  # noqa: E731
     with open("/proc/cpuinfo") as f:
-        isa = "avx512_bf16" if "avx512_bf16" in f.read() else "no avx512_bf16"
-    print(f"# {machine()}; {VLLM}; CPU: {isa}")
+        flags = f.read()
+    isa = ", ".join(flag for flag in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {flag}" in flags)
+    print(f"# {machine()}; {VLLM}; CPU flags: {isa}")
     print(f"# Qwen3-MoE {args.layers} layers x {args.experts} experts, hidden {args.hidden}, moe_intermediate "
-          f"{args.moe_intermediate}: {mib(weights)} bf16; medians of {args.reps}")
-    print(f"V1  LLM() start-to-ready: vLLM's own load {med['vllm']['seconds']:.2f} s, load_format=expertd "
-          f"{med['expertd']['seconds']:.2f} s, ratio {med['expertd']['seconds'] / med['vllm']['seconds']:.2f}")
+          f"{args.moe_intermediate}: {mib(weights)} bf16; the daemon serves its FP8-blocks checkpoint; medians of "
+          f"{args.reps}")
+    print(f"V1  LLM() start-to-ready: vLLM's own load of the bf16 folder {med['vllm']['seconds']:.2f} s, "
+          f"load_format=expertd {med['expertd']['seconds']:.2f} s, ratio "
+          f"{med['expertd']['seconds'] / med['vllm']['seconds']:.2f}")
+    if isinstance(fp8_own, dict):
+        print(f"V1  vLLM's own load of the FP8 folder {fp8_own['seconds']:.2f} s (one run), expertd ÷ it "
+              f"{med['expertd']['seconds'] / fp8_own['seconds']:.2f}")
+    else:
+        print(f"V1  vLLM's own load of the FP8 folder: fails on this CPU: {fp8_own.strip()[:300]}")
     for mode in runs:
         m = med[mode]
-        print(f"V2  {mode:8s} weights mapped from shared memory {mib(m['shared'])}, copied into the engine "
+        print(f"V2  {mode:8s} weights mapped from shared memory {mib(m['shared'])}, parameters held privately "
               f"{mib(m['copied'])}; private memory grown across LLM() {mib(m['private_grown'])}")
+    for mode, rows in four.items():
+        one = rows[0]["expert_bytes"]
+        total = sum(r["expert_pss"] + r["expert_private"] for r in rows)
+        print(f"V3  4 engines ({mode:8s}): sum of expert Pss + private expert bytes {mib(total)} = "
+              f"{total / one:.2f} x one copy ({mib(one)})")
+    first, second = (r["refresh"]["seconds"] for r in refreshed)
+    print(f"V4  refresh after an update of one expert stack: first engine {first:.3f} s (the daemon derives), second "
+          f"{second:.3f} s (maps); a fresh LLM() on the new generation {fresh['seconds']:.2f} s; ratios "
+          f"{first / fresh['seconds']:.3f}, {second / fresh['seconds']:.3f}")
 
 
 if __name__ == "__main__":

@@ -123,7 +123,8 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
     try:
         served = [(fmt, folder, {}) for fmt, folder in ckpt.items()]
         for name, checkpoint, extra in (*served, ("ep", ckpt["bf16"], {"expert_parallel": {"size": 2, "ranks": [0]}}),
-                                        ("refresh", ckpt["bf16"], {}), ("pair", ckpt["bf16"], {})):
+                                        ("refresh", ckpt["bf16"], {}), ("pair", ckpt["bf16"], {}),
+                                        ("follow", ckpt["bf16"], {"lease_timeout_s": 3})):
             daemons[name] = DaemonProcess.launch(root / f"daemon-{name}", checkpoint, f"{namespace}{name}", **extra)
         for d in daemons.values():
             d.wait_serving()
@@ -157,8 +158,12 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
             {"name": "partitioned", "model": bf16_config("partitioned"), "load_format": "expertd", "extra": ep["ep"]},
             {"name": "unknown-option", "model": bf16_config("unknown-option"), "load_format": "expertd",
              "extra": {**ep["bf16"], "endpiont": "x"}},
+            {"name": "follow-without-zero-copy", "model": bf16_config("follow-without-zero-copy"),
+             "load_format": "expertd", "extra": {**ep["bf16"], "follow": True, "zero_copy": False}},
             {"name": "refresh", "model": bf16_config("refresh"), "load_format": "expertd", "extra": ep["refresh"],
              "refresh": {"tensors": REFRESHED, "seed": 3}},
+            {"name": "follow", "model": bf16_config("follow"), "load_format": "expertd",
+             "extra": {**ep["follow"], "follow": True}, "refresh": {"tensors": REFRESHED, "seed": 3}},
         ]
         pair = [{"name": f"pair-{k}", "model": bf16_config(f"pair-{k}"), "load_format": "expertd", "extra": ep["pair"],
                  "barrier": str(root), "peers": ["pair-0", "pair-1"]} for k in range(2)]
@@ -255,6 +260,16 @@ def test_refresh_after_an_update_equals_a_fresh_engine_on_the_new_generation(run
     assert experts and all(where[name][1] for name in experts | {"model.norm.weight"}), where
 
 
+def test_with_follow_the_engine_refreshes_on_its_own_before_its_next_step(runs):
+    """`follow: true`: after the update the engine's next generate runs on the new generation (as a fresh engine),
+    with nobody calling refresh; its old generation retired."""
+    run = runs["follow"]
+    assert "error" not in run, run
+    assert run["tokens"] == runs["vllm-bf16"]["tokens"]
+    assert run["tokens_after"] == run["fresh_tokens"] == runs["refresh"]["fresh_tokens"]
+    assert run["live_after"] == [2]
+
+
 def test_the_engine_holds_a_lease_while_it_lives_and_releases_it_with_its_model(runs):
     assert runs["expertd-bf16"]["leases"] == [1, 0]
 
@@ -267,6 +282,7 @@ def test_the_engine_holds_a_lease_while_it_lives_and_releases_it_with_its_model(
     ("unserved-parameters", "ModelMismatch", ["bf16", "serves no tensor for 2 parameter(s)", "qkv_proj.bias"]),
     ("partitioned", "PartitionError", ["ep", "EP ranks [0] of EP size 2"]),
     ("unknown-option", "ConfigError", ["endpiont"]),
+    ("follow-without-zero-copy", "ConfigError", ["'follow' needs 'zero_copy'"]),
 ])
 def test_bad_input_is_one_typed_error_naming_the_endpoint_and_the_mismatch(runs, engine, error, needles):
     report = runs[engine]

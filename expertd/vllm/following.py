@@ -171,6 +171,15 @@ def refresh_model(model: nn.Module) -> dict:
             "rebound": sorted(bound + packed), "seconds": took}
 
 
+def follow_hook(model: nn.Module, args) -> None:
+    """A forward pre-hook (option `follow`): before the first step after the daemon published a newer generation
+    (the client learns it from its heartbeats and replies), refresh. Requests in flight go on with the new weights."""
+    client = model._expertd_loaded.client
+    if client.latest_generation > client.index().generation:
+        with torch.inference_mode(False):
+            refresh_model(model)
+
+
 class _Only(nn.Module):
     """`model` seen through the parameters `names` only (what binding looks at, for the reloaded modules)."""
 

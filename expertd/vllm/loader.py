@@ -125,6 +125,8 @@ class ExpertdModelLoader(BaseModelLoader):
         if self.options.zero_copy:
             model._expertd_client = client  # the lease lives as long as the model holds the views
             model._expertd_loaded = record  # what a refresh needs (expertd.vllm.refresh)
+            if self.options.follow:
+                model.register_forward_pre_hook(following.follow_hook)
             weakref.finalize(model, client.close)  # and is released with the engine's model
         else:
             client.close()

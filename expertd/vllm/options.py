@@ -33,6 +33,7 @@ class LoaderOptions:
     client_key: str | None = None
     timeout: float = 30.0
     zero_copy: bool = True  # bind the parameters vLLM uses as they are served to the shared views
+    follow: bool = False  # refresh on its own before the first forward pass after the daemon publishes a generation
 
     @classmethod
     def parse(cls, extra: dict | None) -> "LoaderOptions":
@@ -47,8 +48,11 @@ class LoaderOptions:
                 raise ConfigError(f"{where}[{key!r}] must be a string, not {type(extra[key]).__name__}")
         if not isinstance(extra.get("timeout", 30.0), (int, float)) or isinstance(extra.get("timeout"), bool):
             raise ConfigError(f"{where}['timeout'] must be a number of seconds, not {extra['timeout']!r}")
-        if not isinstance(extra.get("zero_copy", True), bool):
-            raise ConfigError(f"{where}['zero_copy'] must be true or false, not {extra['zero_copy']!r}")
+        for key in ("zero_copy", "follow"):
+            if not isinstance(extra.get(key, False), bool):
+                raise ConfigError(f"{where}[{key!r}] must be true or false, not {extra[key]!r}")
+        if extra.get("follow") and extra.get("zero_copy") is False:
+            raise ConfigError(f"{where}: 'follow' needs 'zero_copy' (the engine follows the daemon by remapping)")
         return cls(**extra)
 
 

@@ -67,6 +67,10 @@ def barrier(folder: str, name: str, step: str, peers: list) -> None:
         time.sleep(0.1)
 
 
+def latest_generation(model) -> int:
+    return model._expertd_client.latest_generation
+
+
 def live(endpoint: str) -> list:
     """The generations the daemon at `endpoint` keeps."""
     from expertd.connection import Connection
@@ -124,9 +128,17 @@ def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None
     import expertd.vllm
 
     out["generation"] = push(engine["extra"]["endpoint"], engine["refresh"]["tensors"], engine["refresh"]["seed"])
-    out["refreshed"] = expertd.vllm.refresh(llm)[0]
-    out["live_after"] = live(engine["extra"]["endpoint"])
+    if engine["extra"].get("follow"):  # the engine refreshes on its own once its client heard of the generation
+        import time
+
+        deadline = time.monotonic() + 120
+        while llm.apply_model(latest_generation)[0] < out["generation"]:
+            assert time.monotonic() < deadline, "the engine's client never heard of the new generation"
+            time.sleep(0.2)
+    else:
+        out["refreshed"] = expertd.vllm.refresh(llm)[0]
     out["tokens_after"] = generate(llm, prompts, max_tokens)
+    out["live_after"] = live(engine["extra"]["endpoint"])
     out["residency_after"] = llm.apply_model(residency)[0]
     second = engine_for(engine)
     out["fresh_tokens"] = generate(second, prompts, max_tokens)
