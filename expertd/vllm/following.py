@@ -11,6 +11,7 @@ the others map). Its output then equals a fresh engine on the new weights.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from contextlib import contextmanager
@@ -93,11 +94,16 @@ def recording(model: nn.Module, loaded: Loaded):
 
 def release_replaced(model: nn.Module, loaded: Loaded) -> None:
     """Empty the loaded parameters the post-load step replaced (a packed copy, an emptied oneDNN weight): kept for
-    a refresh to load into again, they must not keep their bytes."""
+    a refresh to load into again, they must not keep their bytes. Then hand the freed private copies back to the
+    system (glibc keeps freed heap memory for reuse otherwise: the engine's private memory would not shrink)."""
     current = {id(p) for p in model.parameters()}
     for param, _shape, dtype in loaded.params.values():
         if id(param) not in current and param.numel():
             param.data = torch.empty(0, dtype=dtype, device=param.device)
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        pass
 
 
 def share(model: nn.Module, loaded: Loaded, sources: dict, shapes: dict) -> tuple[list[str], list[str]]:
