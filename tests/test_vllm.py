@@ -38,6 +38,7 @@ FOLDER_KEYS = {"deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmo
 # what a trainer's update changes before the refresh: an expert stack (vLLM packs it), a projection vLLM fuses
 # (q_proj into qkv_proj, which oneDNN packs on AVX-512) and a norm it uses as served
 REFRESHED = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+TOKEN = "vllm-engines-read-token-0123"
 pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
 
 
@@ -124,7 +125,8 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
         served = [(fmt, folder, {}) for fmt, folder in ckpt.items()]
         for name, checkpoint, extra in (*served, ("ep", ckpt["bf16"], {"expert_parallel": {"size": 2, "ranks": [0]}}),
                                         ("refresh", ckpt["bf16"], {}), ("pair", ckpt["bf16"], {}),
-                                        ("follow", ckpt["bf16"], {"lease_timeout_s": 3})):
+                                        ("follow", ckpt["bf16"], {"lease_timeout_s": 3}),
+                                        ("token", ckpt["bf16"], {"auth_token": TOKEN})):
             daemons[name] = DaemonProcess.launch(root / f"daemon-{name}", checkpoint, f"{namespace}{name}", **extra)
         for d in daemons.values():
             d.wait_serving()
@@ -158,6 +160,10 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
             {"name": "partitioned", "model": bf16_config("partitioned"), "load_format": "expertd", "extra": ep["ep"]},
             {"name": "unknown-option", "model": bf16_config("unknown-option"), "load_format": "expertd",
              "extra": {**ep["bf16"], "endpiont": "x"}},
+            {"name": "with-token", "model": bf16_config("with-token"), "load_format": "expertd",
+             "extra": {**ep["token"], "token": TOKEN}},
+            {"name": "without-token", "model": bf16_config("without-token"), "load_format": "expertd",
+             "extra": ep["token"]},
             {"name": "follow-without-zero-copy", "model": bf16_config("follow-without-zero-copy"),
              "load_format": "expertd", "extra": {**ep["bf16"], "follow": True, "zero_copy": False}},
             {"name": "refresh", "model": bf16_config("refresh"), "load_format": "expertd", "extra": ep["refresh"],
@@ -204,6 +210,12 @@ def test_every_expert_byte_of_every_family_lies_in_shared_memory(runs, engine):
     where = runs[engine]["residency"]
     experts = {name: shared for name, (size, shared) in where.items() if is_expert(name) and size}
     assert experts and all(experts.values()), experts
+
+
+def test_credentials_go_as_in_the_python_client(runs):
+    """A daemon that requires a token: the engine given it in `model_loader_extra_config` loads (vLLM's tokens); one
+    without it gets the daemon's `AuthError` (test_bad_input_...)."""
+    assert runs["with-token"].get("tokens") == runs["vllm-bf16"]["tokens"], runs["with-token"]
 
 
 def test_the_entry_point_registers_the_loader_in_the_engines_own_processes(runs):
@@ -283,6 +295,7 @@ def test_the_engine_holds_a_lease_while_it_lives_and_releases_it_with_its_model(
     ("partitioned", "PartitionError", ["ep", "EP ranks [0] of EP size 2"]),
     ("unknown-option", "ConfigError", ["endpiont"]),
     ("follow-without-zero-copy", "ConfigError", ["'follow' needs 'zero_copy'"]),
+    ("without-token", "AuthError", ["token"]),
 ])
 def test_bad_input_is_one_typed_error_naming_the_endpoint_and_the_mismatch(runs, engine, error, needles):
     report = runs[engine]

@@ -9,6 +9,7 @@ served tensor byte for byte is bound to the shared, read-only view of it (`bindi
 from __future__ import annotations
 
 import logging
+import os
 import time
 import weakref
 
@@ -20,7 +21,8 @@ from vllm.model_executor.model_loader.utils import initialize_model, process_wei
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from expertd.client import ExpertClient
-from expertd.errors import ModelMismatch
+from expertd.errors import DaemonError, ModelMismatch
+from expertd.protocol import DEFAULT_ENDPOINT
 from expertd.partition import PartitionError
 
 from . import following
@@ -34,8 +36,14 @@ log = logging.getLogger("vllm.expertd")  # under vLLM's logger: its handlers pri
 
 def attach(options: LoaderOptions) -> ExpertClient:
     """A lease on the daemon the options name (credentials as `ExpertClient` takes them, else from the environment)."""
-    return ExpertClient(options.endpoint, timeout=options.timeout, token=options.token, server_key=options.server_key,
-                        client_key=options.client_key)
+    try:
+        return ExpertClient(options.endpoint, timeout=options.timeout, token=options.token,
+                            server_key=options.server_key, client_key=options.client_key)
+    except DaemonError as exc:  # the daemon's refusal (a wrong token, say): name which daemon refused
+        endpoint = options.endpoint or os.environ.get("EXPERTD_ENDPOINT", DEFAULT_ENDPOINT)
+        if endpoint in str(exc):
+            raise
+        raise type(exc)(f"the daemon at {endpoint}: {exc}", exc.kind) from exc
 
 
 def check_daemon(client: ExpertClient, model_config: ModelConfig) -> None:
