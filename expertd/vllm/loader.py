@@ -25,10 +25,9 @@ from expertd.errors import DaemonError, ModelMismatch
 from expertd.protocol import DEFAULT_ENDPOINT
 from expertd.partition import PartitionError
 
-from . import following
 from .binding import report
 from .derive import expert_sources
-from .following import Loaded, recording
+from .following import Loaded, follow_hook, recording, release_replaced, share
 from .options import LoaderOptions, check_config, check_loaded
 
 log = logging.getLogger("vllm.expertd")  # under vLLM's logger: its handlers print it beside the engine's lines
@@ -121,8 +120,8 @@ class ExpertdModelLoader(BaseModelLoader):
             if share:
                 shapes = {owner: {leaf: record.params[f"{owner}.{leaf}"][1:] for leaf in leaves}
                           for owner, leaves in record.owners(sources).items()}
-                bound, packed = following.share(model, record, sources, shapes)
-                following.release_replaced(model, record)
+                bound, packed = share(model, record, sources, shapes)
+                release_replaced(model, record)
                 log.info("%s", report(model, sum(t.nbytes for t in client.tensors().values()), bound, packed))
             log.info("expertd: attached and checked %.2f s, model built %.2f s, weights copied in %.2f s, vLLM's "
                      "post-load processing %.2f s, binding %.2f s", t1 - t0, t2 - t1, t3 - t2, t4 - t3,
@@ -134,7 +133,7 @@ class ExpertdModelLoader(BaseModelLoader):
             model._expertd_client = client  # the lease lives as long as the model holds the views
             model._expertd_loaded = record  # what a refresh needs (expertd.vllm.refresh)
             if self.options.follow:
-                model.register_forward_pre_hook(following.follow_hook)
+                model.register_forward_pre_hook(follow_hook)
             weakref.finalize(model, client.close)  # and is released with the engine's model
         else:
             client.close()
