@@ -38,15 +38,21 @@ def encode(index) -> bytes:
     return zlib.compress(deltas.to(torch.int32).numpy().tobytes(), 6)
 
 
-def request(name: str, index_bytes: bytes, length: int, shape: tuple[int, ...]) -> dict:
-    """One item of a `variant` request: served tensor `name` gathered by a deflated index into `shape`."""
-    return {"name": name, GATHER: {"index": index_bytes, "length": int(length), "shape": [int(s) for s in shape]}}
+def request(name: str, index_bytes: bytes, length: int, shape: tuple[int, ...], also: list[str] | None = None
+            ) -> dict:
+    """One item of a `variant` request: served tensor `name` gathered by a deflated index into `shape`; with `also`,
+    the source is `name` and those served tensors concatenated (flat) as one block (vLLM's fused q/k/v)."""
+    spec = {"index": index_bytes, "length": int(length), "shape": [int(s) for s in shape]}
+    if also:
+        spec["also"] = list(also)
+    return {"name": name, GATHER: spec}
 
 
 class Gather:
-    """A checked gather request for one served tensor (`source_shape`): no torch, nothing decompressed yet."""
+    """A checked gather request for one served tensor (`source_shape`), or several concatenated as one block (the
+    shapes of `also`, served names in `spec["also"]`): no torch, nothing decompressed yet."""
 
-    def __init__(self, name: str, spec, source_shape: list[int], where: str):
+    def __init__(self, name: str, spec, source_shape: list[int], where: str, also: list[list[int]] = ()):
         if not isinstance(spec, dict) or not isinstance(spec.get("index"), bytes):
             raise VariantRejected(f"op 'variant': {where}[{GATHER!r}] must be a map with a binary 'index'")
         length, shape = spec.get("length"), spec.get("shape")
@@ -57,13 +63,14 @@ class Gather:
         if len(spec["index"]) > MAX_INDEX_BYTES:
             raise VariantRejected(f"op 'variant': the gather index for {name!r} is {len(spec['index'])} bytes "
                                   f"deflated; at most {MAX_INDEX_BYTES}")
-        blocks = source_shape[0] if source_shape else 1
-        if not source_shape or shape[0] != blocks or math.prod(shape) != blocks * length:
+        self.also = tuple(spec.get("also") or ())
+        blocks = 1 if self.also or not source_shape else source_shape[0]
+        if math.prod(shape) != blocks * length or (blocks > 1 and shape[0] != blocks):
             raise VariantRejected(f"op 'variant': a gather of {name!r} (served as {source_shape}) must keep its "
                                   f"{blocks} block(s) of the first dimension: shape {shape} is not {blocks} blocks "
                                   f"of length {length}")
         self.name, self.length, self.shape, self.blocks = name, length, tuple(shape), blocks
-        self.source_block = math.prod(source_shape) // blocks
+        self.source_block = (math.prod(source_shape) + sum(math.prod(s) for s in also)) // blocks
         self.deflated = spec["index"]
         self._index = None
 
@@ -90,7 +97,7 @@ class Gather:
     def key(self) -> str:
         """What names this derivation: the inflated index and the derived shape."""
         digest = xxhash.xxh3_128(self.raw())
-        digest.update(repr(self.shape).encode())
+        digest.update(repr((self.shape, self.also)).encode())
         return f"{GATHER}:{digest.hexdigest()}"
 
     def index(self):
@@ -105,10 +112,13 @@ class Gather:
         return index
 
 
-def gather_into(out, source, gather: Gather, chunk_bytes: int = 64 << 20) -> None:
-    """Fill `out` (the derived tensor) from `source` (the served tensor) by `gather`, a few blocks at a time."""
+def gather_into(out, source, gather: Gather, chunk_bytes: int = 64 << 20, also=()) -> None:
+    """Fill `out` (the derived tensor) from `source` (the served tensor; `also`: the others, concatenated after it)
+    by `gather`, a few blocks at a time."""
     import torch
 
+    if also:
+        source = torch.cat([source.reshape(-1), *(t.reshape(-1) for t in also)])
     index = gather.index()
     pad = index < 0
     take = index.clamp(min=0)

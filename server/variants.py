@@ -42,6 +42,11 @@ class Variant:
     of: TensorEntry
     entry: TensorEntry
     key: str = ""  # "" for a dtype cast; the derivation's name (`Gather.key`) for a derived tensor
+    also: tuple = ()  # a derived tensor's further sources (entries of the same generation), after `of`
+
+    def made_of(self) -> tuple:
+        """What it is made from: the same bytes wherever these agree (a newer generation's unchanged tensors)."""
+        return tuple(same_bytes(e) for e in (self.of, *self.also))
 
     def to_wire(self) -> dict:
         e = self.entry
@@ -56,8 +61,9 @@ class Variant:
 
 
 def wanted(tensors: list[dict], served: dict[str, TensorEntry], generation: int, limit: int) -> list[tuple]:
-    """The requested (served entry, what, gather) triples, checked: every name served; a cast's dtype a float type
-    and the served tensor a float one (`what` is the dtype, gather None); a gather well-formed for the served
+    """The requested (served entry, what, derivation) triples, checked: every name served; a cast's dtype a float
+    type and the served tensor a float one (`what` is the dtype, derivation None); a gather (derivation: the
+    Gather and its further sources) well-formed for the served
     shape and no larger than `limit` bytes (`what` is its key; checked before its index is inflated).
     VariantRejected names the tensor and what was asked otherwise."""
     out = []
@@ -73,12 +79,13 @@ def wanted(tensors: list[dict], served: dict[str, TensorEntry], generation: int,
             raise VariantRejected(f"no tensor {name[:200]!r} in generation {generation}: a variant of it in "
                                   f"{asked} cannot be made (variants are asked by served name)")
         if derived:
-            gather = Gather(name, item[GATHER], list(entry.shape), f"tensors[{i}]")
+            more = _also(item[GATHER], served, entry, name, generation)
+            gather = Gather(name, item[GATHER], list(entry.shape), f"tensors[{i}]", [list(e.shape) for e in more])
             if _size(gather, entry) > limit:
                 raise VariantRejected(f"generation {generation}: deriving {name!r} in shape {list(gather.shape)} "
                                       f"takes {_size(gather, entry)} bytes, more than its {limit} served bytes (the "
                                       f"most a generation derives)")
-            out.append((entry, gather.key, gather))
+            out.append((entry, gather.key, (gather, more)))
             continue
         if dtype not in VARIANT_DTYPES:
             raise VariantRejected(f"dtype {dtype[:40]!r} asked for {name!r} is not a float type: a variant is one of "
@@ -87,6 +94,24 @@ def wanted(tensors: list[dict], served: dict[str, TensorEntry], generation: int,
             raise VariantRejected(f"{name!r} is served as {entry.dtype}: only float tensors have dtype variants "
                                   f"({dtype!r} asked)")
         out.append((entry, dtype, None))
+    return out
+
+
+def _also(spec, served: dict[str, TensorEntry], entry: TensorEntry, name: str, generation: int) -> list[TensorEntry]:
+    """The further sources of a gather (`also`), served and of the first one's dtype."""
+    names = spec.get("also") if isinstance(spec, dict) else None
+    if names is None:
+        return []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(names) > 64:
+        raise VariantRejected(f"op 'variant': the gather of {name!r}: 'also' must be a list of at most 64 served names")
+    out = []
+    for other in names:
+        found = served.get(other)
+        if found is None or found.dtype != entry.dtype:
+            raise VariantRejected(f"the gather of {name!r} in generation {generation}: {other[:200]!r} is "
+                                  f"{'not served' if found is None else f'served as {found.dtype}'}; a gather's "
+                                  f"sources are served tensors of one dtype ({entry.dtype})")
+        out.append(found)
     return out
 
 
@@ -104,19 +129,20 @@ def make(gen, others, tensors: list[dict], group: str | None = None) -> list[Var
     served = {t.name: t for t in gen.index.tensors}
     limit = sum(t.nbytes for t in gen.index.tensors)
     asked = wanted(tensors, served, gen.number, limit)
-    reusable = {(same_bytes(v.of), _what(v)): v for other in others for v in other.variants.values()}
+    reusable = {(v.made_of(), _what(v)): v for other in others for v in other.variants.values()}
     budget = limit - sum(v.entry.nbytes for v in gen.variants.values() if v.key)
     out, made, added = [], [], []
     try:
-        for entry, what, gather in asked:
+        for entry, what, derivation in asked:
+            gather, more = derivation or (None, [])
             if gather is None and entry.dtype == what:  # already served so: the served tensor is its own variant
                 out.append(Variant(entry, entry))
                 continue
             variant = gen.variants.get((entry.name, what))
             if variant is None:
-                found = reusable.get((same_bytes(entry), what))
+                found = reusable.get((tuple(same_bytes(e) for e in (entry, *more)), what))
                 if found is not None:
-                    variant = Variant(entry, found.entry, found.key)
+                    variant = Variant(entry, found.entry, found.key, tuple(more))
                 elif gather is None:
                     variant = _make(gen, entry, list(entry.shape), what, group, None)
                 else:
@@ -125,7 +151,7 @@ def make(gen, others, tensors: list[dict], group: str | None = None) -> list[Var
                         raise VariantRejected(f"generation {gen.number}: deriving {entry.name!r} in shape "
                                               f"{list(gather.shape)} would take its derived tensors past its served "
                                               f"bytes (the most a generation derives)")
-                    variant = _make(gen, entry, list(gather.shape), entry.dtype, group, gather)
+                    variant = _make(gen, entry, list(gather.shape), entry.dtype, group, gather, more)
                 if found is None:
                     made.append(variant)
                 gen.variants[(entry.name, what)] = variant
@@ -151,7 +177,7 @@ def _summary(variants: list[Variant]) -> str:
     return ", ".join(f"{n} {a} -> {b}" for (a, b), n in counts.items())
 
 
-def _make(gen, entry: TensorEntry, shape: list[int], dtype: str, group: str | None, gather) -> Variant:
+def _make(gen, entry: TensorEntry, shape: list[int], dtype: str, group: str | None, gather, more=()) -> Variant:
     """Make one variant into a segment of its own (numbered after the generation's variants so far): the served
     tensor cast to `dtype`, or gathered by `gather`. The one step of a variant that needs torch: variants already
     made are handed out without it."""
@@ -165,12 +191,13 @@ def _make(gen, entry: TensorEntry, shape: list[int], dtype: str, group: str | No
     placement = arena.add(nbytes, gen.next_variant())
     try:
         sizes = {s.name: s.nbytes for s in gen.index.segments}
-        source = {entry.segment: segment_bytes(map_segment(entry.segment, sizes[entry.segment], shm_dir=shm_dir))}
+        source = {e.segment: segment_bytes(map_segment(e.segment, sizes[e.segment], shm_dir=shm_dir))
+                  for e in (entry, *more)}
         out = arena.tensor(placement, tuple(shape), target)
         if gather is None:
             out.copy_(view(source, entry))
         else:
-            gather_into(out, view(source, entry), gather)
+            gather_into(out, view(source, entry), gather, also=[view(source, e) for e in more])
         checksum = tensor_checksum(out)
         del out, source
         arena.unmap()  # the daemon keeps no writable mapping
@@ -178,4 +205,4 @@ def _make(gen, entry: TensorEntry, shape: list[int], dtype: str, group: str | No
         arena.unlink()
         raise
     made = TensorEntry(entry.name, placement.segment, 0, nbytes, shape, dtype, [entry.name], checksum=checksum)
-    return Variant(entry, made, gather.key if gather is not None else "")
+    return Variant(entry, made, gather.key if gather is not None else "", tuple(more))

@@ -325,6 +325,43 @@ def test_a_refused_request_lists_no_reused_tensor(daemon, client):
         assert derived_listed(daemon, newer_generation) == []  # (refused checks this too: the message says why)
 
 
+def test_a_gather_over_several_served_tensors_rearranges_their_concatenation(daemon, client):
+    """`also`: vLLM's fused q/k/v from the served q_proj, k_proj and v_proj, one block over their concatenation;
+    reused while all three are the same bytes, made afresh when one changes; an unserved source refused by name."""
+    names = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    served = client.served_tensors()
+    flat = torch.cat([served[n].reshape(-1) for n in names])
+    g = torch.Generator().manual_seed(11)
+    index = torch.cat([torch.randperm(flat.numel(), generator=g), torch.full((PAD,), -1, dtype=torch.int64)])
+    shape = (index.numel() // 8, 8) if index.numel() % 8 == 0 else (index.numel(),)
+    item = derived.request(names[0], derived.encode(index), index.numel(), shape, also=names[1:])
+    (out,) = client.derived([item])
+    want = torch.where(index >= 0, flat[index.clamp(min=0)], torch.zeros((), dtype=flat.dtype)).reshape(shape)
+    assert torch.equal(out, want) and in_shared_memory(out, client.index().shm_dir)
+    key = derived.Gather(names[0], item["gather"], list(served[names[0]].shape), "test",
+                         [list(served[n].shape) for n in names[1:]]).key
+    (listed,) = [v for v in derived_listed(daemon, client.generation) if v["derivation"] == key]
+    assert listed["name"] == names[0] and listed["shape"] == list(shape)
+
+    with ExpertClient(daemon.endpoint, timeout=60) as newer:
+        unrelated = newer.update({"model.norm.weight": torch.full_like(served["model.norm.weight"], 2.0)})
+        newer.refresh()
+        assert newer.index().generation == unrelated
+        (reused,) = newer.derived([item])
+        assert mapping_of(reused)[0] == mapping_of(out)[0]
+        changed = (served[names[2]].float() * 3).to(served[names[2]].dtype)  # v_proj: the last source
+        newer.update({names[2]: changed})
+        newer.refresh()
+        (remade,) = newer.derived([item])
+        flat2 = torch.cat([served[names[0]].reshape(-1), served[names[1]].reshape(-1), changed.reshape(-1)])
+        assert mapping_of(remade)[0] != mapping_of(out)[0]
+        assert torch.equal(remade, torch.where(index >= 0, flat2[index.clamp(min=0)],
+                                               torch.zeros((), dtype=flat.dtype)).reshape(shape))
+
+    gone = derived.request(names[0], derived.encode(index), index.numel(), shape, also=[names[1], "no.such.weight"])
+    refused(daemon, client, [gone], "'no.such.weight'", "not served")
+
+
 def test_stop_leaves_nothing_of_the_namespace(tmp_path, checkpoint):
     daemon, namespace = _start(tmp_path, checkpoint)
     try:

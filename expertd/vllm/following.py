@@ -22,6 +22,7 @@ from torch import nn
 
 from .binding import bind_shared
 from .derive import expert_sources, fetch, share_experts
+from .fused import share_fused
 
 log = logging.getLogger("vllm.expertd")
 
@@ -106,10 +107,15 @@ def release_replaced(model: nn.Module, loaded: Loaded) -> None:
         pass
 
 
-def share(model: nn.Module, loaded: Loaded, sources: dict, shapes: dict) -> tuple[list[str], list[str]]:
-    """Bind what vLLM uses as served to the shared views, and its repacked experts to the daemon's derived ones."""
-    served = loaded.client.tensors()
-    return bind_shared(model, served, loaded.feeds), share_experts(model, loaded.client, sources, shapes, loaded.derived)
+def share(model: nn.Module, loaded: Loaded, sources: dict, shapes: dict, only: set[str] | None = None
+          ) -> tuple[list[str], list[str]]:
+    """Bind what vLLM uses as served to the shared views, its repacked experts and what it fused or padded to the
+    daemon's derived tensors (of the parameters `only` names, if given); (bound as served, bound derived)."""
+    view = model if only is None else _Only(model, only)
+    bound = bind_shared(view, loaded.client.tensors(), loaded.feeds)
+    packed = share_experts(view, loaded.client, sources, shapes, loaded.derived)
+    fused = share_fused(model, loaded.client, loaded.feeds, loaded.params, loaded.derived, only)
+    return bound, packed + fused
 
 
 def changed_tensors(client) -> tuple[int, int, set[str]]:
@@ -151,7 +157,7 @@ def reload_modules(model: nn.Module, loaded: Loaded, owners: dict[str, list[str]
         method.process_weights_after_loading(modules[owner])
     shapes = {owner: {leaf: loaded.params[f"{owner}.{leaf}"][1:] for leaf in leaves} for owner, leaves in
               owners.items()}
-    return share(_Only(model, names), loaded, sources, shapes)
+    return share(model, loaded, sources, shapes, set(names))
 
 
 def refresh_model(model: nn.Module) -> dict:
