@@ -38,13 +38,16 @@ def encode(index) -> bytes:
     return zlib.compress(deltas.to(torch.int32).numpy().tobytes(), 6)
 
 
-def request(name: str, index_bytes: bytes, length: int, shape: tuple[int, ...], also: list[str] | None = None
-            ) -> dict:
-    """One item of a `variant` request: served tensor `name` gathered by a deflated index into `shape`; with `also`,
-    the source is `name` and those served tensors concatenated (flat) as one block (vLLM's fused q/k/v)."""
+def request(name: str, index_bytes: bytes, length: int, shape: tuple[int, ...], also: list[str] | None = None,
+            whole: bool = False) -> dict:
+    """One item of a `variant` request: served tensor `name` gathered by a deflated index into `shape`, block by
+    block of its first dimension; `whole`: as one block (a padded vocabulary); with `also`, the source is `name`
+    and those served tensors concatenated (flat) as one block (vLLM's fused q/k/v)."""
     spec = {"index": index_bytes, "length": int(length), "shape": [int(s) for s in shape]}
     if also:
         spec["also"] = list(also)
+    if whole or also:
+        spec["blocks"] = 1
     return {"name": name, GATHER: spec}
 
 
@@ -64,7 +67,10 @@ class Gather:
             raise VariantRejected(f"op 'variant': the gather index for {name!r} is {len(spec['index'])} bytes "
                                   f"deflated; at most {MAX_INDEX_BYTES}")
         self.also = tuple(spec.get("also") or ())
-        blocks = 1 if self.also or not source_shape else source_shape[0]
+        if spec.get("blocks", 1) != 1 or isinstance(spec.get("blocks"), bool):
+            raise VariantRejected(f"op 'variant': {where}[{GATHER!r}]['blocks'] may only be 1 (the source as one "
+                                  f"block), got {spec.get('blocks')!r}")
+        blocks = 1 if self.also or "blocks" in spec or not source_shape else source_shape[0]
         if math.prod(shape) != blocks * length or (blocks > 1 and shape[0] != blocks):
             raise VariantRejected(f"op 'variant': a gather of {name!r} (served as {source_shape}) must keep its "
                                   f"{blocks} block(s) of the first dimension: shape {shape} is not {blocks} blocks "
@@ -97,7 +103,7 @@ class Gather:
     def key(self) -> str:
         """What names this derivation: the inflated index and the derived shape."""
         digest = xxhash.xxh3_128(self.raw())
-        digest.update(repr((self.shape, self.also)).encode())
+        digest.update(repr((self.shape, self.also, self.blocks)).encode())
         return f"{GATHER}:{digest.hexdigest()}"
 
     def index(self):

@@ -362,6 +362,21 @@ def test_a_gather_over_several_served_tensors_rearranges_their_concatenation(dae
     refused(daemon, client, [gone], "'no.such.weight'", "not served")
 
 
+def test_a_whole_gather_pads_a_tensor_as_one_block(daemon, client):
+    """`whole`: the served tensor as one block, e.g. the embeddings padded to vLLM's vocabulary of a multiple of 64
+    rows; a `blocks` other than 1 is refused by name."""
+    name = "model.embed_tokens.weight"
+    source = client.served_tensors()[name]
+    rows = -(-source.shape[0] // 64) * 64 + 64  # at least one padding row
+    index = torch.cat([torch.arange(source.numel()), torch.full(((rows - source.shape[0]) * source.shape[1],), -1)])
+    (out,) = client.derived([derived.request(name, derived.encode(index), index.numel(), (rows, source.shape[1]),
+                                             whole=True)])
+    assert torch.equal(out[:source.shape[0]], source) and not bool(out[source.shape[0]:].any())
+    bad = derived.request(name, derived.encode(index), index.numel(), (rows, source.shape[1]), whole=True)
+    bad["gather"]["blocks"] = 2
+    refused(daemon, client, [bad], "['blocks'] may only be 1")
+
+
 def test_stop_leaves_nothing_of_the_namespace(tmp_path, checkpoint):
     daemon, namespace = _start(tmp_path, checkpoint)
     try:

@@ -33,7 +33,7 @@ FAMILIES = ("mixtral", "gpt_oss")  # bf16 checkpoints of other MoE families vLLM
 QUANTIZED = ("fp8", "compressed", "mxfp4", "deepseek_v3")
 # DeepSeek-V3 (FP8 blocks): vLLM's CPU MLA kernel takes head size 576 only (kv_lora_rank 512 + qk_rope_head_dim 64,
 # as the release has), and vLLM reads the router's method from config keys transformers 5.x does not write
-MADE_WITH = {"deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}}
+MADE_WITH = {"deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}, "padded": {"vocab_size": 390}}
 FOLDER_KEYS = {"deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}}
 # what a trainer's update changes before the refresh: an expert stack (vLLM packs it), a projection vLLM fuses
 # (q_proj into qkv_proj, which oneDNN packs on AVX-512) and a norm it uses as served
@@ -113,10 +113,11 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
     from expertd.server.tools.requantize import write_mxfp4
 
     root = tmp_path_factory.mktemp("vllm")
-    ckpt = {fmt: str(root / fmt) for fmt in ("bf16", *QUANTIZED, *FAMILIES)}
+    ckpt = {fmt: str(root / fmt) for fmt in ("bf16", *QUANTIZED, *FAMILIES, "padded")}
     for fmt, folder in ckpt.items():
         model_type = fmt if fmt in (*FAMILIES, "deepseek_v3") else "gpt_oss" if fmt == "mxfp4" else "qwen3_moe"
         generate_model_type(folder, model_type, fp8=fmt in ("fp8", "deepseek_v3"), **MADE_WITH.get(fmt, {}))
+        # "padded": a vocabulary vLLM pads to a multiple of 64 rows (embeddings and lm_head are derived tensors)
     quantize_saved_checkpoint(ckpt["compressed"], scheme="channel")  # compressed-tensors FP8 (FP8_DYNAMIC's)
     write_mxfp4(ckpt["mxfp4"])  # gpt-oss's release format: MXFP4 experts
     namespace = f"edt{uuid.uuid4().hex[:10]}"
@@ -143,6 +144,9 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
                 {"name": f"expertd-{fmt}", "model": model_folder(ckpt[fmt], str(root / f"no-weights-{fmt}"),
                                                                  **FOLDER_KEYS.get(fmt, {})),
                  "load_format": "expertd", "extra": ep[fmt], "residency": True})],
+            {"name": "vllm-padded", "model": ckpt["padded"]},
+            {"name": "expertd-padded", "model": model_folder(ckpt["padded"], str(root / "no-weights-padded")),
+             "load_format": "expertd", "extra": ep["padded"], "residency": True},
             *[engine for family in FAMILIES for engine in (
                 {"name": f"vllm-{family}", "model": ckpt[family]},
                 {"name": f"expertd-{family}", "model": model_folder(ckpt[family], str(root / f"no-weights-{family}")),
@@ -242,6 +246,17 @@ def test_parameters_vllm_uses_as_served_are_views_of_shared_memory(runs):
     assert len(norms) == 2 * 4 + 1  # input/post-attention/q/k norms of 2 layers, and the final norm
     experts = {name for name in where if is_expert(name)}
     assert len(experts) == 2 * 2 and experts <= shared
+
+
+def test_what_vllm_pads_or_fuses_and_uses_as_is_maps_the_daemons_derived_tensors(runs):
+    """A vocabulary of 390 rows that vLLM pads to 448 (embeddings and lm_head), gpt-oss's q/k/v biases that vLLM fuses
+    into `qkv_proj.bias`: derived once per host (one block over the served tensors) and mapped; vLLM's tokens."""
+    assert runs["expertd-padded"].get("tokens") == runs["vllm-padded"]["tokens"], runs["expertd-padded"]
+    where = runs["expertd-padded"]["residency"]
+    assert where["model.embed_tokens.weight"] == [448 * 192 * 2, True] and where["lm_head.weight"][1], where
+    where = runs["expertd-gpt_oss"]["residency"]
+    biases = [name for name in where if name.endswith("qkv_proj.bias")]
+    assert len(biases) == 2 and all(where[name][1] for name in biases), where
 
 
 def test_two_engines_on_one_host_hold_one_copy_of_the_experts(runs):

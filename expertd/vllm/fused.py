@@ -94,7 +94,7 @@ def share_fused(model: nn.Module, client, feeds: dict[str, set[str]], loaded: di
             log.info("expertd: %s keeps vLLM's private copy (its layout is not a gather of %s)", name, order)
             continue
         wanted.append((name, derived.request(order[0], derived.encode(index), index.numel(),
-                                             tuple(params[name].shape), also=order[1:])))
+                                             tuple(params[name].shape), also=order[1:], whole=True)))
     bound = []
     for (name, item), view in zip(wanted, fetch(client, [item for _, item in wanted])):
         param = params[name]

@@ -104,7 +104,7 @@ class ExpertdModelLoader(BaseModelLoader):
             unquantized(vllm_config, model_config)
             load_config = vllm_config.load_config
             device = torch.device(load_config.device or vllm_config.device_config.device)
-            share = self.options.zero_copy and device.type == "cpu"
+            sharing = self.options.zero_copy and device.type == "cpu"
             record = Loaded(client)
             t1 = time.perf_counter()
             with set_default_torch_dtype(model_config.dtype):
@@ -113,11 +113,11 @@ class ExpertdModelLoader(BaseModelLoader):
                 t2 = time.perf_counter()
                 with recording(model, record) as tagged:
                     self.load_weights(model, model_config, client, tagged)
-                sources = expert_sources(model, client.served_tensors(), record.feeds) if share else {}
+                sources = expert_sources(model, client.served_tensors(), record.feeds) if sharing else {}
                 t3 = time.perf_counter()
                 process_weights_after_loading(model, model_config, device)
             t4 = time.perf_counter()
-            if share:
+            if sharing:
                 shapes = {owner: {leaf: record.params[f"{owner}.{leaf}"][1:] for leaf in leaves}
                           for owner, leaves in record.owners(sources).items()}
                 bound, packed = share(model, record, sources, shapes)
