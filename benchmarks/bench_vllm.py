@@ -58,17 +58,18 @@ def engine(model: str, endpoint: str | None, side_by_side: tuple | None = None, 
     seconds = time.perf_counter() - t0
     grown = private_bytes() - before
 
-    def placement(m) -> tuple[int, int]:
+    def placement(m) -> tuple[int, int, int]:
         client = getattr(m, "_expertd_client", None)
         if client is None:  # vLLM's own load: every weight read from the files into the engine
-            return 0, sum(p.nbytes for p in m.parameters())
+            return 0, sum(p.nbytes for p in m.parameters()), 0
         from expertd.vllm.binding import residency
 
         where = residency(m, client.index().shm_dir).values()
-        return sum(size for size, shared in where if shared), sum(size for size, shared in where if not shared)
+        return (sum(size for size, shared in where if shared), sum(size for size, shared in where if not shared),
+                m._expertd_memory["kernels"])
 
-    shared, copied = llm.apply_model(placement)[0]
-    out = {"seconds": seconds, "private_grown": grown, "shared": shared, "copied": copied}
+    shared, copied, kernels = llm.apply_model(placement)[0]
+    out = {"seconds": seconds, "private_grown": grown, "shared": shared, "copied": copied, "kernels": kernels}
     if side_by_side:  # V3: measured while every engine of the host maps its experts
         barrier(*side_by_side, "loaded")
         out.update(llm.apply_model(expert_memory)[0])
@@ -235,8 +236,9 @@ def main() -> None:
         print(f"V1  vLLM's own load of the FP8 folder: fails on this CPU: {fp8_own.strip()[:300]}")
     for mode in runs:
         m = med[mode]
+        kernels = f", packed by kernels from emptied parameters {mib(m['kernels'])}" if mode == "expertd" else ""
         print(f"V2  {mode:8s} weights mapped from shared memory {mib(m['shared'])}, parameters held privately "
-              f"{mib(m['copied'])}; private memory grown across LLM() {mib(m['private_grown'])}")
+              f"{mib(m['copied'])}{kernels}; private memory grown across LLM() {mib(m['private_grown'])}")
     for mode, rows in four.items():
         one = rows[0]["expert_bytes"]
         total = sum(r["expert_pss"] + r["expert_private"] for r in rows)

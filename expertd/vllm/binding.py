@@ -9,6 +9,7 @@ in-place reload would (and dies of SIGSEGV), hence the loader's `zero_copy: fals
 from __future__ import annotations
 
 import bisect
+import math
 
 import torch
 from torch import nn
@@ -50,13 +51,23 @@ def residency(model: nn.Module, shm_dir: str) -> dict[str, tuple[int, bool]]:
     return out
 
 
-def report(model: nn.Module, served_bytes: int, bound: list[str], derived: list[str]) -> str:
-    """One line: the parameters bound to shared memory (as served, or the daemon's derived expert layout) and the
-    bytes the model's other parameters hold privately. Kernels' own copies (oneDNN's packed linear weights) are
-    no parameter of the model and are not counted here."""
+def accounting(model: nn.Module, loaded: dict, bound: list[str], derived: list[str]) -> dict[str, int]:
+    """Bytes of the engine's weights by where they are: "served" (parameters mapping the daemon's tensors as
+    served), "derived" (mapping its derived tensors), "private" (the model's other parameters), "kernels" (parameters
+    a kernel emptied after packing its own copy, e.g. oneDNN's linear layers, counted at their loaded size: that
+    copy is no parameter of the model). `loaded`: name -> (parameter, shape, dtype) as loaded."""
     params = dict(model.named_parameters())
     size = lambda names: sum(params[n].nbytes for n in names)  # noqa: E731
-    private = sum(p.nbytes for n, p in params.items() if n not in set(bound) | set(derived))
-    return (f"expertd: {len(bound) + len(derived)} parameter(s) map shared memory ({size(bound) / 2**20:.2f} MiB as "
-            f"served, {size(derived) / 2**20:.2f} MiB in the daemon's derived expert layout); the model's other "
-            f"parameters hold {private / 2**20:.2f} MiB privately (of {served_bytes / 2**20:.2f} MiB served)")
+    kernels = sum(math.prod(shape) * dtype.itemsize for name, (_, shape, dtype) in loaded.items()
+                  if name in params and params[name].numel() == 0 and math.prod(shape))
+    return {"served": size(bound), "derived": size(derived), "kernels": kernels,
+            "private": sum(p.nbytes for n, p in params.items() if n not in set(bound) | set(derived))}
+
+
+def report(memory: dict[str, int], count: int, served_bytes: int) -> str:
+    """One line of `accounting`'s figures for the engine's log."""
+    mib = lambda n: f"{n / 2**20:.2f} MiB"  # noqa: E731
+    return (f"expertd: {count} parameter(s) map shared memory ({mib(memory['served'])} as served, "
+            f"{mib(memory['derived'])} derived once per host); the model's other parameters hold "
+            f"{mib(memory['private'])} privately, kernels' own packed copies {mib(memory['kernels'])} (of "
+            f"{mib(served_bytes)} served)")

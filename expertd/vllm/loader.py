@@ -25,7 +25,7 @@ from expertd.errors import DaemonError, ModelMismatch
 from expertd.protocol import DEFAULT_ENDPOINT
 from expertd.partition import PartitionError
 
-from .binding import report
+from .binding import accounting, report
 from .derive import expert_sources
 from .following import Loaded, follow_hook, recording, release_replaced, share
 from .options import LoaderOptions, check_config, check_loaded
@@ -122,7 +122,9 @@ class ExpertdModelLoader(BaseModelLoader):
                           for owner, leaves in record.owners(sources).items()}
                 bound, packed = share(model, record, sources, shapes)
                 release_replaced(model, record)
-                log.info("%s", report(model, sum(t.nbytes for t in client.tensors().values()), bound, packed))
+                model._expertd_memory = accounting(model, record.params, bound, packed)
+                log.info("%s", report(model._expertd_memory, len(bound) + len(packed),
+                                      sum(t.nbytes for t in client.tensors().values())))
             log.info("expertd: attached and checked %.2f s, model built %.2f s, weights copied in %.2f s, vLLM's "
                      "post-load processing %.2f s, binding %.2f s", t1 - t0, t2 - t1, t3 - t2, t4 - t3,
                      time.perf_counter() - t4)
