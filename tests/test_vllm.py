@@ -23,6 +23,7 @@ import uuid
 import pytest
 
 from helpers.daemon import DaemonProcess
+from helpers.vllm_venv import psm_segments, vllm_leftovers
 
 ENGINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "vllm_engines.py")
 PROMPTS = [[1, 2, 3, 4, 5], [7, 100, 200], [300, 5, 9, 11, 12, 13], [42]]
@@ -83,7 +84,8 @@ def run_engines(python: str, folder: str, engines: list[dict], multiprocess: boo
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(PYTHONNOUSERSITE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
                VLLM_CACHE_ROOT=os.path.join(folder, "vllm-cache"), VLLM_CONFIG_ROOT=os.path.join(folder, "vllm-config"),
-               VLLM_NO_USAGE_STATS="1")
+               VLLM_NO_USAGE_STATS="1", TMPDIR=os.path.join(folder, "tmp"))  # vLLM's sockets and files: in `folder`
+    os.makedirs(env["TMPDIR"], exist_ok=True)
     done = subprocess.run([python, ENGINES, spec], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
@@ -121,6 +123,7 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
     quantize_saved_checkpoint(ckpt["compressed"], scheme="channel")  # compressed-tensors FP8 (FP8_DYNAMIC's)
     write_mxfp4(ckpt["mxfp4"])  # gpt-oss's release format: MXFP4 experts
     namespace = f"edt{uuid.uuid4().hex[:10]}"
+    psm = psm_segments()
     daemons = {}
     try:
         served = [(fmt, folder, {}) for fmt, folder in ckpt.items()]
@@ -189,6 +192,7 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
         left = glob.glob(f"/dev/shm/{namespace}*")
         for path in left:
             os.unlink(path)
+        vllm_leftovers(psm)
         shutil.rmtree(root, ignore_errors=True)
     assert codes == {name: 0 for name in daemons} and not left, (codes, left)
 

@@ -25,6 +25,7 @@ import uuid
 import pytest
 
 from helpers.daemon import DaemonProcess
+from helpers.vllm_venv import psm_segments, vllm_leftovers
 from test_vllm import MAX_TOKENS, PROMPTS, free_port, model_folder, run_engines
 
 pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
@@ -57,7 +58,9 @@ def serve_env(folder: str) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "VLLM_ENABLE_V1_MULTIPROCESSING")}
     env.update(PYTHONNOUSERSITE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1",
-               VLLM_CACHE_ROOT=os.path.join(folder, "vllm-cache"), VLLM_CONFIG_ROOT=os.path.join(folder, "vllm-config"))
+               VLLM_CACHE_ROOT=os.path.join(folder, "vllm-cache"), VLLM_CONFIG_ROOT=os.path.join(folder, "vllm-config"),
+               TMPDIR=os.path.join(folder, "tmp"))  # vLLM's sockets and files: in the test's folder
+    os.makedirs(env["TMPDIR"], exist_ok=True)
     return env
 
 
@@ -169,6 +172,7 @@ def runs(tmp_path_factory, vllm_python) -> dict:
     folder, ckpt = str(root), str(root / "bf16")
     generate_model_type(ckpt, "qwen3_moe", fp8=False)
     namespace = f"edt{uuid.uuid4().hex[:10]}"
+    psm = psm_segments()
     daemon = DaemonProcess.launch(root / "daemon", ckpt, namespace)
     servers = []
     out = {}
@@ -203,6 +207,7 @@ def runs(tmp_path_factory, vllm_python) -> dict:
         left = glob.glob(f"/dev/shm/{namespace}*")
         for path in left:
             os.unlink(path)
+        vllm_leftovers(psm)
         shutil.rmtree(root, ignore_errors=True)
     assert code == 0 and not left, (code, left)
 

