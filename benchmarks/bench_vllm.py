@@ -35,6 +35,8 @@ import time
 import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "helpers"))
+from vllm_engines import barrier, expert_memory  # noqa: E402  (the tests' measures, run in the vLLM virtualenv too)
 
 
 def private_bytes() -> int:
@@ -71,43 +73,14 @@ def engine(model: str, endpoint: str | None, side_by_side: tuple | None = None, 
     shared, copied, kernels = llm.apply_model(placement)[0]
     out = {"seconds": seconds, "private_grown": grown, "shared": shared, "copied": copied, "kernels": kernels}
     if side_by_side:  # V3: measured while every engine of the host maps its experts
-        barrier(*side_by_side, "loaded")
-        out.update(llm.apply_model(expert_memory)[0])
-        barrier(*side_by_side, "measured")
+        folder, name, count = side_by_side
+        peers = [str(k) for k in range(int(count))]
+        barrier(folder, name, "loaded", peers)
+        out["experts"] = llm.apply_model(expert_memory)[0]
+        barrier(folder, name, "measured", peers)
     if refresh:  # V4: a trainer's update, then this engine follows it
         out["refresh"] = follow(llm, endpoint, *refresh)
     return out
-
-
-def expert_memory(model) -> dict:
-    """The experts' bytes in this process: Pss of the shared mappings holding them, and those held privately."""
-    experts = [p for n, p in model.named_parameters() if n.endswith(("experts.w13_weight", "experts.w2_weight"))]
-    maps, current = [], None
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and not head[0].endswith(":"):
-                current = [*(int(x, 16) for x in head[0].split("-")), head[1][3] == "s", 0]
-                maps.append(current)
-            elif head[0] == "Pss:" and current is not None:
-                current[3] = int(head[1]) * 1024
-    held, private = {}, 0
-    for p in experts:
-        found = next((m for m in maps if m[0] <= p.data_ptr() < m[1] and m[2]), None)
-        if found is None:
-            private += p.nbytes
-        else:
-            held[found[0]] = found[3]
-    return {"expert_pss": sum(held.values()), "expert_private": private, "expert_bytes": sum(p.nbytes for p in experts)}
-
-
-def barrier(folder: str, name: str, count: str, step: str) -> None:
-    open(os.path.join(folder, f"{name}.{step}"), "w").close()
-    deadline = time.monotonic() + 900
-    while len([f for f in os.listdir(folder) if f.endswith(f".{step}")]) < int(count):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"engines did not all reach {step}")
-        time.sleep(0.05)
 
 
 def follow(llm, endpoint: str, folder: str, name: str) -> dict:
@@ -118,18 +91,18 @@ def follow(llm, endpoint: str, folder: str, name: str) -> dict:
     import expertd.vllm
     from expertd.client import ExpertClient
 
-    barrier(folder, name, "2", "loaded")  # both engines on the generation before the update
+    barrier(folder, name, "loaded", ["first", "second"])  # both engines on the generation before the update
     if name == "first":
         with ExpertClient(endpoint, heartbeat=False) as client:
             stack = next(n for n in client.served_tensors() if n.endswith("layers.0.mlp.experts.gate_up_proj"))
             client.update({stack: -client.served_tensors()[stack]})
     else:
-        barrier(folder, name, "1", "refreshed")
+        barrier(folder, name, "refreshed", ["first"])
     t0 = time.perf_counter()
     done = expertd.vllm.refresh(llm)[0]
     seconds = time.perf_counter() - t0
     if name == "first":
-        barrier(folder, name, "1", "refreshed")
+        barrier(folder, name, "refreshed", ["first"])
     return {"seconds": seconds, "remapped": len(done["remapped"]), "modules": len(done["modules"])}
 
 
@@ -240,8 +213,8 @@ def main() -> None:
         print(f"V2  {mode:8s} weights mapped from shared memory {mib(m['shared'])}, parameters held privately "
               f"{mib(m['copied'])}{kernels}; private memory grown across LLM() {mib(m['private_grown'])}")
     for mode, rows in four.items():
-        one = rows[0]["expert_bytes"]
-        total = sum(r["expert_pss"] + r["expert_private"] for r in rows)
+        one = rows[0]["experts"]["total"]
+        total = sum(r["experts"]["pss"] + r["experts"]["private"] for r in rows)
         print(f"V3  4 engines ({mode:8s}): sum of expert Pss + private expert bytes {mib(total)} = "
               f"{total / one:.2f} x one copy ({mib(one)})")
     first, second = (r["refresh"]["seconds"] for r in refreshed)

@@ -13,7 +13,7 @@ import zmq
 from expertd import index_segment, messages
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, GenerationGone, LeaseExpired, NotReady
-from expertd.index import SegmentEntry, TensorIndex
+from expertd.index import SegmentEntry, TensorIndex, moved
 from expertd.leasing import changed_tensors, lease_request
 from expertd.protocol import DEFAULT_ENDPOINT
 from expertd.security import Credentials
@@ -176,8 +176,7 @@ class ExpertClient:
         self.generation, self._index_place = reply.generation, reply.index_segment
         self._index = None
         new = self.index()
-        before = {t.name: (t.segment, t.offset, t.nbytes, t.shape, t.dtype) for t in (old.tensors if old else [])}
-        changed = [t.name for t in new.tensors if before.get(t.name) != (t.segment, t.offset, t.nbytes, t.shape, t.dtype)]
+        changed = moved(old.tensors if old else [], new.tensors)
         self._remap(new)
         if model is None:
             return changed

@@ -16,6 +16,7 @@ imports it).
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 
@@ -99,9 +100,9 @@ class Gather:
             self._index = raw
         return self._index
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """What names this derivation: the inflated index and the derived shape."""
+        """What names this derivation: the inflated index, the derived shape, the further sources and the blocks."""
         digest = xxhash.xxh3_128(self.raw())
         digest.update(repr((self.shape, self.also, self.blocks)).encode())
         return f"{GATHER}:{digest.hexdigest()}"

@@ -262,6 +262,16 @@ def derive_views(tensors: list[TensorEntry]) -> list[TensorEntry]:
     return views
 
 
+def moved(before, after) -> list[str]:
+    """Names of the entries of `after` that are new or lie elsewhere than in `before`, in `after`'s order: what a
+    newer index changed (a tensor with the same bytes keeps its place)."""
+    def place(e: TensorEntry) -> tuple:
+        return e.segment, e.offset, e.nbytes, e.shape, e.dtype
+
+    was = {e.name: place(e) for e in before}
+    return [e.name for e in after if was.get(e.name) != place(e)]
+
+
 def checksum(data) -> str:
     """The integrity checksum the index records for a tensor's bytes (any buffer)."""
     import xxhash

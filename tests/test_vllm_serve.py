@@ -142,19 +142,13 @@ class Server:
             pass
 
 
-def leases(endpoint: str) -> int:
-    from expertd.connection import Connection
-
-    conn = Connection(endpoint, timeout=10)
-    try:
-        return len(conn.request("status")["leases"])
-    finally:
-        conn.close()
+def leases(daemon: DaemonProcess) -> int:
+    return len(daemon.status(timeout=10)["leases"])
 
 
-def wait_leases(endpoint: str, count: int, timeout: float = 30.0) -> int:
+def wait_leases(daemon: DaemonProcess, count: int, timeout: float = 30.0) -> int:
     deadline = time.monotonic() + timeout
-    while (held := leases(endpoint)) != count and time.monotonic() < deadline:
+    while (held := leases(daemon)) != count and time.monotonic() < deadline:
         time.sleep(0.2)
     return held
 
@@ -189,9 +183,9 @@ def runs(tmp_path_factory, vllm_python) -> dict:
             out["reply"] = server.post("/v1/completions", {
                 "model": server.model, "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True})
-            out["leases"] = [leases(daemon.endpoint)]
+            out["leases"] = [leases(daemon)]
             out["code"] = server.stop()
-            out["leases"].append(wait_leases(daemon.endpoint, 0))
+            out["leases"].append(wait_leases(daemon, 0))
             out["log"] = server.text()
             try:
                 out["refused_code"] = refused.proc.wait(300)

@@ -68,27 +68,61 @@ def load_layout(model: nn.Module, param: nn.Parameter, feed: str, source: torch.
     result is not such a rearrangement (checked again on the real bytes: `share_experts` compares)."""
     saved = param.data.clone()
     n = source[0].numel()
-    index = None
+    found = Positions(padding=False)  # a load fills every element of the parameter
     try:
-        for digit in range(max(1, math.ceil(math.log(n, BASE)))):
-            probe_values = _digits(tuple(source.shape), source.dtype, digit).expand(source.shape).contiguous()
-            model.load_weights(iter([(feed, probe_values)]))
-            out = param.data[0].float().flatten()
-            if not torch.equal(out, out.round()) or float(out.min()) < 1 or float(out.max()) > BASE:
+        for digit in range(digit_count(n)):
+            probe_values = digits(torch.arange(n), digit, source.dtype).reshape(source[:1].shape)
+            model.load_weights(iter([(feed, probe_values.expand(source.shape).contiguous())]))
+            if found.add(param.data[0], digit) is not None:
                 return None
-            part = (out.to(torch.int64) - 1) * BASE ** digit
-            index = part if index is None else index + part
     except (KeyError, AssertionError, RuntimeError, ValueError):
         return None
     finally:
         param.data.copy_(saved)
+    index = found.result()
     return index if bool((index < n).all()) else None
 
 
-def _digits(shape: tuple[int, ...], dtype: torch.dtype, digit: int) -> torch.Tensor:
-    """One expert of `shape` (first dimension dropped) whose elements hold digit `digit` of their position, + 1."""
-    n = math.prod(shape[1:])
-    return ((torch.arange(n) // BASE ** digit) % BASE + 1).to(dtype).reshape(1, *shape[1:])
+def digit_count(n: int) -> int:
+    """How many base-255 digits the positions 0 .. n-1 take (at least one)."""
+    count = 1
+    while BASE ** count < n:
+        count += 1
+    return count
+
+
+def digits(positions: torch.Tensor, digit: int, dtype: torch.dtype) -> torch.Tensor:
+    """Digit `digit` of each position, + 1: 1..255, exact in bf16 (0 is left for padding)."""
+    return ((positions // BASE ** digit) % BASE + 1).to(dtype)
+
+
+class Positions:
+    """A gather index read back from probes, one digit at a time: each element of a probe's result holds the digit
+    of the source position it came from, + 1, or 0 where none came (padding: -1 in the index)."""
+
+    def __init__(self, padding: bool = True):
+        self.padding = padding
+        self.index: torch.Tensor | None = None
+        self.pad: torch.Tensor | None = None
+
+    def add(self, out: torch.Tensor, digit: int) -> str | None:
+        """Take the result of the probe of `digit`; why it is not a rearrangement of the probe, or None."""
+        out = out.detach().float().flatten()
+        lowest = 0 if self.padding else 1
+        if out.numel() == 0 or not torch.equal(out, out.round()) or float(out.min()) < lowest or float(out.max()) > BASE:
+            return "changed the probe's values, not only their places"
+        pad = out == 0
+        if self.pad is not None and not torch.equal(self.pad, pad):
+            return "padded differently from one probe to the next"
+        self.pad = pad
+        part = (out.to(torch.int64) - 1).clamp(min=0) * BASE ** digit
+        self.index = part if self.index is None else self.index + part
+        return None
+
+    def result(self) -> torch.Tensor:
+        """The index: source positions, -1 for padding."""
+        self.index[self.pad] = -1
+        return self.index
 
 
 def probe(module: nn.Module, shapes: dict[str, tuple[int, ...]], loaded: dict[str, tuple]) -> dict[str, torch.Tensor]:
@@ -99,29 +133,20 @@ def probe(module: nn.Module, shapes: dict[str, tuple[int, ...]], loaded: dict[st
     if experts is None or not hasattr(experts, "process_weights_after_loading"):
         raise ValueError(f"{type(module).__name__} has no fused experts kernel with a post-load step")
     blocks = next(iter(shapes.values()))[0]
-    count = max(1, math.ceil(math.log(max(math.prod(s[1:]) for s in shapes.values()), BASE)))
-    index: dict[str, torch.Tensor] = {}
-    pads: dict[str, torch.Tensor] = {}
-    for digit in range(count):
+    found = {leaf: Positions() for leaf in shapes}
+    for digit in range(digit_count(max(math.prod(s[1:]) for s in shapes.values()))):
         standin = nn.Module()
         for leaf, (shape, dtype) in loaded.items():
             one = (1, *shape[1:]) if shape and shape[0] == blocks else shape
-            value = _digits(shape, dtype, digit) if leaf in shapes else torch.zeros(one, dtype=dtype)
+            value = digits(torch.arange(math.prod(one)), digit, dtype).reshape(one) if leaf in shapes else \
+                torch.zeros(one, dtype=dtype)
             standin.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
         copy.copy(experts).process_weights_after_loading(standin)  # a copy: nothing of the real kernel changes
         for leaf in shapes:
-            out = getattr(standin, leaf).detach().float().flatten()
-            if out.numel() == 0 or not torch.equal(out, out.round()) or float(out.min()) < 0 or float(out.max()) > BASE:
-                raise ValueError(f"{leaf}: the post-load step changed the probe's values, not only their places")
-            pad = out == 0
-            if leaf in pads and not torch.equal(pads[leaf], pad):
-                raise ValueError(f"{leaf}: padding differs between probes")
-            pads[leaf] = pad
-            part = (out.to(torch.int64) - 1).clamp(min=0) * BASE ** digit
-            index[leaf] = part if digit == 0 else index[leaf] + part
-    for leaf in shapes:
-        index[leaf][pads[leaf]] = -1
-    return index
+            why = found[leaf].add(getattr(standin, leaf), digit)
+            if why is not None:
+                raise ValueError(f"{leaf}: the post-load step {why}")
+    return {leaf: positions.result() for leaf, positions in found.items()}
 
 
 def share_experts(model: nn.Module, client, sources: dict, loaded: dict[str, dict],

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from expertd.index import moved
+
 from .binding import bind_shared
 from .derive import expert_sources, fetch, share_experts
 from .fused import share_fused
@@ -122,12 +124,10 @@ def changed_tensors(client) -> tuple[int, int, set[str]]:
     """Move the client's lease to the latest generation: (old generation, new, the checkpoint tensors whose bytes
     differ)."""
     before = client.index()
-    old = {name: (e.segment, e.offset, e.nbytes, e.shape, e.dtype) for name, e in before.checkpoint_entries().items()}
     client.refresh()
     index = client.index()
-    changed = {name for name, e in index.checkpoint_entries().items()
-               if old.get(name) != (e.segment, e.offset, e.nbytes, e.shape, e.dtype)}
-    return before.generation, index.generation, changed
+    changed = moved(before.checkpoint_entries().values(), index.checkpoint_entries().values())
+    return before.generation, index.generation, set(changed)
 
 
 def reload_modules(model: nn.Module, loaded: Loaded, owners: dict[str, list[str]]) -> tuple[list[str], list[str]]:

@@ -12,14 +12,13 @@ nothing left to bind and keep that private copy.
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 from torch import nn
 
 from expertd import derived
 
-from .derive import BASE, fetch
+from .derive import Positions, digit_count, digits, fetch
 
 log = logging.getLogger("vllm.expertd")
 
@@ -54,27 +53,21 @@ def layout(model: nn.Module, name: str, order: list[str], served: dict[str, torc
     sizes = [served[f].numel() for f in order]
     offsets = [sum(sizes[:k]) for k in range(len(sizes))]
     total = sum(sizes)
-    param, index, pad = params[name], None, None
+    param, found = params[name], Positions()
     try:
-        for digit in range(max(1, math.ceil(math.log(total + 1, BASE)))):
-            param.data.zero_()
-            probes = [(f, ((torch.arange(n) + off) // BASE ** digit % BASE + 1).to(param.dtype).reshape(served[f].shape))
+        for digit in range(digit_count(total)):
+            param.data.zero_()  # what no probe element reaches reads 0: padding
+            probes = [(f, digits(torch.arange(n) + off, digit, param.dtype).reshape(served[f].shape))
                       for f, n, off in zip(order, sizes, offsets)]
             model.load_weights(iter(probes))
-            out = param.data.float().flatten()
-            if not torch.equal(out, out.round()) or float(out.min()) < 0 or float(out.max()) > BASE:
+            if found.add(param.data, digit) is not None:
                 return None
-            if pad is not None and not torch.equal(pad, out == 0):
-                return None
-            pad = out == 0
-            part = (out.to(torch.int64) - 1).clamp(min=0) * BASE ** digit
-            index = part if index is None else index + part
     except (KeyError, AssertionError, RuntimeError, ValueError, TypeError):
         return None
     finally:
         for n, data in saved.items():
             params[n].data.copy_(data)
-    index[pad] = -1
+    index = found.result()
     return index if bool((index < total).all()) else None
 
 

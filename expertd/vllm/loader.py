@@ -124,7 +124,7 @@ class ExpertdModelLoader(BaseModelLoader):
                 release_replaced(model, record)
                 model._expertd_memory = accounting(model, record.params, bound, packed)
                 log.info("%s", report(model._expertd_memory, len(bound) + len(packed),
-                                      sum(t.nbytes for t in client.tensors().values())))
+                                      sum(t.nbytes for t in client.index().tensors)))
             log.info("expertd: attached and checked %.2f s, model built %.2f s, weights copied in %.2f s, vLLM's "
                      "post-load processing %.2f s, binding %.2f s", t1 - t0, t2 - t1, t3 - t2, t4 - t3,
                      time.perf_counter() - t4)
