@@ -117,24 +117,25 @@ def fill_rate(nbytes: int = 1 << 30) -> float:
 
 
 def variant_rate(d: DaemonProcess) -> dict:
-    """The `variant` op casting the largest bf16 tensors to float32, end to end: GB/s of output."""
+    """The `cast` op casting the largest bf16 tensors to float32, end to end: GB/s of output."""
     from expertd import messages
-    from expertd.client.connection import Connection
+    from expertd.connection import Connection
+    from expertd.protocol import PROTOCOL_VERSION
 
     conn = Connection(d.endpoint, timeout=600)
     try:
-        lease = conn.send(messages.Lease(pid=os.getpid(), protocol=3), messages.LeaseReply).client
+        lease = conn.send(messages.Lease(pid=os.getpid(), protocol=PROTOCOL_VERSION), messages.LeaseReply).client
         index = conn.request("index")["index"]
         bf16 = sorted((t for t in index["tensors"] if t["dtype"] == "torch.bfloat16"), key=lambda t: -t["nbytes"])
         asked = bf16[:48]
+        cast = messages.Cast(client=lease, tensors=[messages.CastItem(name=t["name"], dtype="torch.float32")
+                                                    for t in asked])
         t0 = time.perf_counter()
-        reply = conn.send(messages.Variant(client=lease, tensors=[{"name": t["name"], "dtype": "torch.float32"}
-                                                                  for t in asked]), messages.VariantReply)
+        reply = conn.send(cast, messages.VariantReply)
         seconds = time.perf_counter() - t0
         out = sum(t["nbytes"] for t in reply.tensors)
         t1 = time.perf_counter()
-        conn.send(messages.Variant(client=lease, tensors=[{"name": t["name"], "dtype": "torch.float32"} for t in asked]),
-                  messages.VariantReply)
+        conn.send(cast, messages.VariantReply)
         again = time.perf_counter() - t1
         conn.send(messages.Release(client=lease))
     finally:

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from expertd import messages
+from expertd import messages, replies
 from expertd.connection import Connection
 from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
 from expertd.index import TensorIndex, tensor_checksum
@@ -30,7 +30,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
-def _checked(slot: messages.StagedTensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def _checked(slot: replies.StagedTensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     raw = _raw(tensors[slot.name])
     if raw.numel() != slot.nbytes:
         raise UpdateRejected(f"tensor {slot.name!r}: {raw.numel()} bytes, the daemon staged {slot.nbytes}")
@@ -86,7 +86,7 @@ def _stage(conn, lease: str, tensors: dict[str, torch.Tensor]) -> tuple[messages
 
 def _abort(conn, lease: str, staging: messages.UpdateReply) -> None:
     try:
-        conn.send(messages.Abort(client=lease, update=staging.update), messages.Done)
+        conn.send(messages.Abort(client=lease, update=staging.update), replies.Done)
     except Exception:  # the first failure is the one to report
         pass
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 
 from expertd import messages
-from expertd.derived import GATHER
 from expertd.errors import DaemonError, GenerationGone, ProtocolError, VariantRejected
 from expertd.index import TensorEntry, TensorIndex
 
@@ -18,20 +17,22 @@ log = logging.getLogger("expertd.client")
 
 
 def fetch(conn, lease: str, index: TensorIndex, need: dict[str, tuple[str, str]]) -> list[TensorEntry]:
-    """The daemon's variants of the served tensors `need` names (model name -> (served name, dtype)), in one request
-    on the index's generation; [] when the daemon makes none (an older daemon: said once, copies follow)."""
+    """The daemon's variants of the served tensors `need` names (model name -> (served name, dtype)), in as few
+    requests as `messages.MAX_ITEMS` allows, on the index's generation; [] when the daemon makes none (an older daemon: said once, copies follow)."""
     asked = list(dict.fromkeys(need.values()))
+    entries = []
     try:
-        reply = conn.send(messages.Variant(client=lease, generation=index.generation,
-                                           tensors=[{"name": name, "dtype": dtype} for name, dtype in asked]),
-                          messages.VariantReply)
+        for at in range(0, len(asked), messages.MAX_ITEMS):  # the most one request names
+            items = [messages.CastItem(name=name, dtype=dtype) for name, dtype in asked[at:at + messages.MAX_ITEMS]]
+            reply = conn.send(messages.Cast(client=lease, generation=index.generation, tensors=items),
+                              messages.VariantReply)
+            entries += _entries(reply)
     except (VariantRejected, GenerationGone):
         raise
     except (DaemonError, ProtocolError) as exc:
         log.warning("the daemon made no dtype variants (%s: %s): %d tensor(s) become private copies",
                     type(exc).__name__, exc, len(need))
         return []
-    entries = _entries(reply)
     if [(e.name, e.dtype) for e in entries] != asked:
         raise ProtocolError(f"the daemon's variants {[(e.name, e.dtype) for e in entries][:4]} do not answer the "
                             f"request {asked[:4]}")
@@ -56,14 +57,14 @@ def log_casts(model, dtype, index: TensorIndex, views, need: dict) -> None:
                     index.generation, len(views.copies), served, why, ", ".join(views.copies[:3]))
 
 
-def derive(conn, lease: str, index: TensorIndex, items: list[dict]) -> list[TensorEntry]:
+def derive(conn, lease: str, index: TensorIndex, items: list[messages.GatherItem]) -> list[TensorEntry]:
     """The derived tensors `items` asks for (`expertd.derived.request`), of the index's generation, in order: made by
     the daemon once per host (VariantRejected names what it refused)."""
-    reply = conn.send(messages.Variant(client=lease, generation=index.generation, tensors=items), messages.VariantReply)
+    reply = conn.send(messages.Gather(client=lease, generation=index.generation, tensors=items), messages.VariantReply)
     entries = _entries(reply)
-    if [(e.name, list(e.shape)) for e in entries] != [(i["name"], list(i[GATHER]["shape"])) for i in items]:
+    if [(e.name, list(e.shape)) for e in entries] != [(i.name, list(i.shape)) for i in items]:
         raise ProtocolError(f"the daemon's derived tensors {[(e.name, e.shape) for e in entries][:4]} do not answer "
-                            f"the request {[i['name'] for i in items][:4]}")
+                            f"the request {[i.name for i in items][:4]}")
     return entries
 
 
@@ -72,4 +73,4 @@ def _entries(reply) -> list[TensorEntry]:
         return [TensorEntry(t["name"], t["segment"], t["offset"], t["nbytes"], list(t["shape"]), t["dtype"],
                             checksum=t.get("checksum")) for t in reply.tensors]
     except (KeyError, TypeError) as exc:
-        raise ProtocolError(f"the daemon's reply to variant: malformed entry ({exc})") from exc
+        raise ProtocolError(f"the daemon's reply to a cast or gather: malformed entry ({exc})") from exc

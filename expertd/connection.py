@@ -15,21 +15,9 @@ import zmq
 from expertd import messages
 from expertd.errors import DaemonNotRunning, DaemonTimeout, ProtocolError
 from expertd.protocol import MAX_MESSAGE_BYTES, check_endpoint, ipc_path, pack, unpack_reply
+from expertd.replies import Reply, read_reply
 from expertd.security import Credentials
 from expertd.trust import check_socket
-
-# What each request is, in the user's words (errors name these, never the op on the wire).
-OP_WORDS = {
-    "hello": "the handshake", "lease": "attach", "index": "the tensor index", "heartbeat": "a heartbeat",
-    "release": "detach", "refresh": "refresh", "status": "status", "stop": "stop", "reload": "reload",
-    "update": "an update", "stage": "an update's bytes", "commit": "an update", "publish": "publishing an update",
-    "abort": "dropping an update", "job": "build progress",
-}
-
-
-def op_words(op: str) -> str:
-    return OP_WORDS.get(op, op)
-
 
 def _refused(path: str) -> bool:
     """Whether nothing listens on the unix socket `path` (a daemon killed with -9 leaves its file behind)."""
@@ -101,7 +89,7 @@ class Connection:
                 message.update(self.credentials.for_op(op))  # the push or admin token, with the ops that need it
                 packed = pack(message)
                 if len(packed) > MAX_MESSAGE_BYTES:  # the daemon's socket would drop it unanswered
-                    raise ProtocolError(f"{op_words(op)} is a {len(packed)}-byte request; the daemon takes requests "
+                    raise ProtocolError(f"{messages.words(op)} is a {len(packed)}-byte request; the daemon takes requests "
                                         f"of at most {MAX_MESSAGE_BYTES} bytes (larger data travels as frames or in "
                                         "shared memory)")
                 if _frames:
@@ -114,7 +102,7 @@ class Connection:
             except zmq.Again as exc:
                 self._reset()
                 raise DaemonTimeout(
-                    f"the daemon at {self.endpoint} did not answer {op_words(op)} within {self.timeout_ms / 1000:.1f}s "
+                    f"the daemon at {self.endpoint} did not answer {messages.words(op)} within {self.timeout_ms / 1000:.1f}s "
                     f"({self._silence()})"
                 ) from exc
             except BaseException:
@@ -125,10 +113,10 @@ class Connection:
             self.on_reply(reply)
         return reply
 
-    def send(self, request: messages.Request, reply: type[messages.Reply] | None = None, frames=()):
+    def send(self, request: messages.Request, reply: type[Reply] | None = None, frames=()):
         """Send a typed request (expertd.messages); the reply as `reply` (checked field by field), else its map."""
         got = self.request(request.op, frames, **request.wire())
-        return got if reply is None else messages.read_reply(reply, got, repr(request.op))
+        return got if reply is None else read_reply(reply, got, repr(request.op))
 
     def _silence(self) -> str:
         """Why a daemon may not answer, as far as this side can tell."""

@@ -23,9 +23,8 @@ import zlib
 import xxhash
 
 from .errors import VariantRejected
-
-GATHER = "gather"
-MAX_INDEX_BYTES = 512 << 10  # a deflated index, well under a request's cap; a plain per-element index is not sent
+from .message_types import ABSENT
+from .messages import GatherItem
 
 
 def encode(index) -> bytes:
@@ -40,45 +39,29 @@ def encode(index) -> bytes:
 
 
 def request(name: str, index_bytes: bytes, length: int, shape: tuple[int, ...], also: list[str] | None = None,
-            whole: bool = False) -> dict:
-    """One item of a `variant` request: served tensor `name` gathered by a deflated index into `shape`, block by
+            whole: bool = False) -> GatherItem:
+    """One item of a `gather` request: served tensor `name` gathered by a deflated index into `shape`, block by
     block of its first dimension; `whole`: as one block (a padded vocabulary); with `also`, the source is `name`
     and those served tensors concatenated (flat) as one block (vLLM's fused q/k/v)."""
-    spec = {"index": index_bytes, "length": int(length), "shape": [int(s) for s in shape]}
-    if also:
-        spec["also"] = list(also)
-    if whole or also:
-        spec["blocks"] = 1
-    return {"name": name, GATHER: spec}
+    return GatherItem(name=name, index=index_bytes, length=int(length), shape=[int(s) for s in shape],
+                      also=list(also) if also else ABSENT, blocks=1 if whole or also else ABSENT)
 
 
 class Gather:
-    """A checked gather request for one served tensor (`source_shape`), or several concatenated as one block (the
-    shapes of `also`, served names in `spec["also"]`): no torch, nothing decompressed yet."""
+    """A gather request's item (typed and bounded by the parser) checked against the served tensor it reads
+    (`source_shape`), or several concatenated as one block (the shapes of `also`): no torch, nothing inflated yet."""
 
-    def __init__(self, name: str, spec, source_shape: list[int], where: str, also: list[list[int]] = ()):
-        if not isinstance(spec, dict) or not isinstance(spec.get("index"), bytes):
-            raise VariantRejected(f"op 'variant': {where}[{GATHER!r}] must be a map with a binary 'index'")
-        length, shape = spec.get("length"), spec.get("shape")
-        if (not isinstance(length, int) or isinstance(length, bool) or length < 1 or not isinstance(shape, list)
-                or not shape or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape)):
-            raise VariantRejected(f"op 'variant': {where}[{GATHER!r}] needs a positive int 'length' and a 'shape' "
-                                  f"of positive ints, got length={length!r} shape={shape!r}")
-        if len(spec["index"]) > MAX_INDEX_BYTES:
-            raise VariantRejected(f"op 'variant': the gather index for {name!r} is {len(spec['index'])} bytes "
-                                  f"deflated; at most {MAX_INDEX_BYTES}")
-        self.also = tuple(spec.get("also") or ())
-        if spec.get("blocks", 1) != 1 or isinstance(spec.get("blocks"), bool):
-            raise VariantRejected(f"op 'variant': {where}[{GATHER!r}]['blocks'] may only be 1 (the source as one "
-                                  f"block), got {spec.get('blocks')!r}")
-        blocks = 1 if self.also or "blocks" in spec or not source_shape else source_shape[0]
+    def __init__(self, item: GatherItem, source_shape: list[int], where: str, also: list[list[int]] = ()):
+        name, length, shape = item.name, item.length, list(item.shape)
+        self.also = tuple(item.also or ())
+        blocks = 1 if self.also or item.blocks is not None or not source_shape else source_shape[0]
         if math.prod(shape) != blocks * length or (blocks > 1 and shape[0] != blocks):
-            raise VariantRejected(f"op 'variant': a gather of {name!r} (served as {source_shape}) must keep its "
+            raise VariantRejected(f"op 'gather': a gather of {name!r} (served as {source_shape}) must keep its "
                                   f"{blocks} block(s) of the first dimension: shape {shape} is not {blocks} blocks "
                                   f"of length {length}")
         self.name, self.length, self.shape, self.blocks = name, length, tuple(shape), blocks
         self.source_block = (math.prod(source_shape) + sum(math.prod(s) for s in also)) // blocks
-        self.deflated = spec["index"]
+        self.deflated = item.index
         self._index = None
 
     def raw(self) -> bytes:
@@ -86,16 +69,16 @@ class Gather:
         most twice the source block: padding never doubles a block)."""
         if self._index is None:
             if self.length > 2 * self.source_block:
-                raise VariantRejected(f"op 'variant': a gather of {self.name!r} into blocks of {self.length} elements: "
+                raise VariantRejected(f"op 'gather': a gather of {self.name!r} into blocks of {self.length} elements: "
                                       f"at most twice the served block's {self.source_block}")
             inflater = zlib.decompressobj()
             try:
                 raw = inflater.decompress(self.deflated, 4 * self.length + 1)
             except zlib.error as exc:
-                raise VariantRejected(f"op 'variant': the gather index for {self.name!r} is not deflated data "
+                raise VariantRejected(f"op 'gather': the gather index for {self.name!r} is not deflated data "
                                       f"({exc})") from None
             if len(raw) != 4 * self.length or not inflater.eof or inflater.unconsumed_tail:
-                raise VariantRejected(f"op 'variant': the gather index for {self.name!r} does not inflate to "
+                raise VariantRejected(f"op 'gather': the gather index for {self.name!r} does not inflate to "
                                       f"{self.length} int32 differences")
             self._index = raw
         return self._index
@@ -105,7 +88,7 @@ class Gather:
         """What names this derivation: the inflated index, the derived shape, the further sources and the blocks."""
         digest = xxhash.xxh3_128(self.raw())
         digest.update(repr((self.shape, self.also, self.blocks)).encode())
-        return f"{GATHER}:{digest.hexdigest()}"
+        return f"gather:{digest.hexdigest()}"
 
     def index(self):
         """The index as an int64 tensor, checked to lie in [-1, source block) (torch: the daemon's making step)."""
@@ -114,7 +97,7 @@ class Gather:
         index = torch.frombuffer(bytearray(self.raw()), dtype=torch.int32).to(torch.int64).cumsum(0)
         lo, hi = int(index.min()), int(index.max())
         if lo < -1 or hi >= self.source_block:
-            raise VariantRejected(f"op 'variant': the gather index for {self.name!r} holds {lo if lo < -1 else hi}, "
+            raise VariantRejected(f"op 'gather': the gather index for {self.name!r} holds {lo if lo < -1 else hi}, "
                                   f"outside [-1, {self.source_block}) (the served block's elements)")
         return index
 

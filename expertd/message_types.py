@@ -24,17 +24,19 @@ class _Absent:
 
 ABSENT: Any = _Absent()  # a field that is not on the wire (distinct from nil)
 
-_WORDS = {int: "an integer", str: "a string", bool: "a boolean", float: "a number", list: "a list", dict: "a map"}
+_WORDS = {int: "an integer", str: "a string", bool: "a boolean", float: "a number", list: "a list", dict: "a map",
+          bytes: "binary data"}
 
 
 def F(kind=None, default=ABSENT, *, lo: int | None = None, hi: int | None = None, nil: bool = False,
-      required: bool = False, items=None):
+      required: bool = False, items=None, most: int | None = None):
     """A message field: its wire type (None: any), the value a reader takes when it is absent, integer bounds
-    [lo, hi) (of a list's items for a list), whether nil is allowed, whether it must be present, and the type of
-    a list's items (a Message class: maps read as that message). A message built to be sent leaves every field
-    it is not given ABSENT: not on the wire."""
+    [lo, hi) (of a list's items for a list), whether nil is allowed, whether it must be present, the type of
+    a list's items (a Message class: maps read as that message), and the most items, characters or bytes a list,
+    string or binary may hold. A message built to be sent leaves every field it is not given ABSENT: not on the
+    wire."""
     return field(default=ABSENT, metadata={"kind": kind, "default": default, "lo": lo, "hi": hi, "nil": nil,
-                                            "required": required, "items": items})
+                                            "required": required, "items": items, "most": most})
 
 
 def _is(kind, value) -> bool:
@@ -72,6 +74,10 @@ def _check(where: str, name: str, value, meta: dict):
     if not _fits(meta, value):
         shown = repr(value) if len(repr(value)) <= 40 else type(value).__name__
         raise ProtocolError(f"{where}: '{name}' must be {_words(meta)}{' (or nil)' if meta['nil'] else ''}, got {shown}")
+    most = meta.get("most")
+    if most is not None and len(value) > most:
+        unit = {list: "items", str: "characters", bytes: "bytes"}[meta["kind"]]
+        raise ProtocolError(f"{where}: '{name}' holds {len(value)} {unit}; at most {most}")
     if _message(meta["kind"]):  # a map that is a message of its own
         return meta["kind"].from_wire(value, f"{where}: '{name}'")
     items = meta["items"]

@@ -1,45 +1,73 @@
-"""The wire contract's messages, typed: one class per request op and per reply the clients read.
+"""The wire contract's requests, typed: one class per op, and the one place an op is declared.
 
-PROTOCOL.md §3 documents each message; tests/golden/protocol pins their bytes. The daemon turns every request
-into its class here (`parse_request`: wrong or missing fields are a ProtocolError naming the op and the field,
-another protocol version a VersionMismatch) and builds the replies clients read from the reply classes; the
-Python client builds its requests from the same classes and reads those replies through them. A field left
-at `ABSENT` is not sent; `None` is sent as nil. `PERMISSIONS` says which permission each op needs: the daemon
-checks it on the parsed request, the client sends its push or admin token with the ops that need it.
+A request class declares its op: `class Lease(Request, op="lease", permission=READ, reply=LeaseReply,
+words="attach")`. Everything else is derived from those declarations: `REQUESTS` (op -> class, what the
+daemon parses with and registers one handler per), `PERMISSIONS` (what the daemon checks, what the client sends
+tokens with, what PROTOCOL.md and the C++ `wire.h` state — a test holds them to it), `OPS` and the words errors
+and the CLI use (`words`). Adding an op is one class here and one handler in the daemon.
+
+PROTOCOL.md §3 documents each message; tests/golden/protocol pins their bytes. The daemon turns every request into
+its class (`parse_request`: an unknown op, a wrong or missing field, a list or string over its bound is a
+ProtocolError naming the op and the field, another protocol version a VersionMismatch), so a handler starts
+from a request whose every field is typed and bounded. A field left at `ABSENT` is not sent; `None` is sent as
+nil. The replies are `expertd.replies`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .errors import ProtocolError
-from .index import DEFAULT_SHM_DIR
-from .message_types import ABSENT, F, Message  # noqa: F401  (ABSENT: callers leave a field off the wire with it)
+from .errors import ProtocolError, VariantRejected
+from .message_types import ABSENT, F, Message
 from .protocol import check_version
+from .replies import (Done, HeartbeatReply, HelloReply, IndexSegmentReply, JobReply, LeaseReply, Reply, StageReply,
+                      StatusReply, UpdateReply, VariantReply)
 
+U31, U64, U40 = 2**31, 2**64, 2**40
 
-# --- requests --------------------------------------------------------------------------------------
+# Three permissions, each implying the ones before it: `read` (attach and look), `push` (change the served
+# weights), `admin` (reload from a checkpoint, stop the daemon). Roles grant verbs, not connections: the daemon
+# checks an op's permission on the parsed request and a refusal (PermissionDenied; PushDenied for the push ops)
+# names the op and the permission. The client sends its push_token with the push ops and its admin_token with the
+# admin ops (and with the push ops when it has no push_token).
+READ, PUSH, ADMIN = "read", "push", "admin"
+RANKS = {READ: 0, PUSH: 1, ADMIN: 2}  # a credential granted one permission has every permission of a lower rank
 
-U31, U64 = 2**31, 2**64
+REQUESTS: dict[str, type[Request]] = {}  # op -> its request class, filled by the declarations below
+
+NAME_CHARS = 1024  # a served tensor's name at most (a request naming a longer one is refused unread)
+MAX_ITEMS = 4096  # tensors one `cast` or `gather` request names at most (the client sends more in several)
+MAX_INDEX_BYTES = 512 << 10  # a gather's deflated index at most: well under a request's cap
+MAX_ALSO = 64  # further sources of one gather at most
+MAX_RANK = 8  # dimensions of a derived shape at most
 
 
 @dataclass
 class Request(Message):
+    """A request; a subclass that names `op` declares that op (see the module's docstring)."""
+
     op: ClassVar[str] = ""
+    permission: ClassVar[str] = READ  # what a client needs to be granted to send it
+    reply: ClassVar[type[Reply]] = Done  # what a successful reply reads as
+    words: ClassVar[str] = ""  # what it is in the user's words (errors and the CLI name these, never the op)
+
+    def __init_subclass__(cls, op: str = "", permission: str = READ, reply: type[Reply] = Done, words: str = "",
+                          **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not op:
+            return  # a base of several ops (LeaseRequest, UpdateRequest)
+        if op in REQUESTS or permission not in RANKS:
+            raise TypeError(f"op {op!r} declared twice or with an unknown permission {permission!r}")
+        cls.op, cls.permission, cls.reply, cls.words = op, permission, reply, words or op
+        REQUESTS[op] = cls
 
     def check(self) -> None:
         """Checks across fields, or beyond types (the protocol version)."""
 
-    @property
-    def permission(self) -> str:
-        """What a client needs to be granted to send this op (PERMISSIONS)."""
-        return PERMISSIONS[self.op]
-
 
 @dataclass
-class Hello(Request):
-    op: ClassVar[str] = "hello"
+class Hello(Request, op="hello", reply=HelloReply, words="the handshake"):
     protocol: Any = F(None, None)  # absent counts as nil: another version
 
     def check(self) -> None:
@@ -47,13 +75,12 @@ class Hello(Request):
 
 
 @dataclass
-class Lease(Request):
-    op: ClassVar[str] = "lease"
+class Lease(Request, op="lease", reply=LeaseReply, words="attach"):
     pid: int = F(int, 0, lo=0, hi=U31)
     protocol: Any = F(None)  # checked when present: attaching is the handshake
     pid_ns: int | None = F(int, None, lo=0, hi=U64, nil=True)  # the worker's /proc/self/ns/pid inode
     start_time: int | None = F(int, None, lo=0, hi=U64, nil=True)  # field 22 of /proc/PID/stat
-    generation: int | None = F(int, None, lo=1)  # resume this generation (after the daemon restarted)
+    generation: int | None = F(int, None, lo=1, hi=U64)  # resume this generation (after the daemon restarted)
 
     def check(self) -> None:
         if self.protocol is not ABSENT:
@@ -63,116 +90,157 @@ class Lease(Request):
 @dataclass
 class LeaseRequest(Request):
     """A request on behalf of a lease: `client` names it (the first field of every such op)."""
-    client: str = F(str, required=True)
-
-
-def _plain(op: str, base: type[Request]) -> type[Request]:
-    """The request class of an op with no fields beyond its base's (its name: the op's, capitalized)."""
-    return dataclass(type(op.capitalize(), (base,), {"op": op, "__module__": __name__, "__doc__": f"op {op!r}"}))
-
-
-Heartbeat, Refresh, Release = (_plain(op, LeaseRequest) for op in ("heartbeat", "refresh", "release"))  # a lease alone
-Status = _plain("status", Request)
+    client: str = F(str, required=True, most=64)
 
 
 @dataclass
-class Index(Request):
-    op: ClassVar[str] = "index"
-    client: str | None = F(str, None)  # the generation this lease reads; else the latest
+class Heartbeat(LeaseRequest, op="heartbeat", reply=HeartbeatReply, words="a heartbeat"):
+    """Keep a lease alive."""
+
+
+@dataclass
+class Refresh(LeaseRequest, op="refresh", reply=IndexSegmentReply, words="refresh"):
+    """Move a lease to the latest generation."""
+
+
+@dataclass
+class Release(LeaseRequest, op="release", words="detach"):
+    """End a lease."""
+
+
+@dataclass
+class Status(Request, op="status", reply=StatusReply, words="status"):
+    """What the daemon serves, its leases, generations and latest build."""
+
+
+@dataclass
+class Index(Request, op="index", reply=IndexSegmentReply, words="the tensor index"):
+    """The index of a lease's generation: its segment's descriptor, or (without `segment`) the index inline."""
+    client: str | None = F(str, None, most=64)  # the generation this lease reads; else the latest
     segment: bool = F(bool, False)  # only the index segment's descriptor, not the index inline
 
 
 @dataclass
-class Stop(Request):
-    op: ClassVar[str] = "stop"
+class Stop(Request, op="stop", permission=ADMIN, words="stop"):
     keep: bool = F(bool, False)  # leave the generations for a successor to adopt
 
 
 @dataclass
-class Reload(Request):
-    op: ClassVar[str] = "reload"
-    checkpoint: str | None = F(str, None, nil=True)  # a folder; default the configured one
+class Reload(Request, op="reload", permission=ADMIN, reply=JobReply, words="reload"):
+    checkpoint: str | None = F(str, None, nil=True, most=4096)  # a folder; default the configured one
 
 
 @dataclass
 class PushedTensor(Message):
     """One tensor an `update` names; the daemon checks it against what it serves."""
-    name: str = F(str, required=True)
-    shape: list = F(list, required=True, items=int, lo=0)
-    dtype: str = F(str, required=True)  # e.g. "torch.bfloat16"
+    name: str = F(str, required=True, most=NAME_CHARS)
+    shape: list = F(list, required=True, items=int, lo=0, hi=U40, most=MAX_RANK)
+    dtype: str = F(str, required=True, most=40)  # e.g. "torch.bfloat16"
 
 
 @dataclass
-class Update(LeaseRequest):
-    op: ClassVar[str] = "update"
+class Update(LeaseRequest, op="update", permission=PUSH, reply=UpdateReply, words="an update"):
     tensors: list = F(list, required=True, items=PushedTensor)
 
 
 @dataclass
 class UpdateRequest(LeaseRequest):
     """A request about one staged update (`update`, the number the `update` reply gave)."""
-    update: int = F(int, required=True)
+    update: int = F(int, required=True, lo=0, hi=U64)
 
 
 @dataclass
-class Stage(UpdateRequest):
-    op: ClassVar[str] = "stage"
+class Stage(UpdateRequest, op="stage", permission=PUSH, reply=StageReply, words="an update's bytes"):
+    """Pushed bytes, as the frames that follow the message (the one op that carries frames)."""
     tensor: int = F(int, required=True, lo=0, hi=U31)  # index into the update's tensors
     at: int = F(int, 0, lo=0, hi=U64)  # byte offset in that tensor
-    frames: list = field(default_factory=list)  # the data frames after the message (not a msgpack field)
 
 
 @dataclass
-class Commit(UpdateRequest):
-    op: ClassVar[str] = "commit"
+class Commit(UpdateRequest, op="commit", permission=PUSH, reply=JobReply, words="an update"):
     checksums: list = F(list, required=True, items=str)  # one "xxh3_64:" per staged tensor, in order
     hold: bool = F(bool, False)  # build, but publish only on `publish`
 
 
 @dataclass
-class Publish(LeaseRequest):
-    op: ClassVar[str] = "publish"
-    job: int = F(int, required=True)
-
-
-Abort = _plain("abort", UpdateRequest)  # the staged update alone
+class Publish(LeaseRequest, op="publish", permission=PUSH, reply=JobReply, words="publishing an update"):
+    job: int = F(int, required=True, lo=0, hi=U64)
 
 
 @dataclass
-class Job(Request):
-    op: ClassVar[str] = "job"
-    job: int = F(int, required=True)
+class Abort(UpdateRequest, op="abort", permission=PUSH, words="dropping an update"):
+    """Drop a staged update, or a held one not yet published."""
 
 
-# the dtypes a served tensor may be cast to for a worker whose transformers loads it so (`variant`)
+@dataclass
+class Job(Request, op="job", reply=JobReply, words="build progress"):
+    job: int = F(int, required=True, lo=0, hi=U64)
+
+
+# --- derived tensors: dtype casts and gathers, made by the daemon from its served bytes -------------
+
+# the dtypes a served tensor may be cast to for a worker whose transformers loads it so (`cast`)
 VARIANT_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
 
 
 @dataclass
-class Variant(LeaseRequest):
-    op: ClassVar[str] = "variant"
-    tensors: list = F(list, required=True, items=dict)  # [{name: served name, dtype: one of VARIANT_DTYPES}] or
-    # [{name, gather: {index, length, shape}}] (expertd.derived)
-    generation: int | None = F(int, None, lo=1)  # default: the generation the lease reads
+class CastItem(Message):
+    """A served tensor (`name`) cast to `dtype`, one of VARIANT_DTYPES."""
+    name: str = F(str, required=True, most=NAME_CHARS)
+    dtype: str = F(str, required=True, most=40)
+
+    def check(self, where: str) -> None:
+        if self.dtype not in VARIANT_DTYPES:
+            raise VariantRejected(f"{where}: dtype {self.dtype!r} asked for {self.name!r} is not a float type: a "
+                                  f"variant is one of {', '.join(VARIANT_DTYPES)}")
 
 
-REQUESTS: dict[str, type[Request]] = {cls.op: cls for cls in (
-    Hello, Index, Lease, Release, Heartbeat, Status, Stop, Refresh, Reload, Update, Stage, Commit, Publish, Abort, Job,
-    Variant)}
+@dataclass
+class GatherItem(Message):
+    """A served tensor (`name`, or it and `also` concatenated as one block) rearranged by a deflated index into
+    `shape`: block by block of its first dimension, or as one block (`blocks: 1`). See `expertd.derived`."""
+    name: str = F(str, required=True, most=NAME_CHARS)
+    index: bytes = F(bytes, required=True, most=MAX_INDEX_BYTES)  # int32 differences, deflated
+    length: int = F(int, required=True, lo=1, hi=U40)  # elements of each derived block
+    shape: list = F(list, required=True, items=int, lo=1, hi=U40, most=MAX_RANK)
+    also: list = F(list, [], items=str, most=MAX_ALSO)  # further sources, concatenated after `name`
+    blocks: int | None = F(int, None, lo=1, hi=2)  # 1: the source as one block (else its first dimension)
 
-# The permission each op needs (roles grant verbs, not connections): the daemon checks it on the parsed request
-# and a refusal (PermissionDenied; PushDenied for the push ops) names the op and the permission. Three permissions,
-# each implying the ones before it: `read` (attach and look), `push` (change the served weights), `admin` (reload
-# from a checkpoint, stop the daemon). The client sends its push_token with the push ops and its admin_token with the
-# admin ops (and with the push ops when it has no push_token). PROTOCOL.md and client/cpp (wire.h) state this table.
-READ, PUSH, ADMIN = "read", "push", "admin"
-RANKS = {READ: 0, PUSH: 1, ADMIN: 2}  # a credential granted one permission has every permission of a lower rank
-PERMISSIONS: dict[str, str] = {
-    "hello": READ, "lease": READ, "index": READ, "heartbeat": READ, "refresh": READ, "release": READ, "variant": READ,
-    "status": READ, "job": READ,
-    "update": PUSH, "stage": PUSH, "commit": PUSH, "publish": PUSH, "abort": PUSH,  # they change what is served
-    "reload": ADMIN, "stop": ADMIN,  # what is read from disk, and whether anything is served at all
-}
+    def check(self, where: str) -> None:
+        if not self.shape:
+            raise ProtocolError(f"{where}: 'shape' must name at least one dimension")
+        if any(len(n) > NAME_CHARS for n in self.also):
+            raise ProtocolError(f"{where}: 'also' names a tensor of over {NAME_CHARS} characters")
+
+
+@dataclass
+class DerivedRequest(LeaseRequest):
+    """Derived tensors of one generation: each item checked here, before the daemon looks anything up."""
+    generation: int | None = F(int, None, lo=1, hi=U64)  # default: the generation the lease reads
+
+    def check(self) -> None:
+        for i, item in enumerate(self.tensors):
+            item.check(f"op {self.op!r}: tensors[{i}]")
+
+
+@dataclass
+class Cast(DerivedRequest, op="cast", reply=VariantReply, words="dtype variants"):
+    tensors: list = F(list, required=True, items=CastItem, most=MAX_ITEMS)
+
+
+@dataclass
+class Gather(DerivedRequest, op="gather", reply=VariantReply, words="derived tensors"):
+    tensors: list = F(list, required=True, items=GatherItem, most=MAX_ITEMS)
+
+
+OPS: tuple[str, ...] = tuple(REQUESTS)
+PERMISSIONS: dict[str, str] = {op: cls.permission for op, cls in REQUESTS.items()}
+
+
+def words(op: str) -> str:
+    """What an op is in the user's words (the op itself for one this version does not know)."""
+    cls = REQUESTS.get(op)
+    return cls.words if cls is not None else op
 
 
 def grants(granted: str, needed: str) -> bool:
@@ -181,129 +249,14 @@ def grants(granted: str, needed: str) -> bool:
 
 
 def parse_request(msg: dict) -> Request:
-    """The typed request of a decoded message (`op` already checked by protocol.unpack); wire fields only:
-    `token`, `push_token`, `admin_token` and keys this version does not know are left to the caller and ignored here."""
-    cls = REQUESTS[msg["op"]]
-    request = cls.from_wire(msg, f"op {msg['op']!r}")
+    """The typed request of a decoded message (a map, see protocol.unpack); wire fields only: `token`, `push_token`,
+    `admin_token` and keys this version does not know are left to the caller and ignored here."""
+    op = msg.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError("message has no string 'op'")
+    cls = REQUESTS.get(op)
+    if cls is None:
+        raise ProtocolError(f"unknown op {op[:40]!r}; known ops: {', '.join(OPS)}")
+    request = cls.from_wire(msg, f"op {op!r}")
     request.check()
     return request
-
-
-# --- replies the clients read ----------------------------------------------------------------------
-
-@dataclass
-class Reply(Message):
-    latest: int = F(int, 0, lo=0)  # on every reply: the newest generation served (the daemon's loop adds it)
-
-    def wire(self) -> dict:
-        return {"ok": True, **super().wire()}
-
-
-@dataclass
-class HelloReply(Reply):
-    protocol: int = F(int, required=True)
-    ready: bool = F(bool, required=True)  # a generation is published
-    generation: int = F(int, required=True)  # the latest, or while loading the one being built
-    lease_timeout_s: float = F(float, required=True)
-
-
-@dataclass
-class LeaseReply(Reply):
-    client: str = F(str, required=True)  # the lease id: 32 hex digits (128 random bits), a bearer secret
-    lease_timeout_s: float = F(float, required=True)
-    generation: int | None = F(int, None, nil=True)  # nil while the first generation is still loading
-    index_segment: dict = F(dict)  # absent while loading: then poll `index` with segment
-
-
-@dataclass
-class HeartbeatReply(Reply):
-    generation: int | None = F(int, None, nil=True)
-
-
-@dataclass
-class IndexSegmentReply(Reply):  # `index` with segment, and `refresh`
-    generation: int = F(int, required=True)
-    index_segment: dict = F(dict, required=True)
-
-
-@dataclass
-class VariantReply(Reply):
-    generation: int = F(int, required=True)
-    tensors: list = F(list, required=True, items=dict)  # one index entry per requested variant, in request order
-
-
-@dataclass
-class Done(Reply):  # release, stop, abort: nothing but ok
-    pass
-
-
-@dataclass
-class StagedTensor(Message):
-    """Where an `update` reply puts one pushed tensor in its staging segment."""
-    name: str = F(str, required=True)
-    offset: int = F(int, required=True, lo=0)
-    nbytes: int = F(int, required=True, lo=0)
-
-
-@dataclass
-class UpdateReply(Reply):
-    update: int = F(int, required=True)  # the staged update's number: `stage`, `commit` and `abort` name it
-    segment: str = F(str, required=True)  # the staging segment to write the pushed bytes into
-    nbytes: int = F(int, required=True, lo=0)
-    shm_dir: str = F(str, DEFAULT_SHM_DIR)
-    tensors: list = F(list, required=True, items=StagedTensor)  # in the order of the update's tensors
-
-
-@dataclass
-class StageReply(Reply):
-    written: int = F(int, required=True, lo=0)  # bytes written from the request's frames
-
-
-@dataclass
-class JobState(Message):
-    """A build (load, reload, update) as `commit`, `publish`, `reload` and `job` report it, and `status` under `job`.
-    `error` and `message` only once failed; the byte counts only once built (a commit may answer still building)."""
-    job: int = F(int, required=True)
-    kind: str = F(str, required=True)  # "load" | "reload" | "update" | "check"
-    state: str = F(str, required=True)  # "building" | "built" | "published" | "failed" | "unchanged"
-    generation: int = F(int, required=True)  # the number it publishes as
-    hold: bool = F(bool, False)  # built, it waits for `publish`
-    error: str | None = F(str, nil=True)
-    message: str | None = F(str, nil=True)
-    bytes_written: int = F(int)
-    tensors_written: int = F(int)
-    bytes_read: int = F(int)
-    seconds: float = F(float)
-
-
-@dataclass
-class JobReply(Reply, JobState):
-    pass
-
-
-@dataclass
-class StatusReply(Reply):
-    """What a daemon serves, its leases, generations and latest build (PROTOCOL.md §3 `status`), in the order sent.
-    A daemon sends every field; a reader needs only those that say which daemon it is and what it does."""
-    state: str = F(str, required=True)  # "serving" | "loading"
-    pid: int = F(int, required=True)
-    namespace: str = F(str)
-    endpoint: str = F(str, required=True)
-    checkpoint: str = F(str)
-    generation: int = F(int, required=True)  # the latest, or while loading the one being built
-    tensors: int = F(int)
-    views: int = F(int)
-    segments: list = F(list, items=str)
-    index_segment: str | None = F(str, nil=True)  # the latest index segment's name (not a descriptor)
-    shm_dir: str = F(str, DEFAULT_SHM_DIR)
-    bytes: dict = F(dict)  # {total, <dtype>: bytes}
-    expert_parallel: dict | None = F(dict, nil=True)
-    leases: list = F(list, items=dict)
-    generations: list = F(list, items=dict)
-    job: JobState | None = F(JobState, nil=True)
-    uptime_s: float = F(float)
-
-
-def read_reply(cls: type[Reply], reply: dict, what: str):
-    """A successful reply to `what` (a request, in the user's words) as `cls`: ProtocolError when a field is wrong."""
-    return cls.from_wire(reply, f"the daemon's reply to {what}")

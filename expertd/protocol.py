@@ -7,7 +7,8 @@ generation; see `expertd.index_segment`), which the worker maps and decodes itse
 replies name it too; `index` with `segment: true` returns only that descriptor (a lease taken
 while loading), without it the index inline (for tools).
 
-Version 3: the index is schema 2 (source patterns, no views) and lease replies carry `index_segment`.
+Version 3: the index is schema 2 (source patterns, no views) and lease replies carry `index_segment`. Version 4:
+dtype casts and gathers are two typed ops (`cast`, `gather`) instead of `variant`'s untyped items.
 Every reply is a map with `ok` (bool) and `latest` (the newest generation served); on error
 also `error` (the condition's name, see `ERRORS`) and `message`. Tensor bytes never travel
 here: they stay in shared memory (pushed weights too: they go through a staging segment). Over
@@ -26,15 +27,13 @@ import msgpack
 from . import errors
 from .errors import DaemonError, ProtocolError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
 MAX_MESSAGE_BYTES = 1 << 20  # requests larger than this are refused unread
 
 ECHO_CHARS = 120  # what an error reply or a log line repeats of a value a client sent
 MESSAGE_CHARS = 2000  # an error reply's message at most (whatever it lists)
 
-OPS = ("hello", "index", "lease", "release", "heartbeat", "status", "stop", "refresh",
-       "reload", "update", "stage", "commit", "publish", "abort", "job", "variant")
 # `stage` is the one request with more frames than its message: the pushed bytes, each frame at most
 # STAGE_FRAME_BYTES (under the socket's per-frame cap MAX_MESSAGE_BYTES with room for CURVE's encryption
 # overhead: libzmq checks the cap on the encrypted frame), a message at most STAGE_MESSAGE_BYTES of one tensor.
@@ -76,27 +75,41 @@ def is_endpoint(text: str) -> bool:
     return text.startswith(("ipc://", "tcp://"))
 
 
-def check_endpoint(endpoint: str, where: str | None = None) -> str:
-    """`endpoint` when it is `ipc://PATH` or `tcp://HOST:PORT`, else a ConfigError that says how to write it.
+ABSOLUTE_IPC = "write it as ipc:// followed by its absolute path, e.g. ipc:///tmp/expertd/expertd.sock"
+
+
+def check_endpoint(endpoint: str, where: str | None = None, *, relative: bool = False) -> str:
+    """`endpoint` when it is `ipc:///ABSOLUTE/PATH` or `tcp://HOST:PORT`, else a ConfigError that says how to write it.
 
     The one syntax check the CLI, the config, the Python client and (restated) the C++ client share, so that a
     socket path given without `ipc://` is explained before ZeroMQ answers it with a bare "Invalid argument".
+    A relative ipc:// path is refused (each process would find it under its own working folder; `ipc://tmp/x.sock`
+    is most often a slash short of `ipc:///tmp/x.sock`) unless `relative` (a config file, whose folder anchors it).
     `where` (a flag, a config file) leads the message."""
-    lead = f"{where}: " if where else ""
+    lead = f"{where}: endpoint {endpoint!r}" if where else f"endpoint {endpoint!r}"
     path = ipc_path(endpoint)
     if path is not None:
         if not path:
-            raise errors.ConfigError(f"{lead}endpoint {endpoint!r} names no socket path")
+            raise errors.ConfigError(f"{lead} names no socket path")
+        if not relative and not path.startswith("/"):
+            fix = ABSOLUTE_IPC if path.startswith((".", "~")) else f"an absolute path takes three slashes: ipc:///{path}"
+            raise errors.ConfigError(f"{lead} names the relative path {path}, which each process would look for under "
+                                     f"its own working folder; {fix}")
         return endpoint
     if re.match(r"^tcp://[^:/]+:\d+$", endpoint):
         return endpoint
     if re.match(r"^tcp://[^:/]+$", endpoint):
-        raise errors.ConfigError(f"{lead}endpoint {endpoint!r} names no port; write it as {endpoint}:PORT")
-    if "://" not in endpoint and (endpoint.startswith(("/", ".", "~")) or endpoint.endswith(".sock")):
-        raise errors.ConfigError(f"{lead}endpoint {endpoint!r} looks like a socket path; write it as ipc://{endpoint}")
+        raise errors.ConfigError(f"{lead} names no port; write it as {endpoint}:PORT")
+    if re.match(r"^ipc:/[^/]", endpoint) or re.match(r"^tcp:/?[^/]", endpoint):  # the scheme's // short
+        fixed = "ipc://" + endpoint[4:] if endpoint.startswith("ipc") else "tcp://" + endpoint[4:].lstrip("/")
+        raise errors.ConfigError(f"{lead} has too few slashes; write it as {fixed}")
+    if "://" not in endpoint and endpoint.startswith("/"):
+        raise errors.ConfigError(f"{lead} looks like a socket path; write it as ipc://{endpoint}")
+    if "://" not in endpoint and (endpoint.startswith((".", "~", "ipc:")) or endpoint.endswith(".sock")):
+        raise errors.ConfigError(f"{lead} looks like a relative socket path; {ABSOLUTE_IPC}")
     if "://" not in endpoint and re.match(r"^[^:/]+:\d+$", endpoint):
-        raise errors.ConfigError(f"{lead}endpoint {endpoint!r} needs its transport; write it as tcp://{endpoint}")
-    raise errors.ConfigError(f"{lead}endpoint {endpoint!r} must be ipc://PATH (a unix socket) or tcp://HOST:PORT")
+        raise errors.ConfigError(f"{lead} needs its transport; write it as tcp://{endpoint}")
+    raise errors.ConfigError(f"{lead} must be ipc://PATH (a unix socket) or tcp://HOST:PORT")
 
 
 def pack(message: dict) -> bytes:
@@ -113,15 +126,11 @@ def _decode(frame: bytes, what: str):
 
 
 def unpack(frame: bytes) -> dict:
-    """Decode one request into a map; anything else is a ProtocolError, never a crash."""
+    """Decode one request into a map; anything else is a ProtocolError, never a crash. Its op and fields are
+    checked by `expertd.messages.parse_request`."""
     message = _decode(frame, "message")
     if not isinstance(message, dict):
         raise ProtocolError(f"message must be a map, got {type(message).__name__}")
-    op = message.get("op")
-    if not isinstance(op, str):
-        raise ProtocolError("message has no string 'op'")
-    if op not in OPS:
-        raise ProtocolError(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
     return message
 
 
@@ -133,7 +142,7 @@ def unpack_reply(frame: bytes, what: str) -> dict:
     if not reply["ok"]:
         kind = str(reply.get("error"))
         cls = ERRORS.get(kind, DaemonError)
-        raise cls(f"daemon refused {what}: {kind}: {reply.get('message')}", kind)
+        raise cls(errors.refusal(cls, what, kind, reply.get("message")), kind)
     return reply
 
 

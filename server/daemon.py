@@ -1,7 +1,8 @@
 """The daemon: validate, bind the control socket, build generations in the background, serve until told to stop.
 
 The control socket is a ZeroMQ ROUTER that answers small msgpack requests (see
-`expertd.protocol`), dispatched through `OPS` to one method each. It answers `status` while a
+`expertd.protocol`), each parsed into its request class (`expertd.messages`) and dispatched to the one handler
+its components declare for it (`dispatch`). It answers `status` while a
 generation is building. Every request gets a reply, errors included; no request can stop or
 block the loop except `stop` itself. What is served, and how new generations are built and
 published, is decided in `service`.
@@ -20,15 +21,15 @@ import time
 
 import zmq
 
-from expertd import messages
-from expertd.errors import AuthError, ExpertdError, NotReady, ProtocolError
+from expertd import messages, replies
+from expertd.errors import AuthError, ExpertdError, ProtocolError
 from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, error_reply, ipc_path, pack, unpack
 
+from .built import Cancelled
 from .config import DaemonConfig
 from .curve import Curve
-from .generations import lease_tag, watchable
-from .peers import oversized, owner
-from .built import Cancelled
+from .dispatch import Dispatch, handles
+from .peers import Peer, oversized, peer_of
 from .permissions import Permissions
 from .runstate import EndpointBusy, RunState, endpoint_answers
 from .service import WeightService
@@ -47,17 +48,11 @@ class Daemon:
         self.started = time.time()
         self.runstate = RunState(cfg.namespace, cfg.resolved_run_dir)
         self.weights = WeightService(cfg, self.runstate, self._stop.is_set)
-        w = self.weights
         self.metrics = None  # DaemonMetrics from the socket bind on (load progress included), when metrics_port is set
         self.curve = None  # the CURVE authenticator of a tcp:// endpoint with curve_secret_key
         self.permissions = Permissions(cfg)  # what each request's credential may do (with `curve` once bound)
-        self.owner = ""  # who sent the request being handled (see `owner`): leases are counted per owner
-        self.OPS = {
-            "hello": self.op_hello, "status": self.op_status, "stop": self.op_stop, "index": self.op_index,
-            "lease": self.op_lease, "heartbeat": self.op_heartbeat, "release": self.op_release,
-            "refresh": w.op_refresh, "reload": w.op_reload, "update": w.op_update, "commit": w.op_commit, "job": w.op_job,
-            "abort": w.op_abort, "stage": w.op_stage, "publish": w.op_publish, "variant": w.op_variant,
-        }
+        w = self.weights
+        self.dispatch = Dispatch(self, w, w.readers, w.pushes)  # one handler per request class, all of them
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -233,13 +228,12 @@ class Daemon:
             else:
                 raise ProtocolError("expected one message frame")
             msg = unpack(payload)
-            # set here, whatever the message said: who sent it (under CURVE) and the bytes that came with it
-            msg["_client_key"] = frames[-1].get("User-Id") if self.curve is not None else None
-            msg["_owner"] = owner(frames[-1], msg["_client_key"])
-            if data and msg["op"] != "stage":
-                raise ProtocolError(f"op {msg['op']!r} takes one message frame; only 'stage' carries bytes")
-            msg["_frames"] = [memoryview(frame) for frame in data]
-            reply = self.handle(msg)
+            # from the transport, beside the request, whatever the message said: who sent it and the bytes after it
+            peer = peer_of(frames[-1], frames[-1].get("User-Id") if self.curve is not None else None, data)
+            if data and msg.get("op") != "stage":
+                raise ProtocolError(f"op {str(msg.get('op'))[:40]!r} takes one message frame; only 'stage' carries "
+                                    "bytes")
+            reply = self.handle(msg, peer)
             if isinstance(reply, dict):
                 reply["latest"] = self._latest_number()
         except ExpertdError as exc:
@@ -256,79 +250,48 @@ class Daemon:
         except zmq.ZMQError:
             pass  # peer gone
         return True
+
     def _latest_number(self) -> int:
         return self.weights.gens.latest.number if self.weights.gens.latest else 0
 
-    def handle(self, msg: dict) -> dict | bytes:
-        """Check the token, then dispatch to the op's method; a typed refusal becomes an error reply."""
+    def handle(self, msg: dict, peer: Peer) -> dict | bytes:
+        """Check the token, parse the request (every field typed and bounded), check its permission, then run its
+        handler; a typed refusal becomes an error reply."""
         if self.cfg.auth_token is not None:
             token = msg.get("token")
             if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.cfg.auth_token.encode()):
                 raise AuthError("request lacks the daemon's auth token or carries a wrong one")
         try:
             request = messages.parse_request(msg)
-            self.permissions.check(request, msg)  # the op's permission (messages.PERMISSIONS), or PermissionDenied
-            if isinstance(request, messages.Stage):
-                request.frames = msg.get("_frames") or []
-            self.owner = msg.get("_owner") or ""
-            return self.OPS[msg["op"]](request)
+            self.permissions.check(request, msg, peer)  # the permission its class declares, or PermissionDenied
+            return self.dispatch(request, peer)
         except ExpertdError as exc:
             return error_reply(exc)
 
-    def op_hello(self, req: messages.Hello) -> dict:
-        return messages.HelloReply(protocol=PROTOCOL_VERSION, ready=self.weights.gens.latest is not None,
-                                   generation=self.weights.status_generation(),
-                                   lease_timeout_s=self.cfg.lease_timeout_s).wire()
+    @handles(messages.Hello)
+    def op_hello(self, req: messages.Hello, peer: Peer) -> dict:
+        return replies.HelloReply(protocol=PROTOCOL_VERSION, ready=self.weights.gens.latest is not None,
+                                  generation=self.weights.status_generation(),
+                                  lease_timeout_s=self.cfg.lease_timeout_s).wire()
 
-    def op_status(self, req: messages.Status) -> dict:
+    @handles(messages.Status)
+    def op_status(self, req: messages.Status, peer: Peer) -> dict:
         return self.status().wire()
 
-    def op_stop(self, req: messages.Stop) -> dict:
+    @handles(messages.Stop)
+    def op_stop(self, req: messages.Stop, peer: Peer) -> dict:
         """Stop; with `keep`, leave the live generations in shared memory for a successor to adopt (a handover)."""
         self._keep = req.keep
         self._stop.set()
-        return messages.Done().wire()
+        return replies.Done().wire()
 
-    def op_index(self, req: messages.Index) -> dict | bytes:
-        """The index of the generation the client's lease is on (the latest for a request without a lease):
-        with `segment: true` only its index segment's descriptor (what a lease taken while loading asks
-        for), else the index inline (for tools that ask over the socket)."""
-        gens = self.weights.gens
-        gen = gens.generation_of(gens.get(req.client) if req.client is not None else None)
-        if gen is None:
-            raise NotReady("the daemon is still loading")
-        if req.segment:
-            return messages.IndexSegmentReply(generation=gen.number, index_segment=gen.index_place).wire()
-        return gen.index_reply(gens.latest.number)
-
-    def op_lease(self, req: messages.Lease) -> dict:
-        # (newer clients) their pid namespace and process start time: a worker in ours is watched, and its lease
-        # goes as soon as its process does; others (and older clients) keep the heartbeat timeout only
-        gens = self.weights.gens
-        lease = gens.lease(req.pid, start_time=watchable(req.pid, req.pid_ns, req.start_time), generation=req.generation,
-                           owner=self.owner)
-        gen = gens.generation_of(lease)
-        # attach in one round trip: the worker maps and decodes the index itself (none while loading)
-        return messages.LeaseReply(client=lease.client, lease_timeout_s=self.cfg.lease_timeout_s,
-                                   generation=lease.generation,
-                                   index_segment=gen.index_place if gen is not None else messages.ABSENT).wire()
-
-    def op_heartbeat(self, req: messages.Heartbeat) -> dict:
-        lease = self.weights.gens.get(req.client)
-        lease.seen = time.monotonic()
-        return messages.HeartbeatReply(generation=lease.generation).wire()
-
-    def op_release(self, req: messages.Release) -> dict:
-        self.weights.gens.release(req.client)
-        return messages.Done().wire()
-
-    def status(self) -> messages.StatusReply:
+    def status(self) -> replies.StatusReply:
         now = time.monotonic()
         w = self.weights
         index = w.gens.latest.index if w.gens.latest else None
         by_dtype = index.total_bytes_by_dtype() if index else {}
         job = w.jobs.current or (next(reversed(w.jobs.done.values())) if w.jobs.done else None)
-        return messages.StatusReply(
+        return replies.StatusReply(
             state="serving" if index else "loading",
             pid=os.getpid(),
             namespace=self.cfg.namespace,
@@ -342,15 +305,12 @@ class Daemon:
             shm_dir=self.cfg.shm_dir,
             bytes={"total": sum(by_dtype.values()), **by_dtype},
             expert_parallel=expert_parallel_status(index),
-            leases=[
-                {"client": lease_tag(l.client), "pid": l.pid, "generation": l.generation, "age_s": round(now - l.created, 3),
-                 "idle_s": round(now - l.seen, 3), "watched": l.watched}
-                for l in w.gens.leases.values()
-            ],
+            leases=w.leases.status(now),
             generations=w.gens.status(),
             job=job.report() if job is not None else None,
             uptime_s=round(time.time() - self.started, 3),
         )
+
 
 def expert_parallel_status(index) -> dict | None:
     """The partition a daemon serves: EP size, its ranks, and per fused expert tensor the experts it holds."""

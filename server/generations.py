@@ -1,4 +1,4 @@
-"""Generations: what the daemon serves, who holds what, and when bytes can go.
+"""Generations: what the daemon serves, and when bytes can go (who holds what is the lease table, `leases`).
 
 A `Generation` is one published set of served tensors: its index, the segments its build
 created, its index packed into a read-only segment of its own (named in lease replies, see
@@ -11,58 +11,20 @@ an unlinked segment lives until its last mapping goes.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
-import secrets
 import time
-from dataclasses import dataclass
 
-from expertd import index_segment, procfs
-from expertd.errors import GenerationGone, GenerationLimit, LeaseExpired, LeaseLimit
+from expertd import index_segment
+from expertd.errors import GenerationGone, GenerationLimit
 from expertd.index import TensorIndex
-from expertd.protocol import clip, pack
+from expertd.protocol import pack
 
 from .arena import Arena, unlink_segment
 from .built import Built
+from .leases import Lease, LeaseTable, lease_tag
 
 log = logging.getLogger("expertd.generations")
-
-WATCH_EVERY_S = 0.25  # how often a watched lease's process is looked up in /proc (at most)
-
-
-def lease_tag(client: str) -> str:
-    """What status and logs show of a lease id: 8 hex digits of its SHA-256. The id itself is a bearer secret
-    (whoever knows it holds the lease), so it is shown in full to nobody but its holder."""
-    return hashlib.sha256(client.encode()).hexdigest()[:8]
-
-
-@dataclass
-class Lease:
-    client: str
-    pid: int
-    created: float
-    seen: float
-    generation: int | None  # None while the first generation is still loading
-    # set when the worker runs in the daemon's pid namespace: its process (pid and start time) is watched,
-    # and the lease goes as soon as the process does; None: only the heartbeat timeout ends it
-    start_time: int | None = None
-    checked: float = 0.0  # when the process was last looked up
-    owner: str = ""  # who took it (the daemon's words, see Daemon.owner): `max_leases_per_client` counts per owner
-
-    @property
-    def watched(self) -> bool:
-        return self.start_time is not None
-
-
-def watchable(pid: int, pid_ns: int | None, start_time: int | None) -> int | None:
-    """The start time to watch a worker's process by: the one it sent, when it runs in this process's pid
-    namespace and /proc agrees (its pid names it here); None otherwise (another pid namespace, a client too
-    old to send these, or a /proc that shows another namespace's pids: the timeout rule only)."""
-    if pid_ns is None or start_time is None or pid <= 0 or pid_ns != procfs.pid_namespace():
-        return None
-    return start_time if procfs.process_start_time(pid) == start_time else None
-
 
 def place_index(index: TensorIndex, group: str | None = None) -> dict:
     """Pack an index into a segment of its own (`/{namespace}.{pid}.i{generation}.000`, same owner and mode
@@ -121,69 +83,36 @@ class Generation:
 
 
 class Generations:
-    """The live generations and the leases on them."""
+    """The live generations: published, held after a restart, pinned by the lease table's leases, retired."""
 
-    def __init__(self, max_generations: int = 3, on_retire=None, max_leases_per_client: int = 64):
+    def __init__(self, leases: LeaseTable, max_generations: int = 3, on_retire=None):
+        self.leases = leases
         self.max_generations = max_generations
-        self.max_leases_per_client = max_leases_per_client
         self.live: dict[int, Generation] = {}
         self.latest: Generation | None = None
-        self.leases: dict[str, Lease] = {}
         self.holds: dict[int, float] = {}  # adopted generation -> since when it is held for workers re-taking leases
         self.on_retire = on_retire  # called with each retired generation's number (its ledger record goes)
 
-    # --- leases ----------------------------------------------------------------------------
-
-    def lease(self, pid: int, start_time: int | None = None, generation: int | None = None, owner: str = "") -> Lease:
-        """A new lease on the latest generation, or on live `generation` (a worker resuming what it reads after
-        the daemon restarted: GenerationGone when that one is not live); with `start_time` (see `watchable`)
-        its process is watched by `expire`. Its id is 128 random bits (unguessable: knowing it is holding it);
-        LeaseLimit when `owner` already holds `max_leases_per_client`."""
+    def leasable(self, generation: int | None) -> int | None:
+        """The generation a new lease reads: live `generation` (a worker resuming what it read before the daemon
+        restarted: GenerationGone when it is not live), else the latest (None while the first one loads)."""
         if generation is not None and generation not in self.live:
             raise GenerationGone(f"generation {generation} is not served any more (live: "
                                  f"{sorted(self.live) or 'none'}); reconnect() or refresh() to read the latest")
-        held = sum(1 for l in self.leases.values() if l.owner == owner)
-        if held >= self.max_leases_per_client:
-            raise LeaseLimit(f"this client ({owner or 'unknown'}) already holds {held} leases, the daemon's "
-                             f"max_leases_per_client; release some (ExpertClient.close()) before taking more")
-        now = time.monotonic()
-        number = generation if generation is not None else self.latest.number if self.latest else None
-        lease = Lease(secrets.token_hex(16), pid, now, now, number, start_time, now, owner)
-        self.leases[lease.client] = lease
-        return lease
+        return generation if generation is not None else self.latest.number if self.latest else None
 
     def hold(self, generation: int) -> None:
         """Keep an adopted generation live for one lease timeout (no lease of anyone's, no client in status): a
         worker whose lease the predecessor had not yet recorded re-takes it on this generation meanwhile."""
         self.holds[generation] = time.monotonic()
 
-    def restore(self, leases: list[dict]) -> None:
-        """Grant again the leases a predecessor recorded (the daemon restarted under its workers), as if each had
-        just beaten (each counted against the owner it was recorded with)."""
+    def end_holds(self, timeout_s: float) -> bool:
+        """Let adopted generations held for over `timeout_s` go; whether any hold ended."""
         now = time.monotonic()
-        for item in leases:
-            client, pid, generation = item.get("client"), item.get("pid"), item.get("generation")
-            if isinstance(client, str) and isinstance(pid, int) and generation in self.live:
-                # watched again only where /proc here still shows that process (a successor in another pid namespace
-                # cannot tell: the timeout rule then)
-                start_time = item.get("start_time")
-                if not isinstance(start_time, int) or procfs.process_start_time(pid) != start_time:
-                    start_time = None
-                owner = item.get("owner") if isinstance(item.get("owner"), str) else ""
-                self.leases[client] = Lease(client, pid, now, now, generation, start_time, now, owner)
-
-    def recorded(self) -> list[dict]:
-        """The leases as the manifest records them for a successor."""
-        return [{"client": l.client, "pid": l.pid, "generation": l.generation, "start_time": l.start_time,
-                 "owner": l.owner}
-                for l in self.leases.values() if l.generation is not None and l.pid > 0]
-
-    def get(self, client: str) -> Lease:
-        """The lease `client` names; its id is what proves a request comes from its holder."""
-        lease = self.leases.get(client)
-        if lease is None:
-            raise LeaseExpired(f"no lease {clip(client)!r} (expired or released)")
-        return lease
+        ended = [n for n, since in self.holds.items() if now - since > timeout_s]
+        for number in ended:
+            del self.holds[number]
+        return bool(ended)
 
     def generation_of(self, lease: Lease | None) -> Generation | None:
         """The generation a lease reads; a lease taken while loading binds to the first one published."""
@@ -193,63 +122,15 @@ class Generations:
             lease.generation = self.latest.number
         return self.live.get(lease.generation) if lease.generation is not None else None
 
-    def refresh(self, client: str) -> Lease:
-        """Move a lease to the latest generation; the one it leaves may retire."""
-        lease = self.get(client)
-        lease.seen = time.monotonic()
-        if self.latest is not None:
-            lease.generation = self.latest.number
-        self.retire()
-        return lease
-
-    def release(self, client: str) -> None:
-        if self.leases.pop(client, None) is not None:
-            self.retire()
-
-    def expire(self, timeout_s: float) -> None:
-        """Drop leases silent for over `timeout_s`, and watched leases whose process is gone (one /proc read per
-        watched lease every `WATCH_EVERY_S` at most); then retire what they pinned."""
-        now = time.monotonic()
-        silent, exited = [], []
-        for lease in self.leases.values():
-            if now - lease.seen > timeout_s:
-                silent.append(lease)
-            elif lease.start_time is not None and now - lease.checked >= WATCH_EVERY_S:
-                lease.checked = now
-                if not procfs.process_alive(lease.pid, lease.start_time):
-                    exited.append(lease)
-        gone = silent + exited
-        for lease in gone:
-            del self.leases[lease.client]
-        ended = [n for n, since in self.holds.items() if now - since > timeout_s]
-        for number in ended:
-            del self.holds[number]
-        if ended and not gone:
-            self.retire()
-        if gone:  # one line per sweep, however many went
-            shown = ", ".join(f"{lease_tag(l.client)} (pid {l.pid})" for l in gone[:5])
-            log.info("%d lease(s) ended: %d without heartbeat for over %.1fs, %d whose process is gone: %s%s",
-                     len(gone), len(silent), timeout_s, len(exited), shown, ", ..." if len(gone) > 5 else "")
-            self.retire()
-
-    # --- generations -----------------------------------------------------------------------
-
-    def pinned(self) -> dict[int, list[Lease]]:
-        out: dict[int, list[Lease]] = {}
-        for lease in self.leases.values():
-            if lease.generation is not None:
-                out.setdefault(lease.generation, []).append(lease)
-        return out
-
     def check_room(self) -> None:
         """Refuse a new generation that would make more than `max_generations` live, naming the pinning leases."""
-        pinned = self.pinned()
+        pinned = self.leases.pinned()
         after = {g for g in self.live if g in pinned or g in self.holds} | {0}  # 0 stands for the new one
         if len(after) <= self.max_generations:
             return
         latest = self.latest.number if self.latest else None
-        holders = ", ".join([f"pid {l.pid} (lease {lease_tag(l.client)}) on generation {g}"
-                             for g, leases in sorted(pinned.items()) if g != latest for l in leases]
+        holders = ", ".join([f"pid {lease.pid} (lease {lease_tag(lease.client)}) on generation {g}"
+                             for g, leases in sorted(pinned.items()) if g != latest for lease in leases]
                             + [f"the restart's hold on adopted generation {g} (one lease timeout)"
                                for g in sorted(self.holds) if g != latest])
         raise GenerationLimit(
@@ -268,14 +149,14 @@ class Generations:
         for gen in gens:
             self.live[gen.number] = gen
         self.latest = gens[-1]
-        self.restore(leases)
+        self.leases.restore(leases, self.live)
         for number in self.live:
             self.hold(number)
         self.retire()
 
     def retire(self) -> list[int]:
         """Drop old generations no lease holds; unlink their segments that no live generation uses."""
-        pinned = self.pinned()
+        pinned = self.leases.pinned()
         gone = [g for n, g in self.live.items() if g is not self.latest and n not in pinned and n not in self.holds]
         for gen in gone:
             del self.live[gen.number]
@@ -310,13 +191,13 @@ class Generations:
     def status(self) -> list[dict]:
         """One row per live generation, newest first."""
         latest_places = self.latest.places() if self.latest else set()
-        pinned = self.pinned()
+        pinned = self.leases.pinned()
         rows = []
         for n, gen in sorted(self.live.items(), reverse=True):
             shared = sum(t.nbytes for t in gen.index.tensors if (t.segment, t.offset) in latest_places)
             rows.append({
                 "generation": n, "tensors": len(gen.index.tensors), "bytes": gen.nbytes, "bytes_shared_with_latest": shared,
-                "leases": [{"client": lease_tag(l.client), "pid": l.pid} for l in pinned.get(n, [])],
+                "leases": [{"client": lease_tag(lease.client), "pid": lease.pid} for lease in pinned.get(n, [])],
                 "variants": [v.status() for v in gen.variants.values()],
             })
         return rows

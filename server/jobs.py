@@ -14,9 +14,9 @@ import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from expertd import messages
+from expertd import replies
 from expertd.errors import Busy, ExpertdError
-from expertd.messages import ABSENT
+from expertd.message_types import ABSENT
 
 from .built import Built, Cancelled
 
@@ -51,7 +51,7 @@ class Job:
     client: str | None = None  # the lease that committed an update
     checkpoint: str | None = None  # the folder a reload builds from (the ledger records it)
 
-    def report(self, cls: type[messages.JobState] = messages.JobState) -> messages.JobState:
+    def report(self, cls: type[replies.JobState] = replies.JobState) -> replies.JobState:
         """This job as `commit`, `publish`, `reload` and `job` reply (cls JobReply) and `status` shows it."""
         failed, b = self.state == "failed", self.built
         return cls(job=self.number, kind=self.kind, state=self.state, generation=self.generation, hold=self.hold,

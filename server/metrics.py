@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 from expertd.errors import ConfigError
-from expertd.protocol import OPS
+from expertd.messages import OPS
 
 log = logging.getLogger("expertd.metrics")
 

@@ -8,6 +8,7 @@ SO_PEERCRED) or CURVE (tcp://) vouches for it.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import zmq
 
@@ -39,17 +40,38 @@ def _trim() -> None:
         pass
 
 
-def owner(frame, client_key: str | None) -> str:
-    """Who sent a request, as the kernel or CURVE vouches for it (never what the request says): its CURVE key;
-    on ipc:// the sending process (SO_PEERCRED uid and pid, which libzmq appends to the peer address); else
-    its address. `max_leases_per_client` counts leases per owner."""
+@dataclass(frozen=True)
+class Peer:
+    """What the transport says of a request, beside it (never inside its map): who sent it, as the kernel
+    (ipc://, SO_PEERCRED) or CURVE (tcp://) vouches for it, and the frames that came after its message."""
+
+    key: str | None = None  # the sender's CURVE public key (tcp:// with CURVE)
+    uid: int | None = None  # the sending process's uid and pid (ipc://)
+    pid: int | None = None
+    address: str = ""  # its address otherwise
+    frames: tuple = ()  # a `stage` request's pushed bytes, as memoryviews
+
+    @property
+    def owner(self) -> str:
+        """Who holds what this request takes, in one word pair: `max_leases_per_client` counts leases per owner."""
+        if self.key:
+            return f"key {self.key}"
+        if self.uid is not None:
+            return f"uid {self.uid} pid {self.pid}"
+        return f"address {self.address}" if self.address else ""
+
+
+def peer_of(frame, client_key: str | None, frames=()) -> Peer:
+    """The Peer of a request whose last frame is `frame`: its CURVE key when given; on ipc:// the sending
+    process (SO_PEERCRED uid and pid, which libzmq appends to the peer address); else its address."""
+    data = tuple(memoryview(f) for f in frames)
     if client_key:
-        return f"key {client_key}"
+        return Peer(key=client_key, frames=data)
     try:
         address = frame.get("Peer-Address") or ""
     except zmq.ZMQError:
-        return ""
+        return Peer(frames=data)
     parts = address.rsplit(":", 3)
     if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
-        return f"uid {parts[1]} pid {parts[3]}"
-    return f"address {address}"
+        return Peer(uid=int(parts[1]), pid=int(parts[3]), frames=data)
+    return Peer(address=address, frames=data)

@@ -27,13 +27,9 @@ import os
 from expertd.errors import PermissionDenied, PushDenied
 from expertd.messages import ADMIN, PUSH, READ, RANKS, Request, grants
 
+from .peers import Peer
+
 LADDER = (READ, PUSH, ADMIN)
-
-
-def _sender_uid(msg: dict) -> int | None:
-    """The uid the kernel vouches for on ipc:// (SO_PEERCRED, in the daemon's `_owner`: "uid N pid P"), else None."""
-    parts = str(msg.get("_owner") or "").split()
-    return int(parts[1]) if len(parts) == 4 and parts[0] == "uid" and parts[1].isdigit() else None
 
 
 def _matches(presented, expected: str | None) -> bool:
@@ -46,13 +42,14 @@ class Permissions:
         self.cfg, self.curve = cfg, curve
         self.single_user = not any((cfg.auth_token, cfg.push_token, cfg.admin_token, cfg.curve_secret_key, cfg.group))
 
-    def granted(self, msg: dict) -> str:
-        """The highest permission the credential of `msg` (a decoded request: its tokens, its CURVE key) holds."""
+    def granted(self, msg: dict, peer: Peer) -> str:
+        """The highest permission the credential of `msg` (a decoded request: its tokens) and its `peer` (its CURVE key,
+        its uid) holds."""
         cfg = self.cfg
         if self.single_user or _matches(msg.get("admin_token"), cfg.admin_token):
             return ADMIN
         if self.curve is not None:
-            key = msg.get("_client_key")
+            key = peer.key
             if self.curve.may_admin(key):
                 return ADMIN
             return PUSH if self.curve.may_push(key) or _matches(msg.get("push_token"), cfg.push_token) else READ
@@ -60,7 +57,7 @@ class Permissions:
             held = PUSH
         elif cfg.auth_token is not None:
             held = READ  # the daemon checked the auth_token before this
-        elif cfg.push_token is None and cfg.admin_token is None and _sender_uid(msg) == os.geteuid():
+        elif cfg.push_token is None and cfg.admin_token is None and peer.uid == os.geteuid():
             return ADMIN  # a group daemon without tokens: its own uid (SO_PEERCRED) is the single user
         else:
             return READ  # a bare connection to a shared (group) daemon: read only
@@ -71,10 +68,10 @@ class Permissions:
             held = higher
         return held
 
-    def check(self, request: Request, msg: dict) -> None:
+    def check(self, request: Request, msg: dict, peer: Peer) -> None:
         """PermissionDenied (PushDenied for a push op) unless the request's credential grants what its op needs."""
         needs = request.permission
-        granted = self.granted(msg)
+        granted = self.granted(msg, peer)
         if grants(granted, needs):
             return
         what = f"op {request.op!r} needs the {needs!r} permission and this credential has {granted!r}"

@@ -13,19 +13,23 @@ import logging
 import os
 import time
 
-from expertd import messages
-from expertd.errors import Busy, ExpertdError, GenerationGone, NotReady, ProtocolError
+from expertd import messages, replies
+from expertd.errors import ExpertdError, NotReady, ProtocolError
 from expertd.procfs import default_threads
 
-from . import adopt, ledger, variants
+from . import adopt, ledger
 from .arena import segment_name, unlink_segment
 from .built import Built, Cancelled, publish
 from .config import DaemonConfig
-from .permissions import allowed_checkpoint
-from .runstate import RunState, namespace_segments
-from .generations import Generation, Generations, lease_tag, place_index
+from .dispatch import handles
+from .generations import Generation, Generations, place_index
 from .jobs import Job, Jobs, forget_frames
-from .pushes import PushOps
+from .leases import LeaseTable
+from .peers import Peer
+from .permissions import allowed_checkpoint
+from .pushes import Pushes
+from .readers import Readers
+from .runstate import RunState, namespace_segments
 
 # What builds (torch, transformers, the checkpoint reader, the kernels) is imported by the methods that start one,
 # so that serving adopted generations waits for none of it: `loader` and `updates` (see `built`); a variant
@@ -36,22 +40,26 @@ log = logging.getLogger("expertd.daemon")
 LEASES_EVERY_S = 0.5  # the manifest's record of leases lags the live ones by at most this
 
 
-class WeightService(PushOps):
+class WeightService:
+    """The generation lifecycle (load, adopt, reload, publish, retire, the manifest) over its components: the lease
+    table, the live generations, the build jobs, the reader ops (`readers`) and the push ops (`pushes`)."""
+
     def __init__(self, cfg: DaemonConfig, runstate: RunState, should_stop):
         self.cfg = cfg
         self.runstate = runstate
         self._device = None  # the torch device builds run on, resolved by the first one (`device`)
         self.should_stop = should_stop
         self.checkpoint = cfg.checkpoint  # what the latest generation was built from
-        self.gens = Generations(cfg.max_generations, on_retire=lambda n: ledger.remove(self.run_dir, cfg.namespace, n),
-                                max_leases_per_client=cfg.max_leases_per_client)
+        self.leases = LeaseTable(cfg.max_leases_per_client)
+        self.gens = Generations(self.leases, cfg.max_generations,
+                                on_retire=lambda n: ledger.remove(self.run_dir, cfg.namespace, n))
         self.run_dir = cfg.resolved_run_dir
         self.conditions = ledger.build_conditions(cfg.checkpoint, cfg.expert_parallel, cfg.shm_dir)
         self._recorded_leases: list[dict] = []  # the leases the manifest last recorded
         self._leases_written = 0.0
         self.jobs = Jobs()
-        self.staging = {}  # update number -> its Staging (`pushes`)
-        self._updates = 0
+        self.pushes = Pushes(cfg, self.leases, self.gens, self.jobs, self)
+        self.readers = Readers(cfg, self.leases, self.gens)
         self.first_generation = 1
         self.load_error: BaseException | None = None
         self.build_progress = (0, 0)  # (bytes placed, bytes to place) of the latest build from a checkpoint
@@ -77,7 +85,7 @@ class WeightService(PushOps):
         """Build the first generation from a validated checkpoint (its number continues the namespace's count)."""
         self.first_generation = self.runstate.next_generation()
         number = self.first_generation
-        self._start_build("load", number, lambda: self._build(ckpt, plan, number, None))
+        self.start_build("load", number, lambda: self._build(ckpt, plan, number, None))
 
     def adopt(self, manifest: dict | None) -> adopt.Adopted | None:
         """What a dead or handed-over predecessor left that this daemon can serve again (see `adopt`), verified."""
@@ -115,7 +123,7 @@ class WeightService(PushOps):
         log.info("adopted generation(s) %s (%d lease(s) re-granted, %d tensor(s) rebuilt from the checkpoint) in "
                  "%.2fs: serving generation %d", ", ".join(str(r.number) for r in adopted.records), len(adopted.leases),
                  len(adopted.repaired), adopted.seconds, latest.number)
-        self._write_manifest("serving")
+        self.write_manifest("serving")
         number = latest.number + 1
 
         def work():
@@ -126,28 +134,23 @@ class WeightService(PushOps):
             log.info("the checkpoint changed while no daemon served it: building generation %d from it", number)
             return self._build(ckpt, plan, number, latest.built)
 
-        self._start_build("check", number, work)  # a reload or update meanwhile is Busy for these seconds
+        self.start_build("check", number, work)  # a reload or update meanwhile is Busy for these seconds
 
     def tick(self, reload_requested: bool) -> None:
         """Between requests: publish a finished build, start a SIGHUP reload, expire leases and stale staging."""
         job = self.jobs.finished()
         if job is not None:
-            self._finish(job)
+            self.finish(job)
         if reload_requested:
             try:
                 self._start_reload(self.cfg.checkpoint)
             except ExpertdError as exc:
                 log.error("SIGHUP reload not started: %s", exc)
-        self.gens.expire(self.cfg.lease_timeout_s)
+        ended = self.leases.expire(self.cfg.lease_timeout_s)
+        if self.gens.end_holds(self.cfg.lease_timeout_s) or ended:
+            self.gens.retire()
         self._record_leases()
-        for number, staging in list(self.staging.items()):
-            if staging.client not in self.gens.leases and not staging.committed:
-                log.info("update %d dropped: its lease %s is gone", number, lease_tag(staging.client))
-                self._drop_staging(number)
-        held = self.jobs.held()
-        if held is not None and held.client not in self.gens.leases:
-            log.info("update %d dropped unpublished: its lease %s is gone", held.number, lease_tag(held.client))
-            self._cancel_held(held, "its updater's lease is gone")
+        self.pushes.sweep()
 
     def _prepare(self, checkpoint: str):
         """`loader.prepare` on a job's thread (importing torch and transformers the first time): until it returns,
@@ -172,13 +175,13 @@ class WeightService(PushOps):
                      device=self.cfg.device, threads=self.cfg.load_threads, progress=self.cfg.progress and previous is None,
                      should_stop=self.should_stop, group=self.cfg.group, on_progress=placed, shm_dir=self.cfg.shm_dir)
 
-    def _start_build(self, kind: str, number: int, work, on_end=None) -> Job:
+    def start_build(self, kind: str, number: int, work, on_end=None) -> Job:
         job = self.jobs.start(kind, number, work, on_end)
-        self._write_manifest("loading" if kind == "load" else "serving", building=number)
+        self.write_manifest("loading" if kind == "load" else "serving", building=number)
         return job
 
     def _start_reload(self, checkpoint: str) -> Job:
-        self._check_idle()
+        self.check_idle()
         self.gens.check_room()
         previous, number = self.gens.latest.built, self.gens.latest.number + 1
 
@@ -190,11 +193,11 @@ class WeightService(PushOps):
             if job.state == "published":
                 self.checkpoint = checkpoint
 
-        job = self._start_build("reload", number, work, on_end)
+        job = self.start_build("reload", number, work, on_end)
         job.checkpoint = checkpoint
         return job
 
-    def _finish(self, job: Job) -> None:
+    def finish(self, job: Job) -> None:
         """Publish a built generation (index segment, index JSON, then the switch, then the manifest), or record a failure."""
         if job.state == "built":
             place = None
@@ -228,61 +231,43 @@ class WeightService(PushOps):
         self.jobs.close(job)
         if job.on_end is not None:
             job.on_end(job)
-        self._write_manifest("serving" if self.gens.latest else "loading")
+        self.write_manifest("serving" if self.gens.latest else "loading")
 
-    def _write_manifest(self, state: str, building: int | None = None) -> None:
+    def write_manifest(self, state: str, building: int | None = None) -> None:
         segments = self.gens.segments_by_generation()
         if building is not None:  # its segments are created one by one: record the names they will have
             segments[building] = [segment_name(self.cfg.namespace, os.getpid(), building, 0).rsplit(".", 1)[0] + ".*"]
         latest = self.gens.latest.number if self.gens.latest else self.first_generation
-        self._recorded_leases = self.gens.recorded()
+        self._recorded_leases = self.leases.recorded()
         self._leases_written = time.monotonic()
         self.runstate.write_manifest(latest, segments, state, self.cfg.endpoint,
-                                     staging=[s.segment.name for s in self.staging.values()], shm_dir=self.cfg.shm_dir,
+                                     staging=[s.segment.name for s in self.pushes.staging.values()], shm_dir=self.cfg.shm_dir,
                                      conditions=self.conditions, leases=self._recorded_leases)
 
     def _record_leases(self) -> None:
         """Keep the manifest's leases current (at most twice a second), so that a successor re-grants them."""
         if self.gens.latest is None or time.monotonic() - self._leases_written < LEASES_EVERY_S:
             return
-        if self.gens.recorded() != self._recorded_leases:
-            self._write_manifest("serving")
+        if self.leases.recorded() != self._recorded_leases:
+            self.write_manifest("serving")
 
-    def _check_idle(self) -> None:
+    def check_idle(self) -> None:
+        """Busy while a build runs or an update is staged: one reload or update at a time."""
         self.jobs.check_idle()
-        if self.staging:
-            number = next(iter(self.staging))
-            raise Busy(f"update {number} is staged and not yet committed; one reload or update at a time")
+        self.pushes.check_idle()
 
-    def op_refresh(self, req: messages.Refresh) -> dict:
-        """Move the lease to the latest generation; the reply names its index segment."""
-        latest = self.latest()
-        lease = self.gens.refresh(req.client)
-        return messages.IndexSegmentReply(generation=lease.generation, index_segment=latest.index_place).wire()
-
-    def op_reload(self, req: messages.Reload) -> dict:
+    @handles(messages.Reload)
+    def op_reload(self, req: messages.Reload, peer: Peer) -> dict:
         checkpoint = allowed_checkpoint(self.cfg, req.checkpoint)  # the configured one or under checkpoint_roots
         self.latest()
-        return self._start_reload(checkpoint).report(messages.JobReply).wire()
+        return self._start_reload(checkpoint).report(replies.JobReply).wire()
 
-    def op_variant(self, req: messages.Variant) -> dict:
-        """Dtype variants of served tensors for a worker whose transformers loads them in another dtype: cast once
-        per host into the lease's generation (or `generation`, which must be live), reused by every later ask."""
-        lease = self.gens.get(req.client)
-        number = req.generation if req.generation is not None else self.gens.generation_of(lease).number
-        gen = self.gens.live.get(number)
-        if gen is None:
-            raise GenerationGone(f"generation {number} is not served any more (live: {sorted(self.gens.live)}): its "
-                                 "variants went with it; refresh() and ask again")
-        others = [g for g in self.gens.live.values() if g is not gen]
-        made = variants.make(gen, others, req.tensors, group=self.cfg.group)
-        return messages.VariantReply(generation=gen.number, tensors=[v.to_wire() for v in made]).wire()
-
-    def op_job(self, req: messages.Job) -> dict:
+    @handles(messages.Job)
+    def op_job(self, req: messages.Job, peer: Peer) -> dict:
         job = self.jobs.get(req.job)
         if job is None:
             raise ProtocolError(f"no job {req.job!r} (finished jobs are kept a while, not forever)")
-        return job.report(messages.JobReply).wire()
+        return job.report(replies.JobReply).wire()
 
     def status_generation(self) -> int:
         if self.gens.latest is not None:
@@ -307,13 +292,13 @@ class WeightService(PushOps):
         job = self.jobs.current
         if job is not None and job.built is not None:
             job.built.close()  # built but never published
-        for number in list(self.staging):
-            self._drop_staging(number)
+        for number in list(self.pushes.staging):
+            self.pushes.drop(number)
         if keep and self.gens.latest is not None:
             segments = self.gens.segments_by_generation()
             self.runstate.write_manifest(self.gens.latest.number, segments, "handover", self.cfg.endpoint,
                                          shm_dir=self.cfg.shm_dir, conditions=self.conditions,
-                                         leases=self.gens.recorded())
+                                         leases=self.leases.recorded())
             log.info("handing over generation(s) %s: left in shared memory for a successor",
                      ", ".join(str(n) for n in sorted(segments)))
             self.gens.leave()

@@ -22,7 +22,8 @@ import torch
 
 from expertd.errors import UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_checksum
-from expertd.messages import PushedTensor, StagedTensor, UpdateReply
+from expertd.messages import PushedTensor
+from expertd.replies import StagedTensor, UpdateReply
 from expertd.quantization import quantization_format
 from expertd.shm import DTYPES, OPEN_FLAGS, segment_path
 

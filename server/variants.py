@@ -4,13 +4,13 @@ engine's layout (`expertd.derived`), made once per host.
 The daemon serves every tensor in the dtype its own transformers loads it as (`expertd.hf_dtypes`). A worker
 on another release may want another dtype for a few tensors (transformers 5.24 keeps DeepSeek-V3's routers in
 float32, 5.23 and 4.57 in bf16). Rather than every such worker making a private copy, it asks the daemon
-(`variant`), which casts the served bytes once into a segment of their own (`/{namespace}.{pid}.v{N}.{k}`,
+(`cast`), which casts the served bytes once into a segment of their own (`/{namespace}.{pid}.v{N}.{k}`,
 owner and mode as any segment), checksums them and hands out the entry; every later worker maps the same
 bytes. A variant belongs to the generation it was asked in: it lives while that generation does (a lease
 on it keeps both), is listed in `status`, and is unlinked when the generation retires. A newer generation
 whose served tensor is the same bytes (same segment and offset) reuses the variant instead of casting again.
 
-A derived variant (a gather: vLLM's packed experts) is named by its index and shape instead of a dtype. The
+A derived variant (`gather`: vLLM's packed experts) is named by its index and shape instead of a dtype. The
 derived bytes of a generation may total at most its served bytes: a reader cannot fill the host's memory.
 """
 
@@ -20,10 +20,10 @@ import logging
 import math
 from dataclasses import dataclass
 
-from expertd.derived import GATHER, Gather
+from expertd.derived import Gather
 from expertd.errors import VariantRejected
 from expertd.index import TensorEntry, tensor_checksum
-from expertd.messages import VARIANT_DTYPES
+from expertd.messages import VARIANT_DTYPES, CastItem, GatherItem
 
 from .arena import Arena
 
@@ -60,55 +60,49 @@ class Variant:
                 **({"derivation": self.key, "shape": list(self.entry.shape)} if self.key else {})}
 
 
-def wanted(tensors: list[dict], served: dict[str, TensorEntry], generation: int, limit: int) -> list[tuple]:
-    """The requested (served entry, what, derivation) triples, checked: every name served; a cast's dtype a float
-    type and the served tensor a float one (`what` is the dtype, derivation None); a gather (derivation: the
-    Gather and its further sources) well-formed for the served
-    shape and no larger than `limit` bytes (`what` is its key; checked before its index is inflated).
-    VariantRejected names the tensor and what was asked otherwise."""
+def _casts(items: list[CastItem], served: dict[str, TensorEntry], generation: int) -> list[tuple]:
+    """The requested (served entry, dtype, None) triples, checked: every name served and a float tensor (the parser
+    has checked each dtype is a float type)."""
     out = []
-    for i, item in enumerate(tensors):
-        name, dtype = item.get("name"), item.get("dtype")
-        derived = GATHER in item
-        if not isinstance(name, str) or not (derived or isinstance(dtype, str)):
-            raise VariantRejected(f"op 'variant': tensors[{i}] must be a map with a string 'name' and a 'dtype' or "
-                                  f"a {GATHER!r}")
-        entry = served.get(name)
+    for item in items:
+        entry = served.get(item.name)
         if entry is None:
-            asked = "a derived layout" if derived else f"{dtype[:40]!r}"
-            raise VariantRejected(f"no tensor {name[:200]!r} in generation {generation}: a variant of it in "
-                                  f"{asked} cannot be made (variants are asked by served name)")
-        if derived:
-            more = _also(item[GATHER], served, entry, name, generation)
-            gather = Gather(name, item[GATHER], list(entry.shape), f"tensors[{i}]", [list(e.shape) for e in more])
-            if _size(gather, entry) > limit:
-                raise VariantRejected(f"generation {generation}: deriving {name!r} in shape {list(gather.shape)} "
-                                      f"takes {_size(gather, entry)} bytes, more than its {limit} served bytes (the "
-                                      f"most a generation derives)")
-            out.append((entry, gather.key, (gather, more)))
-            continue
-        if dtype not in VARIANT_DTYPES:
-            raise VariantRejected(f"dtype {dtype[:40]!r} asked for {name!r} is not a float type: a variant is one of "
-                                  f"{', '.join(VARIANT_DTYPES)}")
+            raise VariantRejected(f"no tensor {item.name[:200]!r} in generation {generation}: a variant of it in "
+                                  f"{item.dtype!r} cannot be made (variants are asked by served name)")
         if entry.dtype not in VARIANT_DTYPES:
-            raise VariantRejected(f"{name!r} is served as {entry.dtype}: only float tensors have dtype variants "
-                                  f"({dtype!r} asked)")
-        out.append((entry, dtype, None))
+            raise VariantRejected(f"{item.name!r} is served as {entry.dtype}: only float tensors have dtype variants "
+                                  f"({item.dtype!r} asked)")
+        out.append((entry, item.dtype, None))
     return out
 
 
-def _also(spec, served: dict[str, TensorEntry], entry: TensorEntry, name: str, generation: int) -> list[TensorEntry]:
-    """The further sources of a gather (`also`), served and of the first one's dtype."""
-    names = spec.get("also") if isinstance(spec, dict) else None
-    if names is None:
-        return []
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(names) > 64:
-        raise VariantRejected(f"op 'variant': the gather of {name!r}: 'also' must be a list of at most 64 served names")
+def _gathers(items: list[GatherItem], served: dict[str, TensorEntry], generation: int, limit: int) -> list[tuple]:
+    """The requested (served entry, key, (Gather, further sources)) triples, checked whole before anything is made:
+    every source served and of one dtype, each gather well-formed for its sources' shapes and no larger than
+    `limit` bytes (checked before its index is inflated)."""
     out = []
-    for other in names:
+    for i, item in enumerate(items):
+        entry = served.get(item.name)
+        if entry is None:
+            raise VariantRejected(f"no tensor {item.name[:200]!r} in generation {generation}: a derived layout of it "
+                                  f"cannot be made (derived tensors are asked by served name)")
+        more = _also(item, served, entry, generation)
+        gather = Gather(item, list(entry.shape), f"tensors[{i}]", [list(e.shape) for e in more])
+        if _size(gather, entry) > limit:
+            raise VariantRejected(f"generation {generation}: deriving {item.name!r} in shape {list(gather.shape)} "
+                                  f"takes {_size(gather, entry)} bytes, more than its {limit} served bytes (the "
+                                  f"most a generation derives)")
+        out.append((entry, gather.key, (gather, more)))
+    return out
+
+
+def _also(item: GatherItem, served: dict[str, TensorEntry], entry: TensorEntry, generation: int) -> list[TensorEntry]:
+    """The further sources of a gather (`also`), served and of the first one's dtype."""
+    out = []
+    for other in item.also or ():
         found = served.get(other)
         if found is None or found.dtype != entry.dtype:
-            raise VariantRejected(f"the gather of {name!r} in generation {generation}: {other[:200]!r} is "
+            raise VariantRejected(f"the gather of {item.name!r} in generation {generation}: {other[:200]!r} is "
                                   f"{'not served' if found is None else f'served as {found.dtype}'}; a gather's "
                                   f"sources are served tensors of one dtype ({entry.dtype})")
         out.append(found)
@@ -123,19 +117,29 @@ def _what(variant: Variant) -> str:
     return variant.key or variant.entry.dtype
 
 
-def make(gen, others, tensors: list[dict], group: str | None = None) -> list[Variant]:
-    """The variants `tensors` asks of generation `gen`: those it has, those another live generation (`others`)
-    made of the same bytes, and the rest made now into new segments of `gen`. In request order."""
+def cast(gen, others, items: list[CastItem], group: str | None = None) -> list[Variant]:
+    """The dtype casts `items` asks of generation `gen` (see `_make_all`)."""
     served = {t.name: t for t in gen.index.tensors}
+    return _make_all(gen, others, _casts(items, served, gen.number), group)
+
+
+def gather(gen, others, items: list[GatherItem], group: str | None = None) -> list[Variant]:
+    """The gathers `items` asks of generation `gen` (see `_make_all`)."""
+    served = {t.name: t for t in gen.index.tensors}
+    return _make_all(gen, others, _gathers(items, served, gen.number, sum(t.nbytes for t in gen.index.tensors)), group)
+
+
+def _make_all(gen, others, asked: list[tuple], group: str | None) -> list[Variant]:
+    """The variants `asked` names of generation `gen`: those it has, those another live generation (`others`)
+    made of the same bytes, and the rest made now into new segments of `gen`. In request order."""
     limit = sum(t.nbytes for t in gen.index.tensors)
-    asked = wanted(tensors, served, gen.number, limit)
     reusable = {(v.made_of(), _what(v)): v for other in others for v in other.variants.values()}
     budget = limit - sum(v.entry.nbytes for v in gen.variants.values() if v.key)
     out, made, added = [], [], []
     try:
         for entry, what, derivation in asked:
-            gather, more = derivation or (None, [])
-            if gather is None and entry.dtype == what:  # already served so: the served tensor is its own variant
+            spec, more = derivation or (None, [])
+            if spec is None and entry.dtype == what:  # already served so: the served tensor is its own variant
                 out.append(Variant(entry, entry))
                 continue
             variant = gen.variants.get((entry.name, what))
@@ -143,15 +147,15 @@ def make(gen, others, tensors: list[dict], group: str | None = None) -> list[Var
                 found = reusable.get((tuple(same_bytes(e) for e in (entry, *more)), what))
                 if found is not None:
                     variant = Variant(entry, found.entry, found.key, tuple(more))
-                elif gather is None:
+                elif spec is None:
                     variant = _make(gen, entry, list(entry.shape), what, group, None)
                 else:
-                    budget -= _size(gather, entry)
+                    budget -= _size(spec, entry)
                     if budget < 0:
                         raise VariantRejected(f"generation {gen.number}: deriving {entry.name!r} in shape "
-                                              f"{list(gather.shape)} would take its derived tensors past its served "
+                                              f"{list(spec.shape)} would take its derived tensors past its served "
                                               f"bytes (the most a generation derives)")
-                    variant = _make(gen, entry, list(gather.shape), entry.dtype, group, gather, more)
+                    variant = _make(gen, entry, list(spec.shape), entry.dtype, group, spec, more)
                 if found is None:
                     made.append(variant)
                 gen.variants[(entry.name, what)] = variant

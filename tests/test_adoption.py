@@ -18,7 +18,7 @@ import torch
 from expertd.client import ExpertClient
 from expertd.errors import GenerationGone
 from expertd.server import ledger, sealed
-from expertd.server.generations import lease_tag
+from expertd.server.leases import lease_tag
 from expertd.server.runstate import RunState
 from helpers.daemon import expertd_cmd
 from helpers.reference import reference_tensors

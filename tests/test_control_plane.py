@@ -20,7 +20,7 @@ from helpers.daemon import DaemonProcess, daemon_settings, expertd_cmd, save_con
 HEAVY = ("torch", "transformers", "safetensors", "numpy")
 
 CONTROL_MODULES = ("expertd.server.daemon", "expertd.server.service", "expertd.server.adopt",
-                   "expertd.server.runstate", "expertd.server.generations", "expertd.server.jobs",
+                   "expertd.server.runstate", "expertd.server.generations", "expertd.server.leases", "expertd.server.jobs",
                    "expertd.server.pushes", "expertd.server.variants", "expertd.server.stopping",
                    "expertd.server.starting", "expertd.server.cli", "expertd.connection", "expertd.leasing",
                    "expertd.segments", "expertd.index_segment")
@@ -165,7 +165,7 @@ def test_a_closed_pipe_ends_a_command_quietly(tiny_checkpoint, namespace, tmp_pa
 
 @pytest.fixture(scope="module")
 def dense_checkpoint(tmp_path_factory) -> str:
-    from expertd.server.tools.generate import generate_model_type
+    from expertd.tools.generate import generate_model_type
 
     folder = str(tmp_path_factory.mktemp("dense") / "llama")
     generate_model_type(folder, "llama")

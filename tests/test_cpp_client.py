@@ -25,7 +25,7 @@ from expertd.client import ExpertClient
 from expertd.errors import ConfigError
 from expertd.index import checksum, checksum_parts, tensor_bytes, tensor_checksum
 from expertd.protocol import check_endpoint
-from expertd.server.generations import lease_tag
+from expertd.server.leases import lease_tag
 
 REPO = Path(__file__).resolve().parent.parent
 CPP = REPO / "client" / "cpp"
@@ -189,7 +189,8 @@ def test_wrong_token_is_a_typed_error(cpp_build, start_daemon):
     d = start_daemon(TINY, auth_token=TOKEN)
     run = dump(cpp_build, d.endpoint, "--token", "not-the-token-0123456789")
     assert run.returncode == EXIT["AuthError"], run.stderr
-    assert run.stderr.startswith("expertd-cpp-dump: AuthError: daemon refused 'lease': AuthError:"), run.stderr
+    assert run.stderr.startswith("expertd-cpp-dump: AuthError: daemon refused 'lease': request lacks"), run.stderr
+    assert run.stderr.count("AuthError") == 1 and "as $EXPERTD_TOKEN or Options::token" in run.stderr, run.stderr
     run = dump(cpp_build, d.endpoint)  # no token at all
     assert run.returncode == EXIT["AuthError"], run.stderr
     assert d.status()["leases"] == []

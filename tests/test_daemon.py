@@ -9,10 +9,10 @@ import pytest
 import zmq
 
 from expertd.client import DaemonNotRunning, DaemonTimeout, ExpertClient
-from expertd.client.connection import Connection
+from expertd.connection import Connection
 from expertd.errors import DaemonError, ProtocolError
 from expertd.protocol import PROTOCOL_VERSION
-from expertd.server.generations import lease_tag
+from expertd.server.leases import lease_tag
 
 
 @pytest.fixture
@@ -146,14 +146,17 @@ def test_tcp_endpoint(start_daemon, tiny_checkpoint):
 def test_a_loading_daemon_answers_status_and_defers_the_index(tmp_path, tiny_checkpoint):
     from expertd.server.config import config_from_dict
     from expertd.server.daemon import Daemon
+    from expertd.server.peers import Peer
 
     daemon = Daemon(config_from_dict({"checkpoint": tiny_checkpoint, "endpoint": f"ipc://{tmp_path}/s.sock",
                                       "namespace": "loading"}))
-    status = daemon.handle({"op": "status"})
+    local = Peer(uid=os.getuid(), pid=os.getpid())  # what the transport says beside each request
+    status = daemon.handle({"op": "status"}, local)
     assert status["ok"] and status["state"] == "loading" and status["tensors"] == 0
-    assert daemon.handle({"op": "index"}) == {"ok": False, "error": "NotReady", "message": "the daemon is still loading"}
-    lease = daemon.handle({"op": "lease", "pid": 1, "protocol": PROTOCOL_VERSION})
-    assert lease["ok"] and daemon.handle({"op": "heartbeat", "client": lease["client"]})["ok"]
+    assert daemon.handle({"op": "index"}, local) == {"ok": False, "error": "NotReady",
+                                                      "message": "the daemon is still loading"}
+    lease = daemon.handle({"op": "lease", "pid": 1, "protocol": PROTOCOL_VERSION}, local)
+    assert lease["ok"] and daemon.handle({"op": "heartbeat", "client": lease["client"]}, local)["ok"]
 
 
 def test_a_closed_client_keeps_no_mapping_once_its_views_are_dropped(start_daemon, tiny_checkpoint, namespace):

@@ -16,11 +16,13 @@ import zlib
 import pytest
 import torch
 
-from expertd import derived
+from expertd import derived, messages
 from expertd.client import ExpertClient
 from expertd.client.residency import shared_ranges
-from expertd.errors import VariantRejected
-from expertd.server.tools.generate import generate_model_type
+from expertd.connection import Connection
+from expertd.errors import DaemonError, VariantRejected
+from expertd.messages import GatherItem
+from expertd.tools.generate import generate_model_type
 from helpers.daemon import DaemonProcess
 
 PAD = 64  # -1 entries mixed into the permutation: zeros in the derived block
@@ -82,12 +84,12 @@ def reference(source: torch.Tensor, index: torch.Tensor, shape) -> torch.Tensor:
     return out.reshape(shape)
 
 
-def ask(name: str, index: torch.Tensor, shape) -> dict:
+def ask(name: str, index: torch.Tensor, shape) -> GatherItem:
     return derived.request(name, derived.encode(index), index.numel(), shape)
 
 
-def derivation(item: dict, source_shape) -> str:
-    return derived.Gather(item["name"], item["gather"], list(source_shape), "test").key
+def derivation(item: GatherItem, source_shape) -> str:
+    return derived.Gather(item, list(source_shape), "test").key
 
 
 def derived_listed(daemon: DaemonProcess, generation: int) -> list[dict]:
@@ -193,7 +195,21 @@ def test_newer_generation_reuses_same_bytes_and_remakes_changed_ones(daemon, cli
         assert not torch.equal(remade, old) and torch.equal(reused, reference(source, index, shape))
 
 
-def refused(daemon: DaemonProcess, client: ExpertClient, items: list[dict], *needles: str) -> str:
+def malformed(daemon: DaemonProcess, client: ExpertClient, item: dict, needle: str) -> None:
+    """Send a `gather` of one raw item: refused by the daemon's parser (ProtocolError naming the field) before it
+    looks anything up; nothing made."""
+    before, listed = _left(daemon.namespace), derived_listed(daemon, client.generation)
+    conn = Connection(daemon.endpoint, timeout=60)
+    try:
+        with pytest.raises(DaemonError, match="ProtocolError") as caught:
+            conn.request("gather", client=client.lease, tensors=[item])
+    finally:
+        conn.close()
+    assert needle in str(caught.value), (needle, str(caught.value))
+    assert _left(daemon.namespace) == before and derived_listed(daemon, client.generation) == listed
+
+
+def refused(daemon: DaemonProcess, client: ExpertClient, items: list[GatherItem], *needles: str) -> str:
     """Ask `items`: VariantRejected whose message holds every needle, and nothing made (no new segment, nothing more
     listed in status)."""
     before, listed = _left(daemon.namespace), derived_listed(daemon, client.generation)
@@ -221,8 +237,8 @@ def test_bad_requests_are_refused_by_name_and_make_nothing(daemon, client):
 
     refused(daemon, client, [ask("model.layers.0.mlp.experts.nope", index, (blocks, m))],
             "'model.layers.0.mlp.experts.nope'", "no tensor", "derived layout")
-    refused(daemon, client, [{"name": name, "gather": {"index": "0,1,2", "length": m, "shape": [blocks, m]}}],
-            "binary 'index'")
+    malformed(daemon, client, {"name": name, "index": "0,1,2", "length": m, "shape": [blocks, m]},
+              "'index' must be binary data")
     refused(daemon, client, [derived.request(name, b"not deflated data at all", m, (blocks, m))],
             repr(name), "not deflated data")
     # deflated differences one short of `length`, and one too many
@@ -232,7 +248,7 @@ def test_bad_requests_are_refused_by_name_and_make_nothing(daemon, client):
             repr(name), f"does not inflate to {m - 1} int32")
     # a deflate bomb: ~100 KB that inflates to 100 MB, refused without being inflated past what `length` allows
     bomb = zlib.compress(bytes(100 << 20), 9)
-    assert len(bomb) <= derived.MAX_INDEX_BYTES
+    assert len(bomb) <= messages.MAX_INDEX_BYTES
     high = high_water_bytes(daemon.proc.pid)
     refused(daemon, client, [derived.request(name, bomb, m, (blocks, m))], repr(name), f"does not inflate to {m} int32")
     assert high_water_bytes(daemon.proc.pid) - high < 32 << 20
@@ -245,11 +261,11 @@ def test_bad_requests_are_refused_by_name_and_make_nothing(daemon, client):
     refused(daemon, client, [ask(name, index, (blocks + 1, m))], repr(name), f"{blocks} block(s)",
             f"[{blocks + 1}, {m}]")
     refused(daemon, client, [ask(name, index, (blocks, m // 4, 5))], repr(name), f"[{blocks}, {m // 4}, 5]")
-    refused(daemon, client, [ask(name, index, (blocks, 0))], "positive int")
+    malformed(daemon, client, ask(name, index, (blocks, 0)).wire(), "'shape'[1] must be a positive integer")
     # an index over the cap, refused before it is inflated
-    over = os.urandom(derived.MAX_INDEX_BYTES + 1)
-    refused(daemon, client, [derived.request(name, over, m, (blocks, m))], repr(name),
-            f"{derived.MAX_INDEX_BYTES + 1} bytes", str(derived.MAX_INDEX_BYTES))
+    over = os.urandom(messages.MAX_INDEX_BYTES + 1)
+    malformed(daemon, client, derived.request(name, over, m, (blocks, m)).wire(),
+              f"'index' holds {messages.MAX_INDEX_BYTES + 1} bytes; at most {messages.MAX_INDEX_BYTES}")
     # every refusal left the daemon serving the good request
     (out,) = client.derived([ask(name, index, (blocks, m))])
     assert torch.equal(out, reference(source, index, (blocks, m)))
@@ -338,8 +354,7 @@ def test_a_gather_over_several_served_tensors_rearranges_their_concatenation(dae
     (out,) = client.derived([item])
     want = torch.where(index >= 0, flat[index.clamp(min=0)], torch.zeros((), dtype=flat.dtype)).reshape(shape)
     assert torch.equal(out, want) and in_shared_memory(out, client.index().shm_dir)
-    key = derived.Gather(names[0], item["gather"], list(served[names[0]].shape), "test",
-                         [list(served[n].shape) for n in names[1:]]).key
+    key = derived.Gather(item, list(served[names[0]].shape), "test", [list(served[n].shape) for n in names[1:]]).key
     (listed,) = [v for v in derived_listed(daemon, client.generation) if v["derivation"] == key]
     assert listed["name"] == names[0] and listed["shape"] == list(shape)
 
@@ -372,9 +387,8 @@ def test_a_whole_gather_pads_a_tensor_as_one_block(daemon, client):
     (out,) = client.derived([derived.request(name, derived.encode(index), index.numel(), (rows, source.shape[1]),
                                              whole=True)])
     assert torch.equal(out[:source.shape[0]], source) and not bool(out[source.shape[0]:].any())
-    bad = derived.request(name, derived.encode(index), index.numel(), (rows, source.shape[1]), whole=True)
-    bad["gather"]["blocks"] = 2
-    refused(daemon, client, [bad], "['blocks'] may only be 1")
+    bad = derived.request(name, derived.encode(index), index.numel(), (rows, source.shape[1]), whole=True).wire()
+    malformed(daemon, client, {**bad, "blocks": 2}, "'blocks' must be a positive integer below 2")
 
 
 def test_stop_leaves_nothing_of_the_namespace(tmp_path, checkpoint):

@@ -17,8 +17,8 @@ from expertd.client import ExpertClient
 from expertd.connection import Connection
 from expertd.errors import DaemonError
 from expertd.protocol import PROTOCOL_VERSION
-from expertd.server import generations
-from expertd.server.generations import Generations, lease_tag, watchable
+from expertd.server import leases
+from expertd.server.leases import LeaseTable, lease_tag, watchable
 
 NORM = "model.layers.2.post_attention_layernorm.weight"
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
@@ -113,40 +113,40 @@ def test_a_worker_in_another_pid_namespace_keeps_the_timeout_rule(tiny_checkpoin
 
 
 def test_a_lease_whose_pid_names_another_process_now_is_reaped():
-    gens = Generations()
+    table = LeaseTable()
     me, started = os.getpid(), procfs.process_start_time(os.getpid())
-    mine = gens.lease(me, start_time=started)
-    reused = gens.lease(me, start_time=started - 1)  # recorded for an earlier process that had this pid
-    unwatched = gens.lease(me)
-    gens.expire(60)
-    assert set(gens.leases) == {mine.client, reused.client, unwatched.client}  # not looked up yet: checks are paced
-    time.sleep(generations.WATCH_EVERY_S + 0.05)
-    gens.expire(60)
-    assert set(gens.leases) == {mine.client, unwatched.client}
+    mine = table.take(me, None, start_time=started)
+    reused = table.take(me, None, start_time=started - 1)  # recorded for an earlier process that had this pid
+    unwatched = table.take(me, None)
+    table.expire(60)
+    assert set(table.leases) == {mine.client, reused.client, unwatched.client}  # not looked up yet: checks are paced
+    time.sleep(leases.WATCH_EVERY_S + 0.05)
+    table.expire(60)
+    assert set(table.leases) == {mine.client, unwatched.client}
 
 
 def test_a_lease_of_a_zombie_or_vanished_process_is_reaped():
-    gens = Generations()
+    table = LeaseTable()
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        lease = gens.lease(proc.pid, start_time=watchable(proc.pid, procfs.pid_namespace(),
+        lease = table.take(proc.pid, None, start_time=watchable(proc.pid, procfs.pid_namespace(),
                                                           procfs.process_start_time(proc.pid)))
         assert lease.watched
-        time.sleep(generations.WATCH_EVERY_S + 0.05)
-        gens.expire(60)
-        assert lease.client in gens.leases  # alive
+        time.sleep(leases.WATCH_EVERY_S + 0.05)
+        table.expire(60)
+        assert lease.client in table.leases  # alive
         proc.kill()
         assert wait_until(lambda: procfs._stat(proc.pid)[0] == "Z", timeout=5) < 5  # exited, not yet waited for
-        time.sleep(generations.WATCH_EVERY_S + 0.05)
-        gens.expire(60)
-        assert lease.client not in gens.leases
+        time.sleep(leases.WATCH_EVERY_S + 0.05)
+        table.expire(60)
+        assert lease.client not in table.leases
     finally:
         proc.kill()
         proc.wait()
-    gone = gens.lease(proc.pid, start_time=1)  # reaped now: no such process at all
-    time.sleep(generations.WATCH_EVERY_S + 0.05)
-    gens.expire(60)
-    assert gone.client not in gens.leases
+    gone = table.take(proc.pid, None, start_time=1)  # reaped now: no such process at all
+    time.sleep(leases.WATCH_EVERY_S + 0.05)
+    table.expire(60)
+    assert gone.client not in table.leases
 
 
 def test_watchable_needs_the_same_pid_namespace_and_a_start_time_proc_agrees_with():

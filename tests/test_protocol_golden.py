@@ -20,11 +20,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers/, also when run as a script
 
-from expertd import index_segment, messages  # noqa: E402
-from expertd.errors import DaemonError, ProtocolError, VersionMismatch  # noqa: E402
+from expertd import derived, index_segment, messages, replies  # noqa: E402
+from expertd.errors import DaemonError, ProtocolError, VariantRejected, VersionMismatch  # noqa: E402
 from expertd.index import TensorIndex  # noqa: E402
-from expertd.protocol import ERRORS, OPS, PROTOCOL_VERSION, pack, unpack_reply  # noqa: E402
+from expertd.messages import OPS  # noqa: E402
+from expertd.protocol import ERRORS, PROTOCOL_VERSION, pack, unpack_reply  # noqa: E402
 from expertd.security import Credentials  # noqa: E402
+from expertd.server.config import config_from_dict  # noqa: E402
+from expertd.server.daemon import Daemon  # noqa: E402
 from helpers.golden import INDEX_BIN, SELECT, TOKEN, checksum_vectors, load, regenerate  # noqa: E402
 
 
@@ -66,29 +69,25 @@ def test_python_client_decodes_the_golden_replies(golden):
 
 def test_every_op_is_one_typed_message_and_the_golden_requests_parse_into_them(golden):
     assert set(messages.REQUESTS) == set(OPS)  # one class per op, in one module
-    replies = {"hello": messages.HelloReply, "lease": messages.LeaseReply, "lease.generation": messages.LeaseReply,
-               "heartbeat": messages.HeartbeatReply, "index.segment": messages.IndexSegmentReply,
-               "refresh": messages.IndexSegmentReply, "release": messages.Done, "abort": messages.Done,
-               "stop": messages.Done, "variant": messages.VariantReply, "update": messages.UpdateReply,
-               "stage": messages.StageReply, "commit": messages.JobReply, "commit.hold": messages.JobReply,
-               "job": messages.JobReply, "publish": messages.JobReply, "reload": messages.JobReply,
-               "status": messages.StatusReply}
-    assert set(replies) == {name for name in golden["messages"] if not name.startswith("error.")} - {"index.inline"}
+    # every reply reads as the class its op declares
+    replied = {name for name in golden["messages"] if not name.startswith("error.")} - {"index.inline"}
+    assert {golden["messages"][name]["op"] for name in replied} == set(OPS) - {"gather"}  # gather: live only (binary)
     for name, entry in golden["messages"].items():
         sent = entry["request"]["decoded"]
         if name == "error.ProtocolError.unknown_op":
             assert sent["op"] not in messages.REQUESTS
             continue
         if name == "error.VersionMismatch":
-            with pytest.raises(VersionMismatch, match="client speaks protocol 2, daemon speaks 3"):
+            with pytest.raises(VersionMismatch, match=f"client speaks protocol {PROTOCOL_VERSION - 1}, daemon speaks "
+                                                      f"{PROTOCOL_VERSION}"):
                 messages.parse_request(sent)
             continue
         request = messages.parse_request(sent)
         # every field the client sent is a field of the typed request, read back unchanged
         fields = {k: v for k, v in sent.items() if k not in ("op", "token")}
         assert {k: request.wire().get(k, "not a field") for k in fields} == fields, name
-        if name in replies:
-            reply = messages.read_reply(replies[name], entry["reply"]["decoded"], name)
+        if name in replied:
+            reply = replies.read_reply(type(request).reply, entry["reply"]["decoded"], name)
             assert {**reply.wire(), "latest": reply.latest} == entry["reply"]["decoded"], name
     # a field of the wrong type, a missing one, one out of range: ProtocolError naming the op and the field
     for bad, words in (({"op": "heartbeat"}, "op 'heartbeat': 'client' is missing; it must be a string"),
@@ -96,9 +95,45 @@ def test_every_op_is_one_typed_message_and_the_golden_requests_parse_into_them(g
                        ({"op": "commit", "client": "c1", "update": 1, "checksums": [7]},
                         r"op 'commit': 'checksums'\[0\] must be a string, got int"),
                        ({"op": "stage", "client": "c1", "update": "1", "tensor": 0},
-                        "op 'stage': 'update' must be an integer, got '1'")):
+                        r"op 'stage': 'update' must be a non-negative integer below 2\^64, got '1'")):
         with pytest.raises(ProtocolError, match=words):
             messages.parse_request(bad)
+
+
+def test_derived_requests_are_typed_and_bounded_before_any_work():
+    """A cast's and a gather's every field is checked by the parser: the daemon never sees an untyped item."""
+    import torch
+
+    item = derived.request("w", derived.encode(torch.arange(7, -1, -1)), 8, (2, 8), also=["v"])
+    sent = {"op": "gather", "client": "c1", "tensors": [item.wire()]}
+    assert messages.parse_request(pack_round(sent)).tensors == [item]
+    lease = {"op": "gather", "client": "c1"}
+    for bad, words in (
+            ({**lease, "tensors": [{"name": "w", "index": "0,1", "length": 2, "shape": [2]}]},
+             r"'index' must be binary data, got '0,1'"),
+            ({**lease, "tensors": [{"name": "w", "index": b"x", "length": 0, "shape": [2]}]},
+             r"'length' must be a positive integer"),
+            ({**lease, "tensors": [{"name": "w", "index": b"x", "length": 2, "shape": []}]},
+             r"'shape' must name at least one dimension"),
+            ({**lease, "tensors": [{"name": "w", "index": b"x", "length": 2, "shape": [2], "blocks": 2}]},
+             r"'blocks' must be a positive integer below 2"),
+            ({**lease, "tensors": [{"name": "w", "index": b"x", "length": 2, "shape": [2], "also": ["v"] * 65}]},
+             r"'also' holds 65 items; at most 64"),
+            ({**lease, "tensors": [{"name": "w", "index": bytes(messages.MAX_INDEX_BYTES + 1), "length": 2,
+                                    "shape": [2]}]}, rf"'index' holds {messages.MAX_INDEX_BYTES + 1} bytes"),
+            ({"op": "cast", "client": "c1", "tensors": [{"name": "w", "dtype": "torch.float32"}] * 4097},
+             r"'tensors' holds 4097 items; at most 4096"),
+            ({"op": "cast", "client": "c1", "tensors": [{"name": "w", "gather": {}}]},
+             r"'dtype' is missing"),
+            ({"op": "variant", "client": "c1", "tensors": []}, r"unknown op 'variant'")):
+        with pytest.raises(ProtocolError, match=words):
+            messages.parse_request(bad)
+    with pytest.raises(VariantRejected, match=r"op 'cast': tensors\[0\]: dtype 'torch.int8' .* is not a float type"):
+        messages.parse_request({"op": "cast", "client": "c1", "tensors": [{"name": "w", "dtype": "torch.int8"}]})
+
+
+def pack_round(message: dict) -> dict:
+    return msgpack.unpackb(pack(message), raw=False)
 
 
 def test_index_segment_vector_is_what_pack_writes_and_unpack_reads(golden):
@@ -121,11 +156,13 @@ def test_one_table_names_the_permission_of_every_op():
     """The ops that change what is served need "push", reload and stop "admin", the others "read"; the client sends
     its push_token with the push ops and its admin_token with the admin ops, and nothing else with any op."""
     assert set(messages.PERMISSIONS) == set(OPS) == set(messages.REQUESTS)
+    daemon = Daemon(config_from_dict({"checkpoint": "/nonexistent", "namespace": "registry"}))  # nothing started
+    assert set(daemon.dispatch.handlers) == set(messages.REQUESTS.values())  # one handler each (Dispatch checks)
     by_permission = {p: {op for op, needs in messages.PERMISSIONS.items() if needs == p} for p in messages.RANKS}
     assert by_permission[messages.PUSH] == {"update", "stage", "commit", "publish", "abort"}
     assert by_permission[messages.ADMIN] == {"reload", "stop"}
     for op, cls in messages.REQUESTS.items():
-        assert cls.permission.fget(cls) == messages.PERMISSIONS[op]
+        assert cls.permission == messages.PERMISSIONS[op] and cls.op == op and cls.words
     assert messages.grants(messages.ADMIN, messages.PUSH) and messages.grants(messages.PUSH, messages.READ)
     assert not messages.grants(messages.PUSH, messages.ADMIN) and not messages.grants(messages.READ, messages.PUSH)
     both = Credentials(push_token="p" * 16, admin_token="a" * 16)

@@ -18,9 +18,10 @@ import time
 import pytest
 
 from expertd import messages
-from expertd.client.connection import Connection
+from expertd.protocol import PROTOCOL_VERSION
+from expertd.connection import Connection
 from expertd.errors import GenerationGone, VariantRejected
-from expertd.server.tools.generate import generate, generate_model_type
+from expertd.tools.generate import generate, generate_model_type
 from helpers.releases import check_report, run_workers, with_released_keys
 from helpers.reference import write_reference_bf16
 
@@ -92,7 +93,7 @@ def test_previous_daemon_serves_the_newest_worker(family, tf_previous_python, st
 
 
 def _lease(conn: Connection) -> str:
-    return conn.send(messages.Lease(pid=os.getpid(), protocol=3), messages.LeaseReply).client
+    return conn.send(messages.Lease(pid=os.getpid(), protocol=PROTOCOL_VERSION), messages.LeaseReply).client
 
 
 def test_variant_refusals_and_lifetime(tiny_checkpoint, start_daemon, namespace):
@@ -100,8 +101,10 @@ def test_variant_refusals_and_lifetime(tiny_checkpoint, start_daemon, namespace)
     conn = Connection(daemon.endpoint, timeout=60)
     try:
         lease = _lease(conn)
-        ask = lambda tensors, **kw: conn.send(messages.Variant(client=lease, tensors=tensors, **kw),  # noqa: E731
-                                              messages.VariantReply)
+        def ask(tensors, **kw):
+            items = [messages.CastItem(**t) for t in tensors]
+            return conn.send(messages.Cast(client=lease, tensors=items, **kw), messages.VariantReply)
+
         with pytest.raises(VariantRejected, match=r"no tensor 'model.nope.weight' in generation 1.*'torch.float32'"):
             ask([{"name": "model.nope.weight", "dtype": "torch.float32"}])
         with pytest.raises(VariantRejected, match=r"'torch.int8' asked for 'model.norm.weight' is not a float type"):

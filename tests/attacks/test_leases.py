@@ -20,7 +20,7 @@ from expertd.client import ExpertClient
 from expertd.connection import Connection
 from expertd.errors import LeaseExpired, LeaseLimit
 from expertd.protocol import PROTOCOL_VERSION
-from expertd.server.generations import lease_tag
+from expertd.server.leases import lease_tag
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,7 +13,7 @@ import time
 import posix_ipc
 import pytest
 
-from expertd.server.generations import lease_tag
+from expertd.server.leases import lease_tag
 from helpers.daemon import expertd_cmd, write_config
 
 

@@ -15,7 +15,8 @@ import zmq
 
 from expertd.client import DaemonError, ExpertClient
 from expertd.errors import ConfigError
-from expertd.protocol import MAX_MESSAGE_BYTES, OPS
+from expertd.messages import OPS
+from expertd.protocol import MAX_MESSAGE_BYTES
 from helpers.daemon import expertd_cmd, write_config
 
 

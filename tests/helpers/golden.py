@@ -24,7 +24,7 @@ import msgpack
 import torch
 
 import expertd.connection as connection
-from expertd import index_segment, messages
+from expertd import derived, index_segment, messages
 from expertd.connection import Connection
 from expertd.errors import AuthError, DaemonError, GenerationGone, LeaseExpired, VariantRejected, VersionMismatch
 from expertd.index import TensorIndex
@@ -135,7 +135,7 @@ def run_scenario(endpoint: str) -> Recorder:
             conn.request("hello", protocol=PROTOCOL_VERSION)
             client = ExpertClient(endpoint, token=TOKEN)  # lease (the handshake too)
             client.served_tensors()
-            conn.request("variant", client=client.lease, tensors=[{"name": "model.norm.weight", "dtype": "torch.float32"}])
+            conn.request("cast", client=client.lease, tensors=[{"name": "model.norm.weight", "dtype": "torch.float32"}])
             conn.request("index", client=client.lease, segment=True)  # what a lease taken while loading asks
             conn.request("index")  # the index inline (tools, push_all)
             deadline = time.monotonic() + 5 * LEASE_TIMEOUT_S
@@ -143,6 +143,9 @@ def run_scenario(endpoint: str) -> Recorder:
                 time.sleep(0.05)
             assert rec.where("heartbeat"), "the client's heartbeat thread sent no heartbeat"
             client.status()
+            reverse = derived.request("model.norm.weight", derived.encode(torch.arange(319, -1, -1)), 320, (320,),
+                                      whole=True)
+            conn.send(messages.Gather(client=client.lease, tensors=[reverse]))  # after `status`: live only, its index is binary
             extra = lease_request(conn, generation=client.generation).client  # a resume
             conn.request("release", client=extra)
             client.update({PUSHED: torch.full((320,), 1.5, dtype=torch.bfloat16)})  # update, commit, job
@@ -165,7 +168,7 @@ def run_scenario(endpoint: str) -> Recorder:
             _expect(VersionMismatch, lambda: conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION - 1))
             _expect(GenerationGone, lambda: conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION,
                                                          generation=99))
-            _expect(VariantRejected, lambda: conn.request("variant", client=client.lease,
+            _expect(VariantRejected, lambda: conn.request("cast", client=client.lease,
                                                           tensors=[{"name": "model.nope.weight", "dtype": "torch.float32"}]))
             _expect(DaemonError, lambda: conn.request("frobnicate"))
             client.close()  # release
@@ -205,11 +208,11 @@ SELECT = {
     "error.GenerationGone": ("lease", _error("GenerationGone")),
     "error.VersionMismatch": ("lease", _error("VersionMismatch")),
     "error.ProtocolError.unknown_op": ("frobnicate", _error("ProtocolError")),
-    "variant": ("variant", lambda x: x.ok),
-    "error.VariantRejected": ("variant", _error("VariantRejected")),
+    "cast": ("cast", lambda x: x.ok),
+    "error.VariantRejected": ("cast", _error("VariantRejected")),
 }
 # what the daemon is sent again, as golden bytes, in this order (a fresh daemon grants lease c1 first)
-REPLAY = ("hello", "lease", "variant", "error.VariantRejected", "index.segment", "index.inline", "heartbeat", "status",
+REPLAY = ("hello", "lease", "cast", "error.VariantRejected", "index.segment", "index.inline", "heartbeat", "status",
           "refresh", "error.AuthError",
           "error.LeaseExpired", "error.GenerationGone", "error.VersionMismatch", "error.ProtocolError.unknown_op",
           "release")

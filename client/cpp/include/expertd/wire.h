@@ -6,7 +6,7 @@
 
 namespace expertd {
 
-inline constexpr int PROTOCOL_VERSION = 3;
+inline constexpr int PROTOCOL_VERSION = 4;
 inline constexpr const char* DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock";
 inline constexpr std::size_t MAX_MESSAGE_BYTES = std::size_t{1} << 20;
 inline constexpr const char* DEFAULT_SHM_DIR = "/dev/shm";
@@ -17,9 +17,9 @@ struct OpPermission {
   std::string_view op, permission;
 };
 inline constexpr OpPermission PERMISSIONS[] = {
-    {"hello", "read"},   {"lease", "read"},    {"index", "read"},   {"heartbeat", "read"}, {"refresh", "read"},
-    {"release", "read"}, {"variant", "read"},  {"status", "read"},  {"job", "read"},
-    {"update", "push"},  {"stage", "push"},    {"commit", "push"},  {"publish", "push"},   {"abort", "push"},
+    {"hello", "read"},   {"lease", "read"},    {"heartbeat", "read"}, {"refresh", "read"}, {"release", "read"},
+    {"status", "read"},  {"index", "read"},    {"job", "read"},       {"cast", "read"},    {"gather", "read"},
+    {"update", "push"},  {"stage", "push"},    {"commit", "push"},    {"publish", "push"}, {"abort", "push"},
     {"reload", "admin"}, {"stop", "admin"},
 };
 inline constexpr std::string_view permission(std::string_view op) {  // "" for an op the table does not name
