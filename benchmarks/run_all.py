@@ -270,7 +270,7 @@ def daemon_side(big: DaemonProcess, n: int, rounds: int = 20) -> dict:
 
 def index_sizes(big: DaemonProcess) -> dict:
     """Bytes of the index segment (what attach reads) and of the inline `index` reply (what tools fetch)."""
-    from expertd.client.connection import Connection
+    from expertd.connection import Connection
 
     conn = Connection(big.endpoint)
     try:

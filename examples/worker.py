@@ -15,7 +15,7 @@ import time
 import torch
 
 from expertd.client import DaemonNotRunning, ExpertClient
-from expertd.errors import ExpertdError
+from expertd.errors import DaemonTimeout, ExpertdError
 
 
 def attach(endpoint: str, wait: float, daemon: subprocess.Popen | None = None) -> ExpertClient:
@@ -67,6 +67,21 @@ def run_worker(endpoint: str, new_tokens: int, wait: float = 0.0, daemon: subpro
         print(f"generated: {out[0].tolist()}")
 
 
+def refuse_a_running_daemon(endpoint: str) -> None:
+    """--with-daemon starts a daemon on the config's endpoint: say at once if one already answers there."""
+    try:
+        with ExpertClient(endpoint, heartbeat=False, timeout=2.0) as probe:
+            pid = f" (pid {probe.status()['pid']})"
+    except (DaemonNotRunning, DaemonTimeout):  # no socket file, or (tcp://) no answer: the endpoint is free
+        return
+    except ExpertdError:  # it answers, if only to refuse this probe (a wrong token)
+        pid = ""
+    from expertd.server.runstate import EndpointBusy
+
+    raise EndpointBusy(f"a daemon already answers at {endpoint}{pid}: drop --with-daemon to use it, or stop it first "
+                       f"(expertd stop --endpoint {endpoint})")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--endpoint", default=os.environ.get("EXPERTD_ENDPOINT", "ipc:///tmp/expertd/expertd.sock"))
@@ -89,6 +104,7 @@ def run(args) -> int:
     from expertd.server.config import load_config
 
     endpoint = load_config(args.with_daemon).endpoint
+    refuse_a_running_daemon(endpoint)  # before any work: this run would use it and then fail to start its own
     daemon = subprocess.Popen([sys.executable, "-m", "expertd.server.cli", "start", "--config", args.with_daemon])
     try:
         run_worker(endpoint, args.new_tokens, args.wait or 600.0, daemon)

@@ -31,6 +31,10 @@ class MissingShardError(CheckpointError, FileNotFoundError):
     """A shard named by the index (or the checkpoint itself) does not exist."""
 
 
+class NotACheckpointError(CheckpointError, FileNotFoundError):
+    """The checkpoint folder lacks what every HuggingFace checkpoint holds: config.json and its *.safetensors."""
+
+
 class ShardFormatError(CheckpointError):
     """A shard is not a readable safetensors file (truncated, bad header, lying offsets)."""
 
@@ -78,6 +82,15 @@ class DaemonError(ExpertdError, RuntimeError):
         self.kind = kind or type(self).__name__
 
 
+def refusal(cls: type, what: str, kind: str, message) -> str:
+    """The words of a daemon's error reply `kind`: `message` to `what` (a request, in the user's words), raised as
+    `cls`: "daemon refused WHAT: MESSAGE", the kind named only when `cls` does not carry that name (a plain
+    DaemonError), then the fix when the class knows one (AuthError: where the token goes)."""
+    said = message if cls.__name__ == kind else f"{kind}: {message}"
+    fix = getattr(cls, "fix", None)
+    return f"daemon refused {what}: {said}" + (f"; {fix}" if fix else "")
+
+
 class NotReady(DaemonError):
     """The daemon is still loading its first generation."""
 
@@ -115,6 +128,9 @@ class PushDenied(PermissionDenied):
 
 class AuthError(DaemonError, PermissionError):
     """A request lacked the daemon's auth token or carried a wrong one."""
+
+    fix = ("give the daemon's auth_token (its config key) as $EXPERTD_TOKEN, ExpertClient(token=...) or the CLI's "
+           "--token")
 
 
 class UpdateRejected(DaemonError):

@@ -26,20 +26,25 @@ def lease_request(conn, **extra) -> messages.LeaseReply:
 
 def leased_index(conn, reply: messages.LeaseReply, timeout: float) -> TensorIndex:
     """The index of the generation lease `reply` reads, waiting up to `timeout` seconds while the daemon loads."""
-    place = reply.index_segment or None
+    return index_segment.read(reply.index_segment or index_place(conn, reply.client, timeout))
+
+
+def index_place(conn, client: str, timeout: float) -> dict:
+    """Where the index segment of lease `client`'s generation lies, asked of the daemon until it has one (a lease
+    taken while it loads): a DaemonTimeout after `timeout` seconds of NotReady."""
     deadline = time.monotonic() + timeout
-    while place is None:
+    while True:
         try:
-            place = conn.send(messages.Index(client=reply.client, segment=True), messages.IndexSegmentReply).index_segment
+            return conn.send(messages.Index(client=client, segment=True), messages.IndexSegmentReply).index_segment
         except NotReady as exc:
             if time.monotonic() > deadline:
                 raise DaemonTimeout(f"daemon at {conn.endpoint} still loading after {timeout:.0f}s") from exc
             time.sleep(0.05)
-    return index_segment.read(place)
 
 
-def changed_tensors(index: TensorIndex) -> list[str]:
-    """Names of the served tensors whose bytes in shared memory no longer hash to the index's checksum."""
+def corrupted_tensors(index: TensorIndex) -> list[str]:
+    """Names of the served tensors whose bytes in shared memory no longer hash to the index's checksum (corrupted:
+    not a newer generation's change, which `expertd.index.moved` names)."""
     sizes = {s.name: s.nbytes for s in index.segments}
     by_segment: dict[str, list] = {}
     for entry in index.tensors:

@@ -65,11 +65,19 @@ def unlink_segment(name: str, shm_dir: str = SHM_DIR) -> bool:
     return hostpaths.unlink_owned(segment_path(name, shm_dir), "segment")
 
 
+def mount_size(nbytes: int) -> str:
+    """`nbytes` and a tenth more, rounded up to a whole MiB (GiB from 10 GiB on) as tmpfs size= and docker
+    --shm-size write it: "11m" for a 9.6 MiB model, "77g" for a 70 GiB one."""
+    mib = math.ceil(nbytes * 1.1 / 2**20)
+    return f"{math.ceil(mib / 1024)}g" if mib >= 10 * 1024 else f"{max(1, mib)}m"
+
+
 def more_space_hint(shm_dir: str, need: int) -> str:
+    """How to get room for `need` more bytes in `shm_dir`, the size suggested following from `need`."""
     if shm_dir == DEFAULT_SHM_DIR:
-        return (f"give the container more shared memory (docker run --shm-size={math.ceil(need * 1.1 / 2**30)}g, "
+        return (f"give the container more shared memory (docker run --shm-size={mount_size(need)}, "
                 f"or shm_size: in docker-compose) or free space in {shm_dir}")
-    return f"mount {shm_dir} with a larger size= (at least {math.ceil(need * 1.1 / 2**30)}g) or free space in it"
+    return f"mount {shm_dir} with a larger size= (at least {mount_size(need)}) or free space in it"
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -15,6 +15,7 @@ from expertd.partition import ExpertParallel, PartitionError
 from expertd.protocol import DEFAULT_ENDPOINT, check_endpoint, ipc_path, tcp_host
 from expertd.units import parse_duration
 
+from .adopt import VERIFY_MODES
 from .hostpaths import runtime_base
 from .shmdir import inspect as inspect_shm_dir
 
@@ -120,7 +121,7 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
     if not isinstance(cfg.max_leases_per_client, int) or isinstance(cfg.max_leases_per_client, bool) \
             or cfg.max_leases_per_client < 1:
         raise ConfigError(f"config {source}: max_leases_per_client must be an integer >= 1")
-    if cfg.adopt_verify not in ("full", "sizes"):
+    if cfg.adopt_verify not in VERIFY_MODES:
         raise ConfigError(f"config {source}: adopt_verify {cfg.adopt_verify!r} must be 'full' (every checksum) or "
                           "'sizes'")
     if cfg.load_threads is not None and (not isinstance(cfg.load_threads, int) or isinstance(cfg.load_threads, bool)
@@ -186,11 +187,12 @@ def check_security(cfg: DaemonConfig, source: str, host: str | None) -> None:
                           "set auth_token too (or bind 127.0.0.1)")
 
 
-def resolve_endpoint(endpoint: str, base_dir: str = ".", where: str = "--endpoint") -> str:
-    """Check an endpoint; a relative ipc:// path resolves against `base_dir`. `where` names its origin in errors."""
-    check_endpoint(endpoint, where)
+def resolve_endpoint(endpoint: str, base_dir: str | None = None, where: str = "--endpoint") -> str:
+    """Check an endpoint. A relative ipc:// path resolves against `base_dir` (a config file's folder); without one
+    (a flag, the environment) it is refused. `where` names its origin in errors."""
+    check_endpoint(endpoint, where, relative=base_dir is not None)
     path = ipc_path(endpoint)
-    return endpoint if path is None else "ipc://" + _resolve(path, base_dir)
+    return endpoint if path is None or base_dir is None else "ipc://" + _resolve(path, base_dir)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from expertd.errors import (
     CheckpointError,
     MissingShardError,
     MissingTensorError,
+    NotACheckpointError,
     NotRegularFileError,
     ShardFormatError,
     UnsupportedDtypeError,
@@ -41,6 +42,9 @@ from .heap import collection_paused
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPE_NAMES = {dtype: str(dtype) for dtype in SAFETENSORS.values()}  # str() of a torch dtype costs a call into torch
 SINGLE_FILE = "model.safetensors"
+CHECKPOINT_HOLDS = ("a HuggingFace checkpoint folder holds config.json (the model's architecture) beside its weights "
+                    f"({INDEX_FILE} and the shards it names, or one {SINGLE_FILE}): point `checkpoint:` (or "
+                    "--checkpoint) at the folder save_pretrained or the Hub download wrote")
 MAX_HEADER_BYTES = 100 << 20
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
@@ -244,6 +248,8 @@ class Checkpoint:
                                     "at a HuggingFace checkpoint folder (config.json and *.safetensors)", file=folder)
         if not os.access(folder, os.R_OK | os.X_OK):
             raise CheckpointError("checkpoint folder is unreadable (permission denied)", file=folder)
+        if not os.path.lexists(os.path.join(folder, "config.json")):
+            raise NotACheckpointError(f"checkpoint folder {folder} has no config.json; {CHECKPOINT_HOLDS}")
         config = read_json(os.path.join(folder, "config.json"), "config.json")
         index_path = os.path.join(folder, INDEX_FILE)
         if os.path.exists(index_path):
@@ -253,7 +259,8 @@ class Checkpoint:
         elif os.path.exists(os.path.join(folder, SINGLE_FILE)):
             index_path, weight_map = None, None
         else:
-            raise MissingShardError(f"checkpoint has neither {INDEX_FILE} nor {SINGLE_FILE}", file=folder)
+            raise NotACheckpointError(f"checkpoint folder {folder} has neither {INDEX_FILE} nor {SINGLE_FILE}; "
+                                      + CHECKPOINT_HOLDS)
 
         shard_names = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]
         tensors: dict[str, TensorInfo] = {}

@@ -40,6 +40,14 @@ MISTAKES = [
      ["looks like a socket path", "write it as ipc:///tmp/expertd/expertd.sock"]),
     ("endpoint-without-transport", lambda d, c: ["status", "--endpoint", "127.0.0.1:5555"],
      ["tcp://127.0.0.1:5555"]),
+    ("endpoint-one-slash", lambda d, c: ["status", "--endpoint", "ipc:/tmp/expertd/expertd.sock"],
+     ["has too few slashes; write it as ipc:///tmp/expertd/expertd.sock"]),
+    ("endpoint-relative-ipc", lambda d, c: ["status", "--endpoint", "ipc://tmp/x.sock"],
+     ["names the relative path tmp/x.sock", "an absolute path takes three slashes: ipc:///tmp/x.sock"]),
+    ("unknown-flag-of-a-command", lambda d, c: ["start", "--config", config(d, checkpoint=c), "--bogus"],
+     ["expertd start: error: unrecognized arguments: --bogus", "expertd start --help"]),
+    ("checkpoint-without-config-json", lambda d, c: ["start", "--config", config(d, checkpoint=_folder(d, "empty"))],
+     ["NotACheckpointError", "has no config.json", "point `checkpoint:`"]),
     ("bad-namespace", lambda d, c: ["start", "--config", config(d, checkpoint=c, namespace="a/b")],
      ["namespace", "[A-Za-z0-9_.-]"]),
     ("bad-duration", lambda d, c: ["start", "--config", config(d, checkpoint=c, lease_timeout_s="soon")],
@@ -72,6 +80,12 @@ MISTAKES = [
     ("ep-size-not-a-number", lambda d, c: ["start", "--config", config(d, checkpoint=c, expert_parallel={"size": "four"})],
      ["expert_parallel.size must be an integer >= 1"]),
 ]
+
+
+def _folder(folder, name: str) -> str:
+    path = os.path.join(str(folder), name)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def _write(folder, name: str, text: str) -> str:

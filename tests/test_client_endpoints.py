@@ -20,7 +20,14 @@ REPO = Path(__file__).resolve().parent.parent
 # (endpoint, words its error must hold): a socket path without ipc://, tcp:// without a port, an unknown scheme, ...
 BAD_ENDPOINTS = [
     ("/tmp/expertd-nowhere/x.sock", "looks like a socket path; write it as ipc:///tmp/expertd-nowhere/x.sock"),
-    ("relative.sock", "looks like a socket path; write it as ipc://relative.sock"),
+    ("relative.sock", "looks like a relative socket path; write it as ipc:// followed by its absolute path, "
+                      "e.g. ipc:///tmp/expertd/expertd.sock"),
+    ("ipc:/tmp/expertd/expertd.sock", "has too few slashes; write it as ipc:///tmp/expertd/expertd.sock"),
+    ("tcp:localhost:5555", "has too few slashes; write it as tcp://localhost:5555"),
+    ("ipc://tmp/x.sock", "names the relative path tmp/x.sock, which each process would look for under its own working "
+                         "folder; an absolute path takes three slashes: ipc:///tmp/x.sock"),
+    ("ipc://./x.sock", "names the relative path ./x.sock, which each process would look for under its own working "
+                       "folder; write it as ipc:// followed by its absolute path, e.g. ipc:///tmp/expertd/expertd.sock"),
     ("tcp://localhost", "names no port; write it as tcp://localhost:PORT"),
     ("localhost:5555", "needs its transport; write it as tcp://localhost:5555"),
     ("zmq://daemon", "must be ipc://PATH (a unix socket) or tcp://HOST:PORT"),
@@ -46,8 +53,9 @@ def test_the_python_client_refuses_a_bad_endpoint_as_the_cli_does(endpoint, word
     assert "Invalid argument" not in message
     cli = _cli_error(endpoint)
     assert cli.endswith(message) and "ConfigError" in cli, cli  # the same check, the same words
-    with pytest.raises(ConfigError, match="looks like a socket path|names no port|needs its transport|must be|names no"):
+    with pytest.raises(ConfigError) as direct:
         Connection(endpoint)
+    assert str(direct.value) == message
     assert isinstance(caught.value, ValueError) and isinstance(caught.value, ExpertdError)
 
 
@@ -58,8 +66,21 @@ def test_an_environment_endpoint_is_named_in_its_error(monkeypatch):
 
 
 def test_good_endpoints_pass_unchanged():
-    for endpoint in ("ipc:///tmp/expertd/expertd.sock", "ipc://run/x.sock", "tcp://127.0.0.1:5555", "tcp://host-a:1"):
+    for endpoint in ("ipc:///tmp/expertd/expertd.sock", "tcp://127.0.0.1:5555", "tcp://host-a:1"):
         assert check_endpoint(endpoint) == endpoint
+    assert check_endpoint("ipc://run/x.sock", relative=True) == "ipc://run/x.sock"  # a config's: its folder anchors it
+
+
+def test_a_config_resolves_a_relative_socket_path_and_a_flag_refuses_it(tmp_path):
+    """A config file anchors `ipc://run/x.sock` at its own folder; on the command line or in $EXPERTD_ENDPOINT the
+    same words would name a different file from each process's working folder: refused, the fix said."""
+    from expertd.server.config import load_config, resolve_endpoint
+
+    (tmp_path / "cfg.yaml").write_text("checkpoint: ckpt\nendpoint: ipc://run/x.sock\n")
+    assert load_config(str(tmp_path / "cfg.yaml")).endpoint == f"ipc://{tmp_path}/run/x.sock"
+    with pytest.raises(ConfigError, match=r"^--endpoint: endpoint 'ipc://run/x.sock' names the relative path run/x.sock"
+                                          r".*three slashes: ipc:///run/x.sock$"):
+        resolve_endpoint("ipc://run/x.sock")
 
 
 def test_the_example_worker_says_one_line_for_a_socket_path(tmp_path):

@@ -62,7 +62,7 @@ def test_metrics_match_status(start_daemon, tiny_checkpoint):
 
         eventually(matches)
     # an error reply is counted by kind and error
-    from expertd.client.connection import Connection
+    from expertd.connection import Connection
 
     conn = Connection(daemon.endpoint, timeout=5)
     with pytest.raises(Exception):

@@ -10,7 +10,7 @@ import time
 
 import yaml
 
-from expertd.client.connection import Connection
+from expertd.connection import Connection
 from expertd.errors import ExpertdError
 
 

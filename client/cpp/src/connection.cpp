@@ -97,22 +97,33 @@ std::optional<std::string> ipc_path(const std::string& endpoint) {
 }
 
 std::string check_endpoint(const std::string& endpoint, const std::string& where) {
-  static const std::regex tcp(R"(^tcp://[^:/]+:\d+$)"), tcp_no_port(R"(^tcp://[^:/]+$)"), host_port(R"(^[^:/]+:\d+$)");
-  const std::string lead = where.empty() ? "" : where + ": ", named = "endpoint " + quote(endpoint);
-  if (auto path = ipc_path(endpoint)) {
-    if (path->empty()) throw ConfigError(lead + named + " names no socket path");
+  static const std::regex tcp(R"(^tcp://[^:/]+:\d+$)"), tcp_no_port(R"(^tcp://[^:/]+$)"), host_port(R"(^[^:/]+:\d+$)"),
+      short_ipc(R"(^ipc:/[^/].*$)"), short_tcp(R"(^tcp:/?[^/].*$)");
+  static const std::string absolute = "write it as ipc:// followed by its absolute path, e.g. ipc:///tmp/expertd/expertd.sock";
+  const std::string lead = (where.empty() ? "" : where + ": ") + "endpoint " + quote(endpoint);
+  auto starts = [&](const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; };
+  if (auto path = ipc_path(endpoint)) {  // a relative path: each process would look under its own working folder
+    if (path->empty()) throw ConfigError(lead + " names no socket path");
+    if ((*path)[0] != '/')
+      throw ConfigError(lead + " names the relative path " + *path + ", which each process would look for under its "
+                        "own working folder; " + ((*path)[0] == '.' || (*path)[0] == '~' ? absolute :
+                        "an absolute path takes three slashes: ipc:///" + *path));
     return endpoint;
   }
   if (std::regex_match(endpoint, tcp)) return endpoint;
-  if (std::regex_match(endpoint, tcp_no_port)) throw ConfigError(lead + named + " names no port; write it as " + endpoint + ":PORT");
+  if (std::regex_match(endpoint, tcp_no_port)) throw ConfigError(lead + " names no port; write it as " + endpoint + ":PORT");
+  if (std::regex_match(endpoint, short_ipc))
+    throw ConfigError(lead + " has too few slashes; write it as ipc://" + endpoint.substr(4));
+  if (std::regex_match(endpoint, short_tcp))
+    throw ConfigError(lead + " has too few slashes; write it as tcp://" + endpoint.substr(endpoint[4] == '/' ? 5 : 4));
   bool scheme = endpoint.find("://") != std::string::npos;
-  bool pathlike = !endpoint.empty() && std::string_view("/.~").find(endpoint[0]) != std::string_view::npos;
   bool sock = endpoint.size() >= 5 && endpoint.compare(endpoint.size() - 5, 5, ".sock") == 0;
-  if (!scheme && (pathlike || sock))
-    throw ConfigError(lead + named + " looks like a socket path; write it as ipc://" + endpoint);
+  if (!scheme && starts(endpoint, "/")) throw ConfigError(lead + " looks like a socket path; write it as ipc://" + endpoint);
+  if (!scheme && (starts(endpoint, ".") || starts(endpoint, "~") || starts(endpoint, "ipc:") || sock))
+    throw ConfigError(lead + " looks like a relative socket path; " + absolute);
   if (!scheme && std::regex_match(endpoint, host_port))
-    throw ConfigError(lead + named + " needs its transport; write it as tcp://" + endpoint);
-  throw ConfigError(lead + named + " must be ipc://PATH (a unix socket) or tcp://HOST:PORT");
+    throw ConfigError(lead + " needs its transport; write it as tcp://" + endpoint);
+  throw ConfigError(lead + " must be ipc://PATH (a unix socket) or tcp://HOST:PORT");
 }
 
 namespace {

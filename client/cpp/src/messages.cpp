@@ -2,6 +2,7 @@
 #include "expertd/connection.h"
 
 #include <map>
+#include <set>
 
 #include "detail.h"
 
@@ -15,6 +16,14 @@ using detail::Fd;
 // --- errors ----------------------------------------------------------------------------------------
 
 // One line per error: each throws its own C++ type by name, which a table would have to restate as a lambda each.
+// The kinds thrown as their own type below: their message does not restate the kind (expertd.errors.refusal).
+bool typed_kind(const std::string& kind) {
+  static const std::set<std::string> typed = {"NotReady", "LeaseExpired", "LeaseLimit", "Busy", "GenerationGone",
+                                              "GenerationLimit", "UpdateRejected", "PushDenied", "PermissionDenied",
+                                              "AuthError", "VersionMismatch", "DaemonNotRunning"};
+  return typed.count(kind) != 0;
+}
+
 void throw_daemon_error(const std::string& kind, const std::string& message) {
   if (kind == "NotReady") throw NotReady(message);
   if (kind == "LeaseExpired") throw LeaseExpired(message);
@@ -53,7 +62,10 @@ const Value::Map& check_reply(const Value& reply, const std::string& what) {
     const Value* message = reply.get("message");
     std::string kind = error && error->is_str() ? error->as_str() : (error ? to_json(*error) : "None");
     std::string text = message && message->is_str() ? message->as_str() : (message ? to_json(*message) : "None");
-    throw_daemon_error(kind, "daemon refused " + what + ": " + kind + ": " + text);
+    std::string said = "daemon refused " + what + ": " + (typed_kind(kind) ? "" : kind + ": ") + text;
+    if (kind == "AuthError")  // the fix, as the Python client gives it
+      said += "; give the daemon's auth_token (its config key) as $EXPERTD_TOKEN or Options::token";
+    throw_daemon_error(kind, said);
   }
   return reply.as_map();
 }
