@@ -5,16 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 
 import torch
 import zmq
 
 from expertd import index_segment, messages
 from expertd.connection import Connection
-from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, GenerationGone, LeaseExpired, NotReady
+from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, GenerationGone, LeaseExpired
 from expertd.index import SegmentEntry, TensorIndex, moved
-from expertd.leasing import changed_tensors, lease_request
+from expertd.leasing import corrupted_tensors, index_place, lease_request
 from expertd.protocol import DEFAULT_ENDPOINT
 from expertd.security import Credentials
 from expertd.shm import map_segments, view
@@ -79,20 +78,11 @@ class ExpertClient:
         in the daemon's loop; a truncated or altered segment raises `CorruptIndex`."""
         self._check_gone()
         if self._index is None:
-            deadline = time.monotonic() + self.timeout
-            while True:
-                try:
-                    if self._index_place is None:  # leased while the daemon was loading
-                        self._index_place = self._conn.send(messages.Index(client=self.lease, segment=True),
-                                                            messages.IndexSegmentReply).index_segment
-                    with attaching():
-                        self._index = index_segment.read(self._index_place)
-                    self.generation = self._index.generation
-                    break
-                except NotReady as exc:
-                    if time.monotonic() > deadline:
-                        raise DaemonTimeout(f"daemon at {self.endpoint} still loading after {self.timeout:.0f}s") from exc
-                    time.sleep(0.05)
+            if self._index_place is None:  # leased while the daemon was loading
+                self._index_place = index_place(self._conn, self.lease, self.timeout)
+            with attaching():
+                self._index = index_segment.read(self._index_place)
+            self.generation = self._index.generation
         return self._index
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -219,7 +209,7 @@ class ExpertClient:
 
     def verify(self) -> list[str]:
         """Names of served tensors whose bytes in shared memory no longer match the index checksums."""
-        return changed_tensors(self.index())
+        return corrupted_tensors(self.index())
 
     def close(self) -> None:
         """Release the lease. Views already handed out stay valid."""

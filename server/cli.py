@@ -128,14 +128,14 @@ def cmd_keys(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from expertd.leasing import changed_tensors, lease_request, leased_index
+    from expertd.leasing import corrupted_tensors, lease_request, leased_index
 
     conn = _connection(args)
     try:
         lease = lease_request(conn)
         try:
             index = leased_index(conn, lease, args.timeout)
-            bad = changed_tensors(index)
+            bad = corrupted_tensors(index)
         finally:
             conn.send(messages.Release(client=lease.client))
     finally:
@@ -174,10 +174,29 @@ def cmd_generate(args) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a usage mistake as one line (with where to look), exit code 2."""
+    """argparse that reports a usage mistake as one line (with where to look), exit code 2, blaming the command it
+    belongs to (`expertd start: error: unrecognized arguments: --bogus`, not `expertd: ...`)."""
 
     def error(self, message: str):
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self._owner(parsed, sys.argv[1:] if args is None else list(args), extra).error(
+                f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+    def _owner(self, parsed, argv: list[str], extra: list[str]) -> argparse.ArgumentParser:
+        """The (sub)command parser the first unrecognized argument was given to: the deepest command before it."""
+        owner, at, first = self, 0, argv.index(extra[0]) if extra[0] in argv else len(argv)
+        while True:
+            commands = next((a for a in owner._actions if isinstance(a, argparse._SubParsersAction)), None)
+            name = getattr(parsed, commands.dest, None) if commands is not None else None
+            if name not in (commands.choices if commands is not None else ()) or name not in argv[at:first]:
+                return owner
+            at = argv.index(name, at) + 1
+            owner = commands.choices[name]
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -225,6 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, help_: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_, description=help_[:1].upper() + help_[1:] + ".", formatter_class=_Help)
 
+    _add_daemon_commands(add)
+    _add_client_commands(add)
+    _add_generate(add)
+    from .tools.cli import add_tool_commands  # convert, inspect, doctor: tools around the weights
+
+    add_tool_commands(sub, formatter_class=_Help)
+    return parser
+
+
+def _add_daemon_commands(add) -> None:
+    """start, restart, keys: the commands that run or equip a daemon on this host."""
     p = add("start", "load a checkpoint into shared memory and serve it (foreground)")
     p.add_argument("--config", required=True, help="the daemon's YAML config file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (same as `progress: false`)")
@@ -245,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="expertd", help="file name stem")
     p.set_defaults(func=cmd_keys)
 
+
+def _add_client_commands(add) -> None:
+    """status, stop, verify, reload: the commands that talk to a running daemon (its endpoint and credentials)."""
     for name, func, help_ in (
         ("status", cmd_status, "show what a daemon serves (exit 0 when it answers)"),
         ("stop", stopping.cmd_stop, "stop a daemon and say which one stopped"),
@@ -278,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="seconds to wait for the new generation to be published")
         p.set_defaults(func=func)
 
+
+def _add_generate(add) -> None:
     p = add("generate", "write a deterministic DeepSeek-V3 checkpoint, or a tiny one of any MoE model type, in any "
                         "stored format expertd serves")
     p.add_argument("out", help="folder to write")
@@ -298,11 +333,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of safetensors shard files (default: 2 for a preset; for --model-type, save_pretrained's "
                         "400KB pieces)")
     p.set_defaults(func=cmd_generate)
-
-    from .tools.cli import add_tool_commands  # convert, inspect, doctor: tools around the weights
-
-    add_tool_commands(sub, formatter_class=_Help)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
