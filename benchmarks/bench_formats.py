@@ -57,8 +57,8 @@ def f1_dequant(reps: int) -> dict:
 
 def ensure_formats(workdir: str) -> dict[str, str]:
     """bench-1g (DeepSeek FP8), its weights in compressed-tensors FP8 per channel and per block, a gpt-oss MXFP4."""
-    from expertd.server.tools.generate import generate_model_type, quantize_saved_checkpoint
-    from expertd.server.tools.requantize import write_mxfp4
+    from expertd.tools.generate import generate_model_type, quantize_saved_checkpoint
+    from expertd.tools.requantize import write_mxfp4
 
     paths = ensure_checkpoints(workdir)
     out = {"fp8": paths["big"]}

@@ -107,7 +107,7 @@ def follow(llm, endpoint: str, folder: str, name: str) -> dict:
 
 
 def checkpoint(folder: str, args, fp8: bool = False) -> str:
-    from expertd.server.tools.generate import generate_model_type
+    from expertd.tools.generate import generate_model_type
 
     if not os.path.exists(os.path.join(folder, "config.json")):
         generate_model_type(folder, "qwen3_moe", fp8=fp8, max_shard_size="2GB", num_hidden_layers=args.layers,

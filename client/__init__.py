@@ -10,13 +10,13 @@ from expertd.errors import (
 )
 from expertd.partition import PartitionError
 
-from .capture import capture
 from .client import ExpertClient
+from .hooks import on_model_loaded, remove_model_hook
 from .push import push_all
 from .restore import RestoreResult, restore
-from .simulate import simulate
 
-__all__ = ["ExpertClient", "capture", "simulate", "restore", "RestoreResult", "push_all", "ExpertdError", "DaemonError",
-           "DaemonNotRunning", "DaemonNotTrusted", "DaemonTimeout", "NotReady", "LeaseExpired", "LeaseLimit", "Busy", "GenerationGone", "GenerationLimit",
-           "UpdateRejected", "PermissionDenied", "PushDenied", "AuthError", "VersionMismatch", "ProtocolError",
-           "CorruptIndex", "ShmError", "RestoreError", "PartitionError"]
+__all__ = ["ExpertClient", "on_model_loaded", "remove_model_hook", "restore", "RestoreResult", "push_all",
+           "ExpertdError", "DaemonError", "DaemonNotRunning", "DaemonNotTrusted", "DaemonTimeout", "NotReady",
+           "LeaseExpired", "LeaseLimit", "Busy", "GenerationGone", "GenerationLimit", "UpdateRejected",
+           "PermissionDenied", "PushDenied", "AuthError", "VersionMismatch", "ProtocolError", "CorruptIndex",
+           "ShmError", "RestoreError", "PartitionError"]

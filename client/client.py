@@ -18,6 +18,7 @@ from expertd.protocol import DEFAULT_ENDPOINT
 from expertd.security import Credentials
 from expertd.shm import map_segments, view
 
+from .hooks import run_model_hooks
 from .parallel import bind_sharded, check_partition
 from .quiet import attaching
 from .restore import restore
@@ -108,6 +109,10 @@ class ExpertClient:
         and FSDP2, same modules, hooks and DTensor placements — and each rank's local shards are views
         of this host's shared memory. A daemon that serves only some EP ranks' experts (`expert_parallel`
         in its config) accepts only workers of those ranks and of its EP size (`PartitionError`).
+
+        Last, the model hooks run once on the model (`expertd.client.hooks`: `on_model_loaded(fn)`,
+        `EXPERTD_MODEL_HOOKS`, and the tools' capture / simulation when `EXPERTD_CAPTURE_DIR` / `EXPERTD_SIMULATE_*`
+        are set).
         """
         from expertd.hf import empty_model
 
@@ -123,10 +128,7 @@ class ExpertClient:
             self._bind(model, index, dtype, strict=True)
             model.eval()
         self._model_dtypes[id(model)] = dtype
-        from .capture import capture_from_env  # EXPERTD_CAPTURE_DIR set: capture activations, no code changes
-
-        capture_from_env(model)
-        from .simulate import simulate_from_env; simulate_from_env(model)  # EXPERTD_SIMULATE_*: simulated formats
+        run_model_hooks(model)  # client/hooks.py: on_model_loaded, EXPERTD_MODEL_HOOKS, EXPERTD_CAPTURE_DIR / _SIMULATE_*
         return model
 
     def private_tensors(self, model) -> list[str]:

@@ -148,8 +148,8 @@ def cmd_verify(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .tools.generate import PRESETS
-    from .tools.generate_formats import generate_checkpoint
+    from expertd.tools.generate import PRESETS
+    from expertd.tools.generate_formats import generate_checkpoint
 
     fmt = args.format
     if args.fp8 is not None:  # deprecated: --format names which FP8
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_daemon_commands(add)
     _add_client_commands(add)
     _add_generate(add)
-    from .tools.cli import add_tool_commands  # convert, inspect, doctor: tools around the weights
+    from expertd.tools.cli import add_tool_commands  # convert, inspect, doctor: tools around the weights
 
     add_tool_commands(sub, formatter_class=_Help)
     return parser
@@ -321,7 +321,7 @@ def _add_generate(add) -> None:
                         "(~1 GB bf16), dsv3-counts (DeepSeek-V3's 61 layers, 256 experts, MTP layer and ~92k tensors "
                         "at tiny dims), dsv3-bytes (about dsv3-counts' bytes in ~70 tensors)")
     p.add_argument("--model-type", help="a tiny checkpoint of this transformers model type, written by its save_pretrained")
-    from .tools.stored_formats import FORMATS, release_formats_text
+    from expertd.tools.stored_formats import FORMATS, release_formats_text
 
     p.add_argument("--format", choices=FORMATS, default=None,
                    help="the stored format: " + "; ".join(f"{k}: {v}" for k, v in FORMATS.items()) +

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from expertd.server.tools.generate import generate
+from expertd.tools.generate import generate
 from helpers.daemon import DaemonProcess
 from helpers.workers import Worker
 
@@ -115,7 +115,7 @@ def llmcompressor_python() -> str:
 def llmcompressor_checkpoints(tmp_path_factory, llmcompressor_python) -> dict[str, str]:
     """Folders of a tiny bf16 Qwen3-MoE ("bf16") and of what llmcompressor's `oneshot` writes from it with
     FP8_DYNAMIC and FP8_BLOCK (save_compressed=True), made once per session."""
-    from expertd.server.tools.generate import generate_model_type
+    from expertd.tools.generate import generate_model_type
     from helpers.llmcompressor import write_compressed
 
     root = tmp_path_factory.mktemp("llmcompressor")

@@ -9,10 +9,10 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from expertd.client import capture
 from expertd.hf import model_config
-from expertd.server.tools.generate import make_config
-from expertd.server.tools.inspect import inspect
+from expertd.tools.capture import capture
+from expertd.tools.generate import make_config
+from expertd.tools.inspect import inspect
 from helpers.inputs import INPUT_IDS
 
 
@@ -51,7 +51,7 @@ def test_capture_saves_attention_probabilities_and_inspect_draws_them(model, tmp
 
 
 def test_capture_stores_hif8_codes_that_inspect_decodes(model, tmp_path):
-    from expertd.hif8 import hif8_decode, hif8_round_trip
+    from expertd.tools.hif8 import hif8_decode, hif8_round_trip
 
     out = tmp_path / "codes"
     with capture(model, str(out), modules=["*.layers.1.self_attn.o_proj"], directions="forward", encoding="hif8"):

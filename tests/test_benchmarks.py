@@ -32,7 +32,7 @@ def table_rows(text: str, first_cell: str) -> list[list[str]]:
 
 
 def test_bench_loader_on_given_checkpoints(tmp_path):
-    from expertd.server.tools.generate import generate
+    from expertd.tools.generate import generate
 
     few, many = str(tmp_path / "few"), str(tmp_path / "many")
     generate(few, preset="tiny", seed=0, shards=1)
@@ -51,7 +51,7 @@ def test_bench_loader_on_given_checkpoints(tmp_path):
 
 def test_bench_counts_on_given_checkpoints(tmp_path):
     """The phases of a daemon's load, each in a fresh process, for two checkpoints; per tensor and publish."""
-    from expertd.server.tools.generate import generate
+    from expertd.tools.generate import generate
 
     few, many = str(tmp_path / "few"), str(tmp_path / "many")
     generate(few, preset="tiny", seed=0, shards=1)
@@ -102,8 +102,8 @@ def test_bench_formats_on_given_checkpoints(tmp_path):
     real daemon on a checkpoint of each format and gives each start-to-serving over DeepSeek FP8's."""
     import json
 
-    from expertd.server.tools.generate import generate_model_type, quantize_saved_checkpoint
-    from expertd.server.tools.requantize import write_mxfp4
+    from expertd.tools.generate import generate_model_type, quantize_saved_checkpoint
+    from expertd.tools.requantize import write_mxfp4
 
     channel, mxfp4 = str(tmp_path / "channel"), str(tmp_path / "mxfp4")
     generate_model_type(channel, "qwen3_moe", fp8=False)

@@ -10,10 +10,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from expertd.client import ExpertClient, capture
-from expertd.client.capture import MANIFEST, close_env_captures, read_manifest
+from expertd.client import ExpertClient
 from expertd.hf import model_config
-from expertd.server.tools.generate import make_config
+from expertd.tools.capture import MANIFEST, capture, close_env_captures, read_manifest
+from expertd.tools.generate import make_config
 from helpers.inputs import INPUT_IDS
 
 

@@ -1,10 +1,12 @@
-"""The client is what workers import: its code must never import server code, kernels or Triton."""
+"""The client is what workers import: its code must never import server code, kernels, Triton or the offline tools."""
 
 import ast
 import os
+import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FORBIDDEN = ("triton", "expertd.server", "expertd.kernels")
+FORBIDDEN = ("triton", "expertd.server", "expertd.kernels", "expertd.tools")
 
 
 def imported_modules(path: str) -> set[str]:
@@ -32,3 +34,34 @@ def test_client_and_shared_code_import_nothing_forbidden():
     for path in files:
         bad = {m for m in imported_modules(path) if m.startswith(FORBIDDEN)}
         assert not bad, f"{path} imports {bad}"
+
+
+def test_core_imports_tools_only_lazily():
+    """The pipeline never imports the tools (expertd.tools); the server's CLI only inside its functions."""
+    for d in ("kernels", "server"):
+        for f in os.listdir(os.path.join(ROOT, d)):
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(ROOT, d, f)
+            with open(path) as fh:
+                tree = ast.parse(fh.read())
+            top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+            names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+            names += [("." * n.level) + (n.module or "") for n in top if isinstance(n, ast.ImportFrom)]
+            tools = [m for m in names if m.startswith(("expertd.tools", ".tools", "..tools"))]
+            assert not tools, f"{path} imports the tools at module level: {tools}"
+            if d == "kernels":  # not even inside functions
+                assert not {m for m in imported_modules(path) if m.startswith("expertd.tools")}, path
+
+
+def test_client_and_its_model_hooks_leave_the_tools_unimported(monkeypatch):
+    """`import expertd.client` and load_model's hooks import expertd.tools only when EXPERTD_CAPTURE_DIR or
+    EXPERTD_SIMULATE_* ask for it."""
+    for var in ("EXPERTD_CAPTURE_DIR", "EXPERTD_SIMULATE_WEIGHTS", "EXPERTD_SIMULATE_ACTIVATIONS", "EXPERTD_MODEL_HOOKS"):
+        monkeypatch.delenv(var, raising=False)
+    code = ("import sys, expertd.client\n"
+            "from expertd.client.hooks import run_model_hooks\n"
+            "run_model_hooks(object())\n"
+            "print(sorted(m for m in sys.modules if m.startswith('expertd.tools')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from expertd.client import ExpertClient
 from expertd.server.cli import main
-from expertd.server.tools.generate import generate_model_type, quantize_saved_checkpoint
+from expertd.tools.generate import generate_model_type, quantize_saved_checkpoint
 from helpers.daemon import refused_start
 from helpers.inputs import INPUT_IDS
 from helpers.reference import reference_tensors, write_reference_bf16

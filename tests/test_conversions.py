@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from expertd.index import derive_views
-from expertd.server.tools.generate import generate_model_type
+from expertd.tools.generate import generate_model_type
 from helpers.inputs import INPUT_IDS
 from helpers.reference import write_reference_bf16
 from helpers.workers import worker_logits

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from expertd.client import ExpertClient
 from expertd.server.cli import main
-from expertd.server.tools.doctor import diagnose
+from expertd.tools.doctor import diagnose
 from expertd.server.reader import Checkpoint
 from helpers.checkpoints import EXPERT, edit_checkpoint
 
@@ -55,6 +56,7 @@ def test_checkpoint_dtype_the_model_casts_is_a_warning(fp32_norm_checkpoint, cap
     assert (row["checkpoint"], row["served"], row["expected"]) == ("float32", "bfloat16", "bfloat16")
     bias = next(r for r in report["rows"] if r["name"] == BIAS)
     assert (bias["checkpoint"], bias["expected"]) == ("float32", "float32")  # transformers keeps it in fp32
+    assert report["shared_memory"] is None  # no daemon, no model: nothing to count
     assert main(["doctor", fp32_norm_checkpoint, "--strict"]) == 1
 
 
@@ -65,6 +67,10 @@ def test_daemon_shared_memory_and_restored_model(fp32_norm_checkpoint, tiny_chec
     text = capsys.readouterr().out
     assert "checkpoint -> served -> index -> shm -> model" in text
     assert "model.norm.weight: stored as float32, served as bfloat16" in text and "private copy" not in text
+    counted = re.search(r"model tensors in the daemon's shared memory: (\d+) of (\d+) \(0 not\)", text)
+    assert counted and counted[1] == counted[2] and int(counted[1]) > 0
+    assert main(["doctor", "--config", daemon.config, "--load-model", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shared_memory"] == {"shared": int(counted[1]), "private": 0}
     assert main(["doctor", "--endpoint", daemon.endpoint, "--strict"]) == 1  # the daemon's checkpoint is found too
     assert f"checkpoint {fp32_norm_checkpoint}" in capsys.readouterr().out
 
@@ -77,6 +83,7 @@ def test_daemon_shared_memory_and_restored_model(fp32_norm_checkpoint, tiny_chec
         assert (expert.checkpoint, expert.index, expert.shm, expert.model, expert.shared) == (
             "float8_e4m3fn+scale", "bfloat16", "bfloat16", "bfloat16", True)
         assert rows[BIAS].model == "float32" and rows[BIAS].shared
+        assert report.shared_memory == {"shared": sum(r.shared is True for r in report.rows), "private": 0}
 
         # the classic: the model in float32 while the shared tensors are bf16
         model.float()
@@ -88,6 +95,10 @@ def test_daemon_shared_memory_and_restored_model(fp32_norm_checkpoint, tiny_chec
         assert not [f for f in report.findings if f.name == BIAS]  # already fp32: .float() kept the shared view
         rows = {r.name: r for r in report.rows}
         assert rows["lm_head.weight"].shared is False and rows[BIAS].shared is True
+        private = sum(r.shared is False for r in report.rows)
+        assert private > 0 and report.to_dict()["shared_memory"] == {
+            "shared": sum(r.shared is True for r in report.rows), "private": private}
+        assert f"({private} not)" in report.text()
 
         # another checkpoint whose tensors are served in the same dtypes (the model's): nothing to tell apart
         assert not diagnose(tiny_checkpoint, client).errors
@@ -106,6 +117,8 @@ def test_load_model_with_a_private_copy_fails(tiny_checkpoint, start_daemon, mon
     text = capsys.readouterr().out
     assert "ERROR private-copy: " in text and "model.embed_tokens.weight: a private copy" in text
     assert "served as bfloat16, the model holds float16: no dtype variant was mapped" in text
+    counted = re.search(r"model tensors in the daemon's shared memory: (\d+) of (\d+) \((\d+) not\)", text)
+    assert counted and int(counted[3]) > 0 and int(counted[1]) + int(counted[3]) == int(counted[2])
 
 
 def test_model_left_on_the_meta_device(tiny_checkpoint):

@@ -10,7 +10,7 @@ from PIL import Image
 
 from expertd.client import ExpertClient
 from expertd.server.cli import main
-from expertd.server.tools.evaluate import compare, evaluate_model, load_checkpoint_model, token_batch
+from expertd.tools.evaluate import compare, evaluate_model, load_checkpoint_model, token_batch
 from helpers.reference import reference_tensors, write_reference_bf16
 
 

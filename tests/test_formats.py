@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from expertd import formats as F
+from expertd.tools import number_formats as F
 
 
 def row(*values, width=32):

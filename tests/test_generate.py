@@ -12,7 +12,7 @@ import torch
 from expertd.client import ExpertClient
 from expertd.server.layout import plan_checkpoint
 from expertd.server.reader import Checkpoint
-from expertd.server.tools.generate import generate
+from expertd.tools.generate import generate
 from helpers.daemon import expertd_cmd
 from helpers.reference import reference_tensors
 

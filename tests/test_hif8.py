@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from expertd import formats as F
-from expertd.hif8 import HIF8_MAX, MAGNITUDES, hif8_decode, hif8_encode, hif8_round_trip
+from expertd.tools import number_formats as F
+from expertd.tools.hif8 import HIF8_MAX, MAGNITUDES, hif8_decode, hif8_encode, hif8_round_trip
 
 en_dtypes = pytest.importorskip("en_dtypes")
 HIF8 = en_dtypes.hifloat8
@@ -49,7 +49,7 @@ def test_random_values_across_the_range_encode_like_the_oracle():
     got = hif8_encode(torch.from_numpy(values)).numpy()
     want = oracle_codes(values)
     # en-dtypes overflows to +-Inf by design (a cast without saturation); this format saturates at +-32768
-    # like the others in expertd.formats. Compare codes within range; saturation is tested below.
+    # like the others in expertd.tools.number_formats. Compare codes within range; saturation is tested below.
     inside = np.abs(values) < 1.25 * HIF8_MAX
     np.testing.assert_array_equal(got[inside], want[inside])
     np.testing.assert_array_equal(hif8_encode(torch.from_numpy(values), saturate=False).numpy(), want)

@@ -9,13 +9,13 @@ import os
 import pytest
 import torch
 
-from expertd.client import capture
 from expertd.hf import model_config
 from expertd.server.cli import main
-from expertd.formats import FORMATS
-from expertd.server.tools.generate import make_config
-from expertd.server.tools.inspect import component_of, inspect
 from expertd.server.reader import Checkpoint
+from expertd.tools.capture import capture
+from expertd.tools.generate import make_config
+from expertd.tools.inspect import component_of, inspect
+from expertd.tools.number_formats import FORMATS
 from helpers.checkpoints import EXPERT, edit_checkpoint
 from helpers.inputs import INPUT_IDS
 from helpers.reference import reference_tensors

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from expertd.server.tools.requantize import shard_files
+from expertd.tools.requantize import shard_files
 
 
 SCHEMES = ("FP8_DYNAMIC", "FP8_BLOCK")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from expertd.server.tools.generate import FP8_SCALE_DTYPES, MOE_MODEL_TYPES, generate_model_type
+from expertd.tools.generate import FP8_SCALE_DTYPES, MOE_MODEL_TYPES, generate_model_type
 from helpers.forward import forward_logits
 from helpers.inputs import INPUT_IDS
 from helpers.reference import write_reference_bf16

@@ -17,8 +17,8 @@ from helpers.mxfp4_cases import assert_bits_equal
 @pytest.fixture(scope="module")
 def gpt_oss_folders(tmp_path_factory):
     """(bf16 folder, the same rewritten as MXFP4, what write_mxfp4 wrote)."""
-    from expertd.server.tools.generate import generate_model_type
-    from expertd.server.tools.requantize import write_mxfp4
+    from expertd.tools.generate import generate_model_type
+    from expertd.tools.requantize import write_mxfp4
 
     base = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     bf16, mx = str(base / "bf16"), str(base / "mxfp4")

@@ -19,8 +19,8 @@ from expertd.errors import UpdateRejected
 from expertd.server import dequant
 from expertd.server.cli import main
 from expertd.server.loader import build, prepare
-from expertd.server.tools.generate import generate_model_type
-from expertd.server.tools.requantize import write_mxfp4
+from expertd.tools.generate import generate_model_type
+from expertd.tools.requantize import write_mxfp4
 from expertd.shm import map_segments, view
 from helpers.daemon import refused_start
 from helpers.inputs import INPUT_IDS

@@ -21,7 +21,7 @@ import pytest
 from expertd.server import ledger, loader
 from expertd.server.arena import unlink_segment
 from expertd.server.generations import place_index
-from expertd.server.tools.generate import generate
+from expertd.tools.generate import generate
 
 # Python calls per checkpoint tensor added, by phase (measured: plan 52, most of it transformers' renaming rules and
 # the codec's naming; build 20; publish 4, grouping the ledger's source identities; reading the record back 0).

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from expertd import formats as F
 from expertd.kernels import weight_dequant_reference
-from expertd.server.tools.inspect.groups import COMPONENTS, ErrorTable, GroupKey, group_rank
-from expertd.server.tools.plotting import log_lines, pyplot
+from expertd.tools import number_formats as F
+from expertd.tools.inspect.groups import COMPONENTS, ErrorTable, GroupKey, group_rank
+from expertd.tools.plotting import log_lines, pyplot
 
 
 def test_exact_points_are_drawn_at_the_floor_and_named():

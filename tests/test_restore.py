@@ -70,7 +70,7 @@ def _tiny_v3_model():
     from transformers import AutoModelForCausalLM
 
     from expertd.hf import model_config
-    from expertd.server.tools.generate import make_config
+    from expertd.tools.generate import make_config
 
     with init_empty_weights():
         return AutoModelForCausalLM.from_config(model_config(make_config("tiny")), dtype=torch.bfloat16)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from expertd import formats as F
-from expertd.client import ExpertClient, capture, simulate
-from expertd.client.capture import close_env_captures
-from expertd.client.simulate import active_simulation
+from expertd.client import ExpertClient
+from expertd.tools import number_formats as F
+from expertd.tools.capture import capture, close_env_captures
+from expertd.tools.simulate import active_simulation, simulate
 from helpers.inputs import INPUT_IDS
 
 EXPERTS = "*mlp.experts*"
@@ -24,7 +24,7 @@ def logits(model) -> torch.Tensor:
 
 
 def by_hand(model, fmt: str, pattern: str) -> dict:
-    """Round-tripped copies of the matching linear / expert weights, made with expertd.formats directly."""
+    """Round-tripped copies of the matching linear / expert weights, made with expertd.tools.number_formats directly."""
     import fnmatch
 
     out = {}

@@ -111,8 +111,8 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
     Qwen3-MoE bf16 partitioned for 2 EP ranks, serving rank 0) and every engine of this module run against them in
     two vLLM processes (in-process engines, then a multi-process one); afterwards every daemon exits 0 and leaves no
     segment."""
-    from expertd.server.tools.generate import generate_model_type, quantize_saved_checkpoint
-    from expertd.server.tools.requantize import write_mxfp4
+    from expertd.tools.generate import generate_model_type, quantize_saved_checkpoint
+    from expertd.tools.requantize import write_mxfp4
 
     root = tmp_path_factory.mktemp("vllm")
     ckpt = {fmt: str(root / fmt) for fmt in ("bf16", *QUANTIZED, *FAMILIES, "padded")}

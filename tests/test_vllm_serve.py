@@ -160,7 +160,7 @@ def runs(tmp_path_factory, vllm_python) -> dict:
     and vLLM's own in-process load of the checkpoint (the reference). The server is asked for greedy completions of
     every prompt, then stopped as Ctrl-C stops it. Afterwards no process of either server is left, the daemon exits
     0 and leaves no segment."""
-    from expertd.server.tools.generate import generate_model_type
+    from expertd.tools.generate import generate_model_type
 
     root = tmp_path_factory.mktemp("vllm-serve")
     folder, ckpt = str(root), str(root / "bf16")

@@ -265,7 +265,7 @@ def test_single_user_config_keeps_every_op_open(tiny_checkpoint, start_daemon):
 @pytest.fixture(scope="module")
 def larger_checkpoint(tmp_path_factory) -> str:
     """~0.1 GB once dequantized (about a second of build here): a reload of it is still building when caught."""
-    from expertd.server.tools.generate import generate
+    from expertd.tools.generate import generate
 
     folder = str(tmp_path_factory.mktemp("roots") / "larger")
     generate(folder, preset="dsv3-bytes", seed=1, shards=3)

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from expertd.server.tools.generate import generate, generate_model_type
+from expertd.tools.generate import generate, generate_model_type
 from helpers.reference import write_reference_bf16
 
 HELPERS = os.path.dirname(os.path.abspath(__file__))
@@ -44,7 +44,7 @@ def qwen3(tmp_path_factory) -> tuple[str, str]:
 def gpt_oss(tmp_path_factory) -> tuple[str, str]:
     """A tiny gpt-oss checkpoint as released (MXFP4 blocks and scales, expert stacks pre-fused [E, ...] in the
     checkpoint) and its bf16 reference."""
-    from expertd.server.tools.requantize import write_mxfp4
+    from expertd.tools.requantize import write_mxfp4
 
     root = tmp_path_factory.mktemp("ep-gpt-oss")
     folder = str(root / "mxfp4")

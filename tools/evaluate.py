@@ -1,6 +1,6 @@
 """`expertd evaluate`: what a number format costs end to end, measured on the next-token distribution.
 
-For each format, on one fixed token batch, the model runs under `expertd.client.simulate` (weights
+For each format, on one fixed token batch, the model runs under `expertd.tools.simulate` (weights
 and/or activations of the chosen modules in that format) and is compared with the unsimulated run:
 
 - KL(p || q) of the next-token distribution, p unsimulated, q simulated (mean and max over positions);
@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from expertd.formats import resolve_format
+from .number_formats import resolve_format
 from expertd.index import write_json_atomic
 
 log = logging.getLogger("expertd.evaluate")
@@ -37,9 +37,9 @@ def load_checkpoint_model(folder: str, dtype: torch.dtype = torch.bfloat16):
     from expertd.hf_dtypes import loaded_dtypes
     from expertd.quantization import quantization_format
 
-    from ..dequant import DEQUANT
-    from ..layout import make_source
-    from ..reader import Checkpoint
+    from expertd.server.dequant import DEQUANT
+    from expertd.server.layout import make_source
+    from expertd.server.reader import Checkpoint
 
     ckpt = Checkpoint.open(folder)
     try:
@@ -107,8 +107,8 @@ def compare(base: torch.Tensor, sim: torch.Tensor) -> dict:
 
 
 def _layer_modules(model, modules) -> dict[int, list[str]]:
-    from expertd.client.capture import split_layer
-    from expertd.client.simulate import simulated_modules
+    from .capture import split_layer
+    from .simulate import simulated_modules
 
     by_layer: dict[int, list[str]] = {}
     for name, _ in simulated_modules(model, modules):
@@ -121,7 +121,7 @@ def _layer_modules(model, modules) -> dict[int, list[str]]:
 def evaluate_model(model, ids: torch.Tensor, formats: list[str], modules=None, weights: bool = True,
                    activations: bool = True, per_layer: bool = False) -> dict:
     """The cost of each format on `model` for the token batch `ids` (see the module docstring)."""
-    from expertd.client.simulate import simulate
+    from .simulate import simulate
 
     if not (weights or activations):
         raise ValueError("evaluate: weights and activations both off: nothing to simulate")

@@ -21,8 +21,6 @@ from __future__ import annotations
 import torch
 
 HIF8_MAX = 32768.0
-HIF8_MIN_NORMAL = 2.0 ** -15
-HIF8_MIN_DENORMAL = 2.0 ** -22
 NAN_CODE, POS_INF_CODE, NEG_INF_CODE, MAX_CODE = 0x80, 0x6F, 0xEF, 0x6E
 
 # dot prefix (as bits), its length, exponent bits (incl. sign), mantissa bits, |E| of the tier's implicit bit

@@ -2,7 +2,7 @@
 
 Every tensor is read once, one at a time (FP8 weights dequantized with their scales, so the values
 are the ones the model computes with): its dtype, shape and bytes, min/max/mean/std, the fraction of
-zeros and of non-finite values, and the error every low-precision format of `expertd.formats` would
+zeros and of non-finite values, and the error every low-precision format of `expertd.tools.number_formats` would
 make on it. Totals go by dtype and by component (attention, dense MLP, shared and routed experts,
 router, embeddings, norms), with the memory the model would take in bf16, fp16, fp32 and fp8. Format
 errors are summed over components, layers and (layer, expert) pairs, so their spread can be drawn.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from expertd import formats as fmts
+from .. import number_formats as fmts
 
 from .groups import component_of
 from .inspection import Inspection

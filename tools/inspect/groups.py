@@ -6,7 +6,7 @@ import re
 from collections import defaultdict
 from typing import NamedTuple
 
-from expertd.formats import FormatError
+from ..number_formats import FormatError
 
 from .stats import FOOTPRINT_DTYPES, error_dict
 

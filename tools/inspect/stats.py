@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from expertd import formats as fmts
+from .. import number_formats as fmts
 
 FOOTPRINT_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 

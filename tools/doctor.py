@@ -27,8 +27,8 @@ import torch
 from expertd.errors import CheckpointError, ShmError
 from expertd.quantization import ScaledFp8, quantization_format
 
-from ..layout import plan_checkpoint
-from ..reader import Checkpoint
+from expertd.server.layout import plan_checkpoint
+from expertd.server.reader import Checkpoint
 
 log = logging.getLogger("expertd.doctor")
 
@@ -83,9 +83,16 @@ class DoctorReport:
     def exit_code(self, strict: bool = False) -> int:
         return 1 if self.errors or (strict and self.warnings) else 0
 
+    @property
+    def shared_memory(self) -> dict[str, int] | None:
+        """How many of the model's tensors lie in the daemon's shared memory ("shared") and how many do not
+        ("private"); None without both a model and a daemon."""
+        found = [r.shared for r in self.rows if r.shared is not None]
+        return {"shared": sum(found), "private": len(found) - sum(found)} if found else None
+
     def to_dict(self) -> dict:
-        return {"sources": self.sources, "ok": not self.errors, "rows": [asdict(r) for r in self.rows],
-                "findings": [asdict(f) for f in self.findings]}
+        return {"sources": self.sources, "ok": not self.errors, "shared_memory": self.shared_memory,
+                "rows": [asdict(r) for r in self.rows], "findings": [asdict(f) for f in self.findings]}
 
     def text(self, per_kind: int = 10) -> str:
         """Dtype paths with their tensor counts, then the findings grouped by kind."""
@@ -97,6 +104,10 @@ class DoctorReport:
         width = max(len(a) for a, _ in table)
         lines.append("")
         lines.extend(f"  {a:<{width}}  {b:>7}" for a, b in table)
+        if self.shared_memory is not None:
+            shared, private = self.shared_memory["shared"], self.shared_memory["private"]
+            lines.append(f"\nmodel tensors in the daemon's shared memory: {shared} of {shared + private}"
+                         f" ({private} not)")
         by_kind: dict[tuple[str, str], list[Finding]] = defaultdict(list)
         for f in self.findings:
             by_kind[(f.severity, f.kind)].append(f)

@@ -14,11 +14,11 @@ import torch
 from expertd.protocol import is_endpoint
 from expertd.dtypes import FP8
 from expertd.errors import CheckpointError
-from expertd.hif8 import hif8_decode
+from ..hif8 import hif8_decode
 from expertd.quantization import ScaledFp8, UnsupportedQuantization, quantization_format
 
-from ...layout import Source as Part, is_fp8_weight, make_source
-from ...reader import Checkpoint
+from expertd.server.layout import Source, is_fp8_weight, make_source
+from expertd.server.reader import Checkpoint
 from .groups import component_of, expert_of, layer_of
 
 
@@ -45,7 +45,9 @@ class Item:
 
 
 @dataclass
-class Source:
+class InspectSource:
+    """What `inspect` reads, listed: where it is and its tensors."""
+
     kind: str  # "checkpoint" | "daemon" | "capture"
     where: str
     items: list[Item]
@@ -55,7 +57,7 @@ class Source:
 def _checkpoint_items(ckpt: Checkpoint) -> list[Item]:
     """Each stored tensor: a quantized weight loads as the daemon serves it (dequantized by its format, which
     `format` names), its aux tensors as stored; a format expertd does not serve loads as stored, noted."""
-    from ...filling import dequantized
+    from expertd.server.filling import dequantized
 
     try:
         codec = quantization_format(ckpt.config, os.path.join(ckpt.folder, "config.json"))
@@ -70,7 +72,7 @@ def _checkpoint_items(ckpt: Checkpoint) -> list[Item]:
         try:
             sources[stored] = make_source(ckpt, codec, name, stored, aux)
         except CheckpointError as exc:  # shown, not raised: inspect is how one finds out what is wrong
-            sources[stored], notes[stored] = Part(name, ckpt.tensors[stored]), f"{type(exc).__name__}: {exc}"
+            sources[stored], notes[stored] = Source(name, ckpt.tensors[stored]), f"{type(exc).__name__}: {exc}"
 
     def loader(name: str) -> Callable[[], torch.Tensor]:
         src = sources.get(name)
@@ -96,7 +98,7 @@ def _checkpoint_items(ckpt: Checkpoint) -> list[Item]:
 def _capture_items(folder: str) -> list[Item]:
     from safetensors import safe_open
 
-    from expertd.client.capture import MANIFEST, read_manifest
+    from ..capture_manifest import MANIFEST, read_manifest
 
     folders = [folder] if os.path.exists(os.path.join(folder, MANIFEST)) else sorted(
         os.path.join(folder, d) for d in os.listdir(folder) if os.path.exists(os.path.join(folder, d, MANIFEST)))
@@ -142,7 +144,7 @@ def attention_maps(items: list[Item], limit: int = 24) -> dict[str, np.ndarray]:
 
 def is_capture(src: str) -> bool:
     """A capture folder: a manifest (here or one level down) or capture files, and no config.json."""
-    from expertd.client.capture import MANIFEST
+    from ..capture_manifest import MANIFEST
 
     if not os.path.isdir(src) or os.path.exists(os.path.join(src, "config.json")):
         return False
@@ -167,14 +169,14 @@ def open_source(src: str, timeout: float = 30.0, token: str | None = None):
                 items.append(Item(name, view.dtype, tuple(view.shape), view.numel() * view.element_size(), component,
                                   component, "weight", lambda v=view: v, layer_of(name), expert_of(name),
                                   is_fp8_weight(name, tuple(view.shape))))
-            yield Source("daemon", f"{src} (generation {index.generation})", items, index.config)
+            yield InspectSource("daemon", f"{src} (generation {index.generation})", items, index.config)
         finally:
             client.close()
     elif is_capture(src):
-        yield Source("capture", os.path.abspath(src), _capture_items(src))
+        yield InspectSource("capture", os.path.abspath(src), _capture_items(src))
     else:
         ckpt = Checkpoint.open(src)
         try:
-            yield Source("checkpoint", ckpt.folder, _checkpoint_items(ckpt), ckpt.config)
+            yield InspectSource("checkpoint", ckpt.folder, _checkpoint_items(ckpt), ckpt.config)
         finally:
             ckpt.close()

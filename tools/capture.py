@@ -1,6 +1,6 @@
 """Capture what flows through a transformers model: forward inputs/outputs and backward gradients.
 
-    from expertd.client import capture
+    from expertd.tools.capture import capture
 
     with capture(model, "/tmp/acts", modules=["*.self_attn", "*.o_proj"], steps=[1, 2]):
         loss = model(ids, labels=ids).loss
@@ -22,12 +22,12 @@ With `EXPERTD_CAPTURE_DIR` set, `ExpertClient.load_model()` captures without cod
 `$EXPERTD_CAPTURE_DIR/pid<PID>[-<n>]` (one folder per worker process); `EXPERTD_CAPTURE_MODULES`
 (comma-separated globs), `EXPERTD_CAPTURE_STEPS` (e.g. `1-3,10`), `EXPERTD_CAPTURE_DIRECTIONS`
 (`forward`, `backward` or both) and `EXPERTD_CAPTURE_MAX_BYTES` (e.g. `2GB`) narrow it down.
-`encoding="hif8"` stores floating tensors as HiFloat8 byte codes (`expertd.hif8`; inspect decodes them).
+`encoding="hif8"` stores floating tensors as HiFloat8 byte codes (`expertd.tools.hif8`; inspect decodes them).
 
 `attention_probs=True` also saves each attention module's per-head probabilities [batch, heads, query,
 key] (`..._forward_attention_probs.safetensors`, tensor `probs`): the model runs eager attention while
 the capture is open (SDPA and flash kernels never materialize them). When the model runs under
-`expertd.client.simulate`, the manifest records the simulation and the files of simulated modules
+`expertd.tools.simulate`, the manifest records the simulation and the files of simulated modules
 carry its tag (`..._forward_input_sim-w-mxfp4_e2m1.a-hif8.safetensors`).
 """
 
@@ -49,9 +49,9 @@ from torch import nn
 from expertd.index import write_json_atomic
 from expertd.units import parse_size, parse_steps
 
-from expertd.hif8 import hif8_encode
+from .hif8 import hif8_encode
 
-from .manifest import FORMAT, MANIFEST, VERSION, read_manifest  # noqa: F401  (read_manifest: re-exported)
+from .capture_manifest import FORMAT, MANIFEST, VERSION, read_manifest  # noqa: F401  (read_manifest: re-exported)
 from .simulate import simulation_info, simulation_tag
 
 log = logging.getLogger("expertd.capture")
@@ -89,7 +89,7 @@ class CaptureFile:
     nbytes: int
     tensors: dict[str, dict] = field(default_factory=dict)  # key -> {"dtype", "shape"}
     simulated: str | None = None  # the simulation's tag when the module ran simulated formats
-    encoding: str | None = None  # "hif8": floating tensors stored as uint8 HiFloat8 codes (expertd.hif8)
+    encoding: str | None = None  # "hif8": floating tensors stored as uint8 HiFloat8 codes (expertd.tools.hif8)
 
 
 @dataclass
@@ -342,7 +342,7 @@ def capture(model: nn.Module, out_dir: str, *, modules=None, steps=None, directi
     to capture (ints, or a string like "1-3,10"; default all); `directions`: "forward" and/or
     "backward"; `max_bytes`: stop saving once this many bytes are written (an int or "2GB");
     `attention_probs`: also save attention modules' per-head probabilities (eager attention meanwhile);
-    `encoding="hif8"`: store floating tensors as HiFloat8 byte codes (a quarter of fp32; `expertd.hif8.hif8_decode`).
+    `encoding="hif8"`: store floating tensors as HiFloat8 byte codes (a quarter of fp32; `expertd.tools.hif8.hif8_decode`).
     """
     if isinstance(max_bytes, str):
         max_bytes = parse_size(max_bytes)
@@ -377,11 +377,6 @@ def capture_from_env(model: nn.Module) -> Capture | None:
     _ENV_CAPTURES.append(cap)
     log.info("capturing activations of %d modules into %s", len(cap.hooked), cap.out_dir)
     return cap
-
-
-def env_captures() -> list[Capture]:
-    """The captures started by EXPERTD_CAPTURE_DIR in this process."""
-    return list(_ENV_CAPTURES)
 
 
 def close_env_captures() -> None:

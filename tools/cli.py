@@ -21,7 +21,7 @@ def _size(text: str) -> int:
 
 
 def _formats(text: str) -> list[str]:
-    from expertd.formats import ALIASES, FORMATS
+    from .number_formats import ALIASES, FORMATS
 
     if text == "all":
         return list(FORMATS)
@@ -51,7 +51,7 @@ def cmd_convert(args) -> int:
 def cmd_inspect(args) -> int:
     from .inspect import inspect
 
-    from ..config import resolve_target
+    from expertd.server.config import resolve_target
 
     target = resolve_target(None, args.config, args.token)
     src = args.src or target.endpoint
@@ -75,7 +75,7 @@ def cmd_evaluate(args) -> int:
 
     from .evaluate import evaluate_model, load_checkpoint_model, token_batch, write_outputs
 
-    from ..config import resolve_target
+    from expertd.server.config import resolve_target
 
     target = resolve_target(args.endpoint, args.config, args.token)
     if args.checkpoint is None and target.endpoint is None:
@@ -110,7 +110,7 @@ def cmd_doctor(args) -> int:
 
     from .doctor import diagnose
 
-    from ..config import resolve_target
+    from expertd.server.config import resolve_target
 
     target = resolve_target(args.endpoint, args.config, args.token)
     endpoint, token = target.endpoint, target.token

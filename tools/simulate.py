@@ -1,11 +1,11 @@
 """Run a model as if its weights and/or activations were stored in a low-precision format.
 
-    from expertd.client import simulate
+    from expertd.tools.simulate import simulate
 
     with simulate(model, weights="mxfp4_e2m1", activations="hif8", modules=["*mlp.experts*"]):
         logits = model(ids).logits
 
-Any format name of `expertd.formats.FORMATS` (or an alias such as `mxfp4`) works. The simulated
+Any format name of `expertd.tools.number_formats.FORMATS` (or an alias such as `mxfp4`) works. The simulated
 modules are the `nn.Linear` layers and the fused MoE expert blocks (modules holding 3-D parameters
 such as `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], quantized one expert matrix at a time)
 whose qualified names match one of the globs (default all); embeddings, norms and the router are
@@ -36,7 +36,7 @@ import weakref
 import torch
 from torch import nn
 
-from expertd.formats import resolve_format, round_trip
+from .number_formats import resolve_format, round_trip
 
 log = logging.getLogger("expertd.simulate")
 

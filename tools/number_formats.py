@@ -10,7 +10,7 @@ dequantization, so formats can be compared on real weights and activations:
   an E8M0 power-of-two scale X = 2^(floor(log2(amax)) - emax_elem), clamped to [2^-127, 2^127]; each
   element is V / X rounded to nearest even in E4M3 (emax_elem 8) or E2M1 (emax_elem 2, values
   {0, 0.5, 1, 1.5, 2, 3, 4, 6}), magnitudes past the largest normal clamped to it.
-- `hif8`: HiFloat8 (expertd/hif8.py), a direct cast with no scale: tapered precision over 2^-22..2^15,
+- `hif8`: HiFloat8 (tools/hif8.py), a direct cast with no scale: tapered precision over 2^-22..2^15,
   rounded half away from zero, magnitudes past 32768 saturated to it.
 
 Tensors of any rank are compared on a 2-D view [-1, last dim] (1-D tensors as one row).
@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .dtypes import E4M3_MAX
+from expertd.dtypes import E4M3_MAX
+
 from .hif8 import hif8_round_trip
 
 BLOCK = 128  # DeepSeek-V3's block scales

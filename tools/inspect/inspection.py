@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from expertd import formats as fmts
+from .. import number_formats as fmts
 from expertd.errors import CheckpointError, ExpertdError
 
 from .groups import ErrorTable, group_keys, group_rank, totals
-from .sources import Item, Source
+from .sources import InspectSource, Item
 from .stats import error_dict, footprint, tensor_stats
 
 log = logging.getLogger("expertd.inspect")
@@ -24,7 +24,7 @@ log = logging.getLogger("expertd.inspect")
 class Inspection:
     """Everything `inspect` computes, plus value samples for the plots (not written to stats.json)."""
 
-    source: Source
+    source: InspectSource
     formats: list[str]
     sample: int
     tensors: list[dict] = field(default_factory=list)
