@@ -54,7 +54,7 @@ class Gather:
     def __init__(self, item: GatherItem, source_shape: list[int], where: str, also: list[list[int]] = ()):
         name, length, shape = item.name, item.length, list(item.shape)
         self.also = tuple(item.also or ())
-        blocks = 1 if self.also or item.blocks is not None or not source_shape else source_shape[0]
+        blocks = 1 if self.also or item.blocks or not source_shape else source_shape[0]  # blocks: 1, nil or absent
         if math.prod(shape) != blocks * length or (blocks > 1 and shape[0] != blocks):
             raise VariantRejected(f"op 'gather': a gather of {name!r} (served as {source_shape}) must keep its "
                                   f"{blocks} block(s) of the first dimension: shape {shape} is not {blocks} blocks "

@@ -17,8 +17,8 @@ from expertd.client import ExpertClient
 from expertd.connection import Connection
 from expertd.errors import DaemonError
 from expertd.protocol import PROTOCOL_VERSION
-from expertd.server import leases
-from expertd.server.leases import LeaseTable, lease_tag, watchable
+
+from expertd.server.leases import WATCH_EVERY_S, LeaseTable, lease_tag, watchable
 
 NORM = "model.layers.2.post_attention_layernorm.weight"
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
@@ -109,7 +109,7 @@ def test_a_worker_in_another_pid_namespace_keeps_the_timeout_rule(tiny_checkpoin
     assert 3 - 1 - 0.1 <= gone_after < 3 + 1.5, gone_after
 
 
-# --- Generations alone ---------------------------------------------------------------------------
+# --- The lease table alone ---------------------------------------------------------------------------
 
 
 def test_a_lease_whose_pid_names_another_process_now_is_reaped():
@@ -120,7 +120,7 @@ def test_a_lease_whose_pid_names_another_process_now_is_reaped():
     unwatched = table.take(me, None)
     table.expire(60)
     assert set(table.leases) == {mine.client, reused.client, unwatched.client}  # not looked up yet: checks are paced
-    time.sleep(leases.WATCH_EVERY_S + 0.05)
+    time.sleep(WATCH_EVERY_S + 0.05)
     table.expire(60)
     assert set(table.leases) == {mine.client, unwatched.client}
 
@@ -132,19 +132,19 @@ def test_a_lease_of_a_zombie_or_vanished_process_is_reaped():
         lease = table.take(proc.pid, None, start_time=watchable(proc.pid, procfs.pid_namespace(),
                                                           procfs.process_start_time(proc.pid)))
         assert lease.watched
-        time.sleep(leases.WATCH_EVERY_S + 0.05)
+        time.sleep(WATCH_EVERY_S + 0.05)
         table.expire(60)
         assert lease.client in table.leases  # alive
         proc.kill()
         assert wait_until(lambda: procfs._stat(proc.pid)[0] == "Z", timeout=5) < 5  # exited, not yet waited for
-        time.sleep(leases.WATCH_EVERY_S + 0.05)
+        time.sleep(WATCH_EVERY_S + 0.05)
         table.expire(60)
         assert lease.client not in table.leases
     finally:
         proc.kill()
         proc.wait()
     gone = table.take(proc.pid, None, start_time=1)  # reaped now: no such process at all
-    time.sleep(leases.WATCH_EVERY_S + 0.05)
+    time.sleep(WATCH_EVERY_S + 0.05)
     table.expire(60)
     assert gone.client not in table.leases
 

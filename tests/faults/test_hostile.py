@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from expertd.client import DaemonError, ExpertClient
-from expertd.errors import ConfigError
+from expertd.errors import AuthError, ConfigError
 from expertd.messages import OPS
 from expertd.protocol import MAX_MESSAGE_BYTES
 from helpers.daemon import expertd_cmd, write_config
@@ -156,9 +156,9 @@ def test_auth_token_is_required_when_set(tiny_checkpoint, start_daemon):
         probe.close(linger=0)
     token = "s3cret-token-0123456789"
     daemon = start_daemon(tiny_checkpoint, endpoint=f"tcp://127.0.0.1:{port}", auth_token=token)
-    with pytest.raises(DaemonError, match="AuthError"):
+    with pytest.raises(AuthError, match="lacks the daemon.s auth token"):
         ExpertClient(daemon.endpoint, timeout=10)
-    with pytest.raises(DaemonError, match="AuthError"):
+    with pytest.raises(AuthError, match="lacks the daemon.s auth token"):
         ExpertClient(daemon.endpoint, timeout=10, token="wrong-token-0123456789")
     with ExpertClient(daemon.endpoint, timeout=30, token=token) as client:
         assert client.status()["state"] == "serving"
