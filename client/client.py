@@ -309,7 +309,7 @@ class ExpertClient:
         self._map_entries(entries, index)
         views.variants.update({(e.name, e.dtype): e for e in entries})
 
-    def derived(self, items: list[dict]) -> list[torch.Tensor]:
+    def derived(self, items: list[messages.GatherItem]) -> list[torch.Tensor]:
         """Read-only views of derived tensors of the generation this client reads (`expertd.derived.request`
         items: a served tensor gathered into an engine's layout), made by the daemon once per host."""
         self._check_gone()

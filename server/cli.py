@@ -9,7 +9,8 @@ import os
 import sys
 
 import expertd
-from expertd import messages
+from expertd import messages, replies
+from expertd.message_types import ABSENT
 from expertd.errors import ConfigError, DaemonError, DaemonNotRunning, DaemonTimeout, ExpertdError
 from expertd.units import parse_duration, parse_size
 
@@ -86,11 +87,11 @@ def cmd_status(args) -> int:
     return 0
 
 
-def _job_line(job: messages.JobState) -> str:
+def _job_line(job: replies.JobState) -> str:
     if job.state == "failed":
         return f"{job.kind} of generation {job.generation} failed: {job.error}: {job.message}"
     written = f": {job.tensors_written} tensor(s), {job.bytes_written:,} bytes written in {job.seconds:.2f}s" \
-        if job.bytes_written is not messages.ABSENT else ""
+        if job.bytes_written is not ABSENT else ""
     if job.bytes_read:
         written += f", {job.bytes_read:,} checkpoint bytes read"
     return f"{job.kind} of generation {job.generation} {job.state}{written}"
