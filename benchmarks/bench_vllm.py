@@ -15,9 +15,9 @@ V2  per engine: the served bytes it maps (parameters bound to shared memory, as 
 V3  4 engine processes side by side on one host, measured while all 4 map the experts: the sum of their
     proportional set sizes of the expert bytes (+ expert bytes held privately) ÷ one copy; the same for 4 engines
     of vLLM's own load (each holds its own copy: 4).
-V4  `expertd.vllm.refresh(llm)` after an update that changes one expert stack (gate_up of layer 0): in the first
-    engine (the daemon derives the new layout) and in a second one (maps it), ÷ a fresh `LLM()` on the new
-    generation.
+V4  `expertd.client.engines.vllm.refresh(llm)` after an update that changes one expert stack (gate_up of layer
+    0): in the first engine (the daemon derives the new layout) and in a second one (maps it), ÷ a fresh `LLM()`
+    on the new generation.
 The checkpoint is a Qwen3-MoE written by `expertd generate`'s writer (default ~200 MB bf16); the engines run in the
 vLLM virtualenv the tests use (tests/helpers/vllm_venv.py, built when missing), with this tree's wheel installed.
 """
@@ -61,14 +61,15 @@ def engine(model: str, endpoint: str | None, side_by_side: tuple | None = None, 
     grown = private_bytes() - before
 
     def placement(m) -> tuple[int, int, int]:
-        client = getattr(m, "_expertd_client", None)
-        if client is None:  # vLLM's own load: every weight read from the files into the engine
-            return 0, sum(p.nbytes for p in m.parameters()), 0
-        from expertd.vllm.binding import residency
+        from expertd.client.engines import state_of
+        from expertd.client.engines.binding import residency
 
-        where = residency(m, client.index().shm_dir).values()
+        state = state_of(m)
+        if state is None:  # vLLM's own load: every weight read from the files into the engine
+            return 0, sum(p.nbytes for p in m.parameters()), 0
+        where = residency(m, state.client.index().shm_dir).values()
         return (sum(size for size, shared in where if shared), sum(size for size, shared in where if not shared),
-                m._expertd_memory["kernels"])
+                state.memory["kernels"])
 
     shared, copied, kernels = llm.apply_model(placement)[0]
     out = {"seconds": seconds, "private_grown": grown, "shared": shared, "copied": copied, "kernels": kernels}
@@ -86,10 +87,8 @@ def engine(model: str, endpoint: str | None, side_by_side: tuple | None = None, 
 def follow(llm, endpoint: str, folder: str, name: str) -> dict:
     """The first engine pushes an update of one expert stack; each engine then refreshes, timed (the second waits
     for the first, so that it maps what the first made the daemon derive)."""
-    import torch
-
-    import expertd.vllm
     from expertd.client import ExpertClient
+    from expertd.client.engines import vllm as plugin
 
     barrier(folder, name, "loaded", ["first", "second"])  # both engines on the generation before the update
     if name == "first":
@@ -99,7 +98,7 @@ def follow(llm, endpoint: str, folder: str, name: str) -> dict:
     else:
         barrier(folder, name, "refreshed", ["first"])
     t0 = time.perf_counter()
-    done = expertd.vllm.refresh(llm)[0]
+    done = plugin.refresh(llm)[0]
     seconds = time.perf_counter() - t0
     if name == "first":
         barrier(folder, name, "refreshed", ["first"])

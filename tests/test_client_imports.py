@@ -9,6 +9,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORBIDDEN = ("triton", "expertd.server", "expertd.kernels", "expertd.tools")
 
 
+# folder -> the package its files are installed as (pyproject's package-dir), for relative imports
+PACKAGES = {"client": "expertd.client", "client/engines": "expertd.client.engines",
+            "client/engines/vllm": "expertd.client.engines.vllm"}
+ENGINES = os.path.join(ROOT, "client", "engines")
+
+
 def imported_modules(path: str) -> set[str]:
     with open(path) as f:
         tree = ast.parse(f.read())
@@ -18,8 +24,7 @@ def imported_modules(path: str) -> set[str]:
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against the package the file is installed as
-                folder = os.path.basename(os.path.dirname(path))
-                pkg = {"client": "expertd.client", "vllm": "expertd.vllm"}.get(folder, "expertd")
+                pkg = PACKAGES.get(os.path.relpath(os.path.dirname(path), ROOT), "expertd")
                 base = pkg.rsplit(".", node.level - 1)[0] if node.level > 1 else pkg
                 found.add(f"{base}.{node.module}" if node.module else base)
             else:
@@ -28,12 +33,35 @@ def imported_modules(path: str) -> set[str]:
 
 
 def test_client_and_shared_code_import_nothing_forbidden():
-    files = [os.path.join(ROOT, d, f) for d in ("client", "expertd", "expertd/vllm")  # vllm: the engines' plugin
+    files = [os.path.join(ROOT, d, f) for d in ("client", *PACKAGES, "expertd")  # engines: vLLM's plugin and more
              for f in os.listdir(os.path.join(ROOT, d)) if f.endswith(".py")]
     assert len(files) >= 8
     for path in files:
         bad = {m for m in imported_modules(path) if m.startswith(FORBIDDEN)}
         assert not bad, f"{path} imports {bad}"
+
+
+def test_the_core_package_imports_no_client_and_the_engines_machinery_no_engine():
+    """expertd/ (shared by server, tools and client) imports no client module; client/engines/ (probes, derived
+    layouts, binding, following) imports no engine: only its adapters (client/engines/vllm/) know vLLM."""
+    core = [os.path.join(ROOT, "expertd", f) for f in os.listdir(os.path.join(ROOT, "expertd")) if f.endswith(".py")]
+    for path in core:
+        bad = {m for m in imported_modules(path) if m.startswith("expertd.client")}
+        assert not bad, f"{path} imports {bad}"
+    assert not os.path.exists(os.path.join(ROOT, "expertd", "vllm")), "the vLLM plugin moved to client/engines/vllm"
+    neutral = [os.path.join(ENGINES, f) for f in os.listdir(ENGINES) if f.endswith(".py")]
+    assert len(neutral) >= 7
+    for path in neutral:
+        bad = {m for m in imported_modules(path) if m.split(".")[0] in ("vllm", "sglang")
+               or m.startswith("expertd.client.engines.vllm")}
+        assert not bad, f"{path} imports {bad}"
+
+
+def test_importing_the_engines_machinery_imports_no_vllm():
+    code = ("import sys, expertd.client.engines, expertd.client.engines.following, expertd.client.engines.checks; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm' or m.endswith('engines.vllm')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == "[]"
 
 
 def test_core_imports_tools_only_lazily():

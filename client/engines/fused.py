@@ -1,7 +1,7 @@
-"""What vLLM fuses from several served tensors (q/k/v into `qkv_proj`, a dense MLP's gate/up, their biases) or pads
-(the vocabulary), once per host, where the engine uses the result as a parameter.
+"""What an engine fuses from several served tensors (vLLM: q/k/v into `qkv_proj`, a dense MLP's gate/up, their
+biases) or pads (the vocabulary), once per host, where the engine uses the result as a parameter.
 
-Found like the experts' layout (`derive`): the model's own `load_weights` is run on probes of the feeding tensors,
+Found like the experts' layout (`experts`): the model's own `load_weights` is run on probes of the feeding tensors,
 each element carrying its position in their concatenation in base-255 digits, and where each landed in the
 parameter (zero where none did: padding) is a gather index over the concatenated sources. The daemon makes the
 bytes from its served ones (`variant` with `gather` and `also`); the engine maps them after checking they equal its
@@ -11,16 +11,14 @@ nothing left to bind and keep that private copy.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from expertd import derived
 
-from .derive import Positions, digit_count, digits, fetch
-
-log = logging.getLogger("vllm.expertd")
+from .experts import fetch
+from .probes import Positions, digit_count, digits
+from .state import EngineState
 
 
 def candidates(model: nn.Module, served: dict[str, torch.Tensor], feeds: dict[str, set[str]], loaded: dict,
@@ -71,20 +69,21 @@ def layout(model: nn.Module, name: str, order: list[str], served: dict[str, torc
     return index if bool((index < total).all()) else None
 
 
-def share_fused(model: nn.Module, client, feeds: dict[str, set[str]], loaded: dict, remember: dict,
-                only: set[str] | None = None) -> list[str]:
+def share_fused(model: nn.Module, state: EngineState, only: set[str] | None = None) -> list[str]:
     """Map each fused or padded parameter the engine uses as loaded (of `only`, if given) onto the daemon's derived
-    tensor of it (checked equal first); returns the names bound, `remember` gets the request of each (a refresh
-    asks again)."""
+    tensor of it (checked equal first); returns the names bound, `state.derived` gets the request of each (a
+    refresh asks again)."""
+    client, feeds, remember = state.client, state.feeds, state.derived
     served = client.served_tensors()
     params = dict(model.named_parameters())
     wanted = []
-    for name, order in candidates(model, served, feeds, loaded, set(remember)).items():
+    for name, order in candidates(model, served, feeds, state.params, set(remember)).items():
         if only is not None and name not in only:
             continue
         index = layout(model, name, order, served, feeds)
         if index is None:
-            log.info("expertd: %s keeps vLLM's private copy (its layout is not a gather of %s)", name, order)
+            state.log.info("expertd: %s keeps the engine's private copy (its layout is not a gather of %s)", name,
+                           order)
             continue
         wanted.append((name, derived.request(order[0], derived.encode(index), index.numel(),
                                              tuple(params[name].shape), also=order[1:], whole=True)))
@@ -96,5 +95,5 @@ def share_fused(model: nn.Module, client, feeds: dict[str, set[str]], loaded: di
             bound.append(name)
             remember[name] = item
         else:
-            log.warning("expertd: the daemon's fused %s differs from vLLM's: kept private", name)
+            state.log.warning("expertd: the daemon's fused %s differs from the engine's: kept private", name)
     return bound

