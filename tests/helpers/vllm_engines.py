@@ -100,7 +100,8 @@ def engine_for(engine: dict):
     from vllm import LLM
 
     return LLM(model=engine["model"], load_format=engine.get("load_format", "auto"), dtype="bfloat16",
-               enforce_eager=True, skip_tokenizer_init=True, seed=0, model_loader_extra_config=engine.get("extra") or {})
+               enforce_eager=True, skip_tokenizer_init=True, seed=0,
+               model_loader_extra_config=engine.get("extra") or {})
 
 
 def generate(llm, prompts: list, max_tokens: int) -> list:
