@@ -7,7 +7,7 @@ The daemon's path to serving, phase by phase, each load in a fresh process as a 
 REPS, the two checkpoints alternating):
 imports (the daemon's modules, in a fresh process), plan (`loader.prepare`: headers read, checkpoint checked
 and planned), build (`loader.build`), index (`generations.place_index`: packed into its segment), JSON
-(`loader.publish`: the index file) and ledger (`ledger.write`: the sealed record). "publish" is the last three,
+(`built.publish`: the index file) and ledger (`ledger.write`: the sealed record). "publish" is the last three,
 what a daemon does between a finished build and serving. The checkpoints: DeepSeek-V3's real counts at tiny
 dims (`--preset dsv3-counts --shards 163`: ~92k checkpoint tensors) and about the same bytes in ~70 tensors
 (`--preset dsv3-bytes`); the cost per checkpoint tensor beyond the bytes is (t_counts - t_bytes) / n_tensors.
@@ -49,6 +49,7 @@ def phases(checkpoint: str) -> tuple[dict[str, float], int]:
     """Seconds per phase of one load and publish of `checkpoint` (everything made is removed), and its tensor count."""
     from expertd.server import ledger, loader
     from expertd.server.arena import unlink_segment
+    from expertd.server.built import publish
     from expertd.server.generations import place_index
 
     times, run_dir = {}, tempfile.mkdtemp(prefix="bench-counts-")
@@ -64,7 +65,7 @@ def phases(checkpoint: str) -> tuple[dict[str, float], int]:
     try:
         place = place_index(built.index)
         t3 = time.perf_counter()
-        loader.publish(built.index, os.path.join(run_dir, "index.json"))
+        publish(built.index, os.path.join(run_dir, "index.json"))
         t4 = time.perf_counter()
         ledger.write(run_dir, built, "load", ledger.build_conditions(checkpoint, None, built.index.shm_dir))
         t5 = time.perf_counter()

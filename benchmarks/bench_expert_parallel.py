@@ -170,7 +170,7 @@ def raw_send(frames: list[memoryview], nbytes: int, curve: bool = False) -> floa
 
 
 def e3_push(workdir: str, checkpoint: str, gib: float, reps: int) -> dict:
-    from expertd.client import ExpertClient, push_all
+    from expertd.client import ExpertClient
     from expertd.protocol import STAGE_FRAME_BYTES
     from expertd.security import create_keys
 

@@ -41,14 +41,14 @@ INSIDE = "EXPERTD_BENCH_HUGEPAGES_INSIDE"
 
 
 def machine() -> str:
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
-    mem = int(next(l.split()[1] for l in open("/proc/meminfo") if l.startswith("MemTotal"))) / 2**20
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    mem = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal"))) / 2**20
     return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, kernel {platform.release()}; "
             f"Python {platform.python_version()}, torch {torch.__version__} ({torch.get_num_threads()} threads)")
 
 
 def meminfo(key: str) -> int:
-    return int(next(l.split()[1] for l in open("/proc/meminfo") if l.startswith(key + ":")))
+    return int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith(key + ":")))
 
 
 def expert_weights() -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +85,7 @@ def fill(shm_dir: str, experts: int, how: str) -> tuple[object, float, int]:
 
 
 def map_all(arena) -> list:
-    from expertd.shm import map_segment
+    from expertd.segments import map_segment
 
     return [map_segment(s.name, s.nbytes, shm_dir=arena.shm_dir) for s in arena.segments]
 

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from expertd.index import SegmentEntry, TensorEntry, TensorIndex  # noqa: E402
 from expertd.server import ledger  # noqa: E402
-from expertd.server.loader import Built, publish  # noqa: E402
+from expertd.server.built import Built, publish  # noqa: E402
 
 HIDDEN, MOE_INTER, INTER = 7168, 2048, 18432
 

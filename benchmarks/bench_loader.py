@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import mmap
 import os
 import subprocess
 import sys
@@ -85,7 +84,7 @@ def fill_once(plan, threads: int, src: torch.Tensor, how: str = "map") -> float:
     turns among as many tensors as the loader's do, the writable mappings dropped: the loader's work without
     reading, dequantizing or hashing."""
     from expertd.server.arena import Arena
-    from expertd.server.loader import TURNS_PER_THREAD, interleave
+    from expertd.server.building import TURNS_PER_THREAD, interleave
 
     arena = Arena(f"benchfill{os.getpid()}", 1)
     try:
@@ -224,7 +223,7 @@ def main() -> int:
     ap.add_argument("--bytes-checkpoint", help="L3: about the same bytes in few tensors (default: generated dsv3-bytes)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from expertd.server.filling import default_threads
+    from expertd.procfs import default_threads
     from expertd.server.loader import prepare
 
     cores = default_threads()

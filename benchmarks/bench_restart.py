@@ -142,7 +142,7 @@ def r2(workdir: str, checkpoint: str, restarts: int) -> dict:
             seconds.append(s)
         looped = worker.receive()
         after = worker.ask("lease")["lease"]
-        kept = after == lease and lease_tag(after) in {l["client"] for l in d.status()["leases"]}  # status shows tags
+        kept = after == lease and lease_tag(after) in {held["client"] for held in d.status()["leases"]}  # status shows tags
         return {"restarts": restarts, "forwards": looped.get("forwards"), "errors": 0 if "error" not in looped else 1,
                 "error": looped.get("message"), "distinct_logits": len(looped.get("digests", [])),
                 "logits_as_before": looped.get("digests") == [before["logits"]], "same_lease": kept,

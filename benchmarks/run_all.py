@@ -38,8 +38,8 @@ from helpers.workers import Worker  # noqa: E402
 
 
 def machine() -> str:
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
-    mem = int(next(l.split()[1] for l in open("/proc/meminfo") if l.startswith("MemTotal"))) / 2**20
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    mem = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal"))) / 2**20
     shm = os.statvfs("/dev/shm")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, /dev/shm {shm.f_blocks * shm.f_frsize / 2**30:.0f} GiB, "

@@ -95,7 +95,7 @@ def main() -> int:
                         len(glob.glob(f"/dev/shm/{soak.namespace}.{pid}.*")) for pid in soak.dead_daemon_pids)
                     continue
                 time.sleep(args.lease_timeout * 1.5 + 0.5)  # expiry sweeps every 0.1 s
-                held = {l["client"] for l in soak.daemon.status()["leases"]}
+                held = {lease["client"] for lease in soak.daemon.status()["leases"]}
                 alive = {lease_tag(w.hello["lease"]) for w in live}  # status shows tags, never ids
                 totals["lost_leases"] += len(alive - held)
                 totals["stale_leases"] += len(held - alive)

@@ -21,7 +21,8 @@ from expertd.leasing import lease_request
 from expertd.protocol import STAGE_FRAME_BYTES, STAGE_MESSAGE_BYTES
 from expertd.quantization import quantization_format
 from expertd.security import Credentials
-from expertd.shm import map_segment, segment_bytes
+from expertd.segments import map_segment
+from expertd.shm import segment_bytes
 
 POLL_S = 0.01
 

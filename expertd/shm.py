@@ -22,7 +22,7 @@ import torch
 from expertd.errors import ShmError
 from expertd.dtypes import BY_NAME as DTYPES
 from expertd.index import DEFAULT_SHM_DIR, TensorEntry
-from expertd.segments import OPEN_FLAGS, map_segment, segment_path  # noqa: F401  (re-exported for clients)
+from expertd.segments import map_segment
 
 
 def to_dtype(name: str) -> torch.dtype:

@@ -16,7 +16,8 @@ import torch
 
 from expertd.hf import model_config
 from expertd.index import TensorEntry, TensorIndex, combined_checksum
-from expertd.shm import map_segment, segment_bytes, view
+from expertd.segments import map_segment
+from expertd.shm import segment_bytes, view
 
 from .arena import Arena
 from .built import Cancelled
@@ -80,7 +81,7 @@ class PreviousBytes:
 class Build:
     """A generation's tensors on their way into `arena`: what the steps share, per plan position (slot).
 
-    `previous` is the generation this one replaces (a `loader.Built`), or None for a first build. `bar` and
+    `previous` is the generation this one replaces (a `built.Built`), or None for a first build. `bar` and
     `on_progress` hear of every byte placed or kept; `should_stop` is asked before each served tensor."""
 
     def __init__(self, ckpt: Checkpoint, plan: Plan, previous, arena: Arena, pool: OrderedPool,

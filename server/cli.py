@@ -16,7 +16,7 @@ from expertd.units import parse_duration, parse_size
 
 from . import stopping
 from .config import connection_of as _connection, target_of as _target
-from .starting import cmd_start, ep_ranks_override  # noqa: F401  (ep_ranks_override: tests import it here)
+from .starting import cmd_start
 
 EXIT_ERROR = 2  # a user mistake or no daemon: one line on stderr says what is wrong and the fix
 EXIT_LOADING = 3  # `status --wait`: the daemon answers but is still loading its first generation

@@ -18,7 +18,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from expertd.index import checksum, tensor_bytes, tensor_checksum
-from expertd.procfs import default_threads  # noqa: F401  (re-exported: the loader's and the benchmarks' default)
 
 from .arena import Arena
 from .dequant import DEQUANT, stream_part, write_part

@@ -23,14 +23,13 @@ from expertd.errors import ConfigError
 from expertd.hf import model_config
 from expertd.index import DEFAULT_SHM_DIR, SegmentEntry, TensorEntry, TensorIndex
 from expertd.partition import ExpertParallel, PartitionError
+from expertd.procfs import default_threads
 
 from .arena import Arena
-from .building import (  # noqa: F401  (PreviousBytes, interleave, the constants: re-exported)
-    INDEX_BYTES_PER_TENSOR, TURNS_PER_THREAD, Build, PreviousBytes, interleave,
-)
-from .built import Built, Cancelled, publish  # noqa: F401  (re-exported: a build's result, and publishing it)
+from .building import TURNS_PER_THREAD, Build
+from .built import Built, publish
 from .compute import build_whole
-from .filling import OrderedPool, default_threads, dequantized
+from .filling import OrderedPool, dequantized
 from .layout import Plan, plan_checkpoint
 from .reader import Checkpoint
 

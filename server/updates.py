@@ -25,11 +25,14 @@ from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_chec
 from expertd.messages import PushedTensor
 from expertd.replies import StagedTensor, UpdateReply
 from expertd.quantization import quantization_format
-from expertd.shm import DTYPES, OPEN_FLAGS, segment_path
+from expertd.segments import OPEN_FLAGS, segment_path
+from expertd.shm import DTYPES
 
 from .arena import Arena, placed_size
+from .building import PreviousBytes
+from .built import Built
 from .dequant import write_part
-from .loader import Built, PreviousBytes, segments_of
+from .loader import segments_of
 
 
 @dataclass

@@ -186,7 +186,8 @@ def _make(gen, entry: TensorEntry, shape: list[int], dtype: str, group: str | No
     tensor cast to `dtype`, or gathered by `gather`. The one step of a variant that needs torch: variants already
     made are handed out without it."""
     from expertd.derived import gather_into
-    from expertd.shm import map_segment, segment_bytes, to_dtype, view
+    from expertd.segments import map_segment
+    from expertd.shm import segment_bytes, to_dtype, view
 
     shm_dir = gen.index.shm_dir
     arena = Arena(gen.index.namespace, f"v{gen.number}", group=group, shm_dir=shm_dir)

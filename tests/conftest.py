@@ -12,6 +12,9 @@ from expertd.tools.generate import generate
 from helpers.daemon import DaemonProcess
 from helpers.workers import Worker
 
+# the expert-parallel tests' checkpoint fixtures (dsv3, qwen3, gpt_oss: module-scoped, made only where a test asks)
+pytest_plugins = ["helpers.ep"]
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> str:

@@ -7,7 +7,8 @@ import stat
 import pytest
 import torch
 
-from expertd.shm import map_segment, segment_bytes, view
+from expertd.segments import map_segment
+from expertd.shm import segment_bytes, view
 from expertd.errors import ShmSpaceError
 from expertd.index import TensorEntry
 from expertd.server import arena as arena_mod

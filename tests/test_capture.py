@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from expertd.client import ExpertClient
 from expertd.hf import model_config
-from expertd.tools.capture import MANIFEST, capture, close_env_captures, read_manifest
+from expertd.tools.capture import MANIFEST, capture, close_env_captures
+from expertd.tools.capture_manifest import read_manifest
 from expertd.tools.generate import make_config
 from helpers.inputs import INPUT_IDS
 

@@ -47,7 +47,8 @@ def test_plan_computes_what_from_pretrained_loads(model_checkpoint, namespace):
         type(op).__name__ for t in computed for op in t.computed.converter.operations}
     built = build(ckpt, plan, namespace=namespace, generation=1, device="cpu")
     try:
-        from expertd.shm import map_segment, segment_bytes, view
+        from expertd.segments import map_segment
+        from expertd.shm import segment_bytes, view
 
         maps = {s.name: segment_bytes(map_segment(s.name, s.nbytes)) for s in built.index.segments}
         entries = {t.name: t for t in built.index.tensors}

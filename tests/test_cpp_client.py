@@ -143,7 +143,7 @@ def test_cpp_client_sees_what_the_python_client_sees(cpp_build, start_daemon):
         # tensors outlive their lease: the mapping stays with them
         assert got["valid_after_release"] is True and views["valid_after_release"] is True
         assert got["bad"] == 0 and {t["verdict"] for t in got["tensors"]} == {"OK"}
-        assert [l["client"] for l in d.status()["leases"]] == [lease_tag(client.lease)]
+        assert [held["client"] for held in d.status()["leases"]] == [lease_tag(client.lease)]
     assert d.status()["leases"] == []
     best = min(r["attach"] + r["tensors"] for r in got["bench_ms"])
     print(f"\nattach (lease + index + served tensors), tiny checkpoint: C++ best of 5 {best:.2f} ms; "

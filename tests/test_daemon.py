@@ -66,7 +66,7 @@ def test_lease_lifecycle(raw):
     hello = request(msgpack.packb({"op": "hello", "protocol": PROTOCOL_VERSION}))
     assert hello["ok"] and hello["ready"] and hello["generation"] == 1
     lease = request(msgpack.packb({"op": "lease", "pid": os.getpid()}))["client"]
-    assert [l["client"] for l in daemon.status()["leases"]] == [lease_tag(lease)]  # never the id itself
+    assert [held["client"] for held in daemon.status()["leases"]] == [lease_tag(lease)]  # never the id itself
     assert request(msgpack.packb({"op": "heartbeat", "client": lease}))["ok"]
     time.sleep(4.5)  # lease_timeout_s is 2: without heartbeats the lease goes
     assert daemon.status()["leases"] == []
@@ -77,7 +77,7 @@ def test_heartbeats_keep_a_client_lease_alive(raw):
     daemon, _ = raw
     with ExpertClient(daemon.endpoint, timeout=30) as client:
         time.sleep(4.5)
-        assert [l["client"] for l in daemon.status()["leases"]] == [lease_tag(client.lease)]
+        assert [held["client"] for held in daemon.status()["leases"]] == [lease_tag(client.lease)]
     assert daemon.status()["leases"] == []
 
 

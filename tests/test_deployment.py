@@ -167,7 +167,7 @@ def test_multinode_daemons_take_their_ranks_from_the_node_label(tmp_path):
     node's daemon on the host network over CURVE, with the daemon's public key from the keys' Secret, which
     also puts the trainer's key on the daemon's push allow-list."""
     from expertd.security import create_keys
-    from expertd.server.cli import ep_ranks_override
+    from expertd.server.starting import ep_ranks_override
 
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in kubernetes_documents("kubernetes/multinode")}
     secret = docs[("Secret", "expertd-ep-config")]["stringData"]

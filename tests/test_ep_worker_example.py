@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from helpers.ep import free_port
 
 REPO = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ from expertd.partition import ExpertBlock, ExpertParallel, PartitionError
 from expertd.server.config import config_from_dict
 from expertd.server.loader import prepare
 from helpers.daemon import expertd_cmd, write_config
-from helpers.ep import EXPERT, HELPERS, dsv3, experts_of, free_port, gpt_oss, qwen3, reports  # noqa: F401 (fixtures)
+from helpers.ep import EXPERT, HELPERS, experts_of, free_port, reports
 
 
 # --- the partition in the plan, the index and the config ------------------------------------------

@@ -16,7 +16,7 @@ from expertd.partition import ExpertParallel
 from expertd.server.loader import prepare
 from helpers.checkpoints import edit_checkpoint
 from helpers.daemon import write_config
-from helpers.ep import EXPERT, HELPERS, dsv3, experts_of, free_port, reports  # noqa: F401 (the fixture)
+from helpers.ep import EXPERT, HELPERS, experts_of, free_port, reports
 from helpers.reference import write_reference_bf16
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from expertd.server.loader import prepare
-from helpers.ep import EXPERT, dsv3, experts_of, free_port, gpt_oss  # noqa: F401 (the fixtures)
+from helpers.ep import EXPERT, experts_of, free_port
 
 
 TOKEN = "push-token-0123456789abcdef"

@@ -74,7 +74,7 @@ def test_triton_interpreter_matches_reference():
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS"))
+    line = next(text for text in proc.stdout.splitlines() if text.startswith("RESULTS"))
     results = json.loads(line[len("RESULTS"):])
     assert len(results) == len(_INTERPRETER_CASES)
     for r in results:

@@ -50,7 +50,7 @@ def test_a_killed_worker_loses_its_lease_at_once_and_its_generation_retires(
         updater.update({NORM: updater.tensors()[NORM] * 2})
     status = daemon.status()
     assert [g["generation"] for g in status["generations"]] == [first + 1, first]
-    assert [l["client"] for l in status["generations"][1]["leases"]] == [lease]
+    assert [held["client"] for held in status["generations"][1]["leases"]] == [lease]
 
     os.kill(worker.proc.pid, signal.SIGKILL)  # not waited for: a zombie until the test's end, which counts as gone
     took = wait_until(lambda: lease not in leases(daemon), timeout=5)

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from expertd.errors import ConfigError, ShardFormatError
+from expertd.procfs import default_threads
 from expertd.index import checksum_parts, tensor_checksum
 from expertd.server import dequant, filling
 from expertd.server.arena import Arena
 from expertd.server.config import config_from_dict
-from expertd.server.loader import build, interleave, prepare
+from expertd.server.building import interleave
+from expertd.server.loader import build, prepare
 from expertd.shm import map_segments, view
 from helpers.procfs import open_paths
 from helpers.reference import reference_tensors
@@ -91,7 +93,7 @@ def test_a_failing_part_stops_the_build_and_leaves_nothing(tiny_checkpoint, name
 
 
 def test_stop_request_cancels_queued_parts(tiny_checkpoint, namespace, monkeypatch):
-    from expertd.server.loader import Cancelled
+    from expertd.server.built import Cancelled
 
     monkeypatch.setattr(filling, "BATCH_BYTES", 4096)
     asked = []
@@ -114,7 +116,7 @@ def test_load_threads_must_be_a_positive_integer(value):
 
 def test_load_threads_defaults_to_the_usable_cores():
     assert config_from_dict({"checkpoint": "/x"}).load_threads is None
-    assert filling.default_threads() == len(os.sched_getaffinity(0))
+    assert default_threads() == len(os.sched_getaffinity(0))
     assert config_from_dict({"checkpoint": "/x", "load_threads": 3}).load_threads == 3
 
 

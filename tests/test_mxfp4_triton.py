@@ -59,7 +59,7 @@ def test_triton_interpreter_matches_transformers():
     proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("RESULTS"))[len("RESULTS"):])
+    results = json.loads(next(text for text in proc.stdout.splitlines() if text.startswith("RESULTS"))[len("RESULTS"):])
     assert len(results) == 5
     for r in results:
         assert r["is_out"] and r["exact"] and r["transformers"], r

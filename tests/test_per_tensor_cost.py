@@ -20,6 +20,7 @@ import pytest
 
 from expertd.server import ledger, loader
 from expertd.server.arena import unlink_segment
+from expertd.server.built import publish
 from expertd.server.generations import place_index
 from expertd.tools.generate import generate
 
@@ -93,7 +94,7 @@ def serve(checkpoint: str, namespace: str, run_dir: str) -> tuple[Counting, int]
             built = loader.build(ckpt, plan, namespace=namespace, generation=1, device="cpu", threads=2)
             counted.phase = "publish"
             place = place_index(built.index)
-            loader.publish(built.index, os.path.join(run_dir, "index.json"))
+            publish(built.index, os.path.join(run_dir, "index.json"))
             ledger.write(run_dir, built, "load", ledger.build_conditions(checkpoint, None, built.index.shm_dir))
             counted.phase = "ledger read"
             ledger.read(run_dir, namespace, 1)

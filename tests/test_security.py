@@ -4,7 +4,6 @@ Real daemons, real clients, and a capture of the loopback traffic through a rela
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import threading

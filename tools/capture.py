@@ -51,7 +51,7 @@ from expertd.units import parse_size, parse_steps
 
 from .hif8 import hif8_encode
 
-from .capture_manifest import FORMAT, MANIFEST, VERSION, read_manifest  # noqa: F401  (read_manifest: re-exported)
+from .capture_manifest import FORMAT, MANIFEST, VERSION
 from .simulate import simulation_info, simulation_tag
 
 log = logging.getLogger("expertd.capture")

@@ -26,7 +26,8 @@ from expertd.errors import DaemonError
 from expertd.index import tensor_checksum
 from expertd.security import Credentials
 from expertd.server.updates import Push, Staging
-from expertd.shm import map_segment, segment_bytes
+from expertd.segments import map_segment
+from expertd.shm import segment_bytes
 from test_group_mode import NOBODY, daemon_group  # noqa: F401  (a group made for the test, deleted after)
 
 pytestmark = pytest.mark.timeout(300)

@@ -32,12 +32,12 @@ def wait_until(predicate, timeout: float, what: str):
 def test_sigkilled_worker_loses_its_lease(tiny_checkpoint, start_daemon, workers):
     daemon = start_daemon(tiny_checkpoint, lease_timeout_s=2.0)
     doomed, survivor = workers(daemon.endpoint), workers(daemon.endpoint)
-    leases = {l["client"]: l for l in daemon.status()["leases"]}
+    leases = {lease["client"]: lease for lease in daemon.status()["leases"]}
     assert set(leases) == {lease_tag(doomed.hello["lease"]), lease_tag(survivor.hello["lease"])}  # tags, not ids
-    assert all(l["age_s"] >= 0 and l["pid"] > 0 for l in leases.values())
+    assert all(lease["age_s"] >= 0 and lease["pid"] > 0 for lease in leases.values())
     doomed.proc.send_signal(signal.SIGKILL)
     doomed.proc.wait()
-    wait_until(lambda: [l["client"] for l in daemon.status()["leases"]] == [lease_tag(survivor.hello["lease"])], 10,
+    wait_until(lambda: [lease["client"] for lease in daemon.status()["leases"]] == [lease_tag(survivor.hello["lease"])], 10,
                "the killed worker's lease to expire")
     assert survivor.ask("digest")["digest"] == survivor.hello["digest"]
 
@@ -60,7 +60,7 @@ def test_worker_outlives_a_killed_daemon_and_reconnects_to_its_successor(tiny_ch
     again = worker.ask("reconnect")
     assert again == {"generation": 1, "digest": worker.hello["digest"]}
     assert worker.ask("call") == {"status": "serving"}
-    assert lease_tag(worker.ask("lease")["lease"]) in [l["client"] for l in successor.status()["leases"]]
+    assert lease_tag(worker.ask("lease")["lease"]) in [lease["client"] for lease in successor.status()["leases"]]
 
 
 def test_second_daemon_on_a_namespace_refuses(tiny_checkpoint, start_daemon, namespace, tmp_path, workers):

@@ -6,14 +6,13 @@ import os
 import random
 import struct
 import subprocess
-import sys
 import threading
 
 import msgpack
 import pytest
 import zmq
 
-from expertd.client import DaemonError, ExpertClient
+from expertd.client import ExpertClient
 from expertd.errors import AuthError, ConfigError
 from expertd.messages import OPS
 from expertd.protocol import MAX_MESSAGE_BYTES

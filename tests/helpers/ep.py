@@ -1,5 +1,6 @@
-"""What the expert-parallel tests share: their tiny checkpoints (module fixtures: import them into a test
-module), a free TCP port, a checkpoint's routed-expert count and the workers' reports."""
+"""What the expert-parallel tests share: their tiny checkpoints (module fixtures, offered to every test module:
+tests/conftest.py registers this module as a pytest plugin), a free TCP port, a checkpoint's routed-expert
+count and the workers' reports."""
 
 from __future__ import annotations
 
