@@ -15,7 +15,7 @@ import torch
 
 from expertd import messages, replies
 from expertd.connection import Connection
-from expertd.errors import DaemonError, DaemonTimeout, UpdateRejected
+from expertd.errors import DaemonError, DaemonTimeout, ShmError, UpdateRejected
 from expertd.index import TensorIndex, tensor_checksum
 from expertd.leasing import lease_request
 from expertd.protocol import STAGE_FRAME_BYTES, STAGE_MESSAGE_BYTES
@@ -79,7 +79,12 @@ def _stage(conn, lease: str, tensors: dict[str, torch.Tensor]) -> tuple[messages
     try:
         if conn.endpoint.startswith("tcp://"):
             return staging, _send_staged(conn, lease, staging, tensors)
-        return staging, _write_staged(staging, tensors)
+        try:
+            return staging, _write_staged(staging, tensors)
+        except ShmError as exc:  # a daemon of another uid whose shm_dir takes no ACL: only it writes the segment
+            if not isinstance(exc.__cause__, PermissionError):
+                raise
+            return staging, _send_staged(conn, lease, staging, tensors)
     except BaseException:
         _abort(conn, lease, staging)
         raise
@@ -96,7 +101,8 @@ def _wait(conn, job: messages.JobReply, timeout: float, until=("building", "buil
     deadline = time.monotonic() + max(timeout, 1.0)
     while job.state in until:
         if time.monotonic() > deadline:
-            raise DaemonTimeout(f"the daemon at {conn.endpoint} did not finish update job {job.job} within {timeout:.0f}s")
+            raise DaemonTimeout(f"the daemon at {conn.endpoint} did not finish update job {job.job} "
+                                f"within {timeout:.0f}s")
         time.sleep(POLL_S)
         job = conn.send(messages.Job(job=job.job), messages.JobReply)
     return job

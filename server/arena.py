@@ -1,9 +1,11 @@
 """The shared-memory arena: POSIX segments the daemon creates, fills and finally unlinks.
 
-Segment names are `/{namespace}.{pid}.{tag}.{i}`: `tag` is the generation that created the
+Segment names are `/{namespace}.{pid}.{tag}.{i}.{random}`: `tag` is the generation that created the
 segment (`u{n}` for the staging segment of update n, `i{n}` for generation n's packed index, `v{n}` for
-generation n's dtype variants, see `variants`).
-This module builds and parses them.
+generation n's dtype variants, see `variants`); `random` is 64 fresh random bits per segment, so that no
+other uid can plant a file under a name the daemon is about to create (the pid shows in `ls /dev/shm`), and a
+name found taken all the same (O_EXCL says EEXIST) is drawn again, a few times at most.
+This module builds and parses them; the start-up reaper finds this namespace's segments by their pattern.
 The loader gives every served tensor a segment of its own, so a retired generation's bytes are
 freed by unlinking whole segments, while workers still holding old views keep valid pages.
 
@@ -19,10 +21,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import grp
+import logging
 import math
 import mmap
 import os
 import re
+import secrets
 from dataclasses import dataclass
 
 from expertd.errors import ShmError, ShmSpaceError
@@ -31,8 +35,12 @@ from expertd.segments import OPEN_FLAGS, segment_path
 
 from . import hostpaths, shmdir
 
+log = logging.getLogger("expertd.arena")
+
 ALIGN = 4096  # every tensor starts on a page: views are aligned for any dtype and vector width
 SHM_DIR = DEFAULT_SHM_DIR
+NAME_RANDOM_BYTES = 8  # a segment name's random part: 16 hex digits
+CREATE_TRIES = 8  # names drawn for one segment before giving up: each taken one is a file someone planted
 
 
 @dataclass
@@ -50,13 +58,21 @@ def placed_size(nbytes: int) -> int:
     return max(align_up(nbytes), ALIGN)
 
 
+def segment_prefix(namespace: str, pid: int, tag: int | str) -> str:
+    """What every segment name of `tag` made by process `pid` starts with."""
+    return f"/{namespace}.{pid}.{tag}."
+
+
 def segment_name(namespace: str, pid: int, tag: int | str, i: int) -> str:
-    return f"/{namespace}.{pid}.{tag}.{i:03d}"
+    """A fresh segment name: its last part is random, so that nobody can know it before the daemon creates it."""
+    return f"{segment_prefix(namespace, pid, tag)}{i:03d}.{secrets.token_hex(NAME_RANDOM_BYTES)}"
 
 
 def segment_pattern(namespace: str) -> re.Pattern:
-    """Matches a segment's file name in its shm_dir; group 1 is the owner pid."""
-    return re.compile(rf"^{re.escape(namespace)}\.(\d+)\.(\d+|[uiv]\d+)\.(\d+)$")
+    """Matches a segment's file name in its shm_dir (also one without the random part, as daemons before it
+    named them); group 1 is the owner pid, group 2 the tag."""
+    random = rf"(?:\.[0-9a-f]{{{2 * NAME_RANDOM_BYTES}}})?"
+    return re.compile(rf"^{re.escape(namespace)}\.(\d+)\.(\d+|[uiv]\d+)\.(\d+){random}$")
 
 
 def unlink_segment(name: str, shm_dir: str = SHM_DIR) -> bool:
@@ -91,7 +107,8 @@ def _populate_write(address: int, nbytes: int) -> None:
 
 
 class Arena:
-    """Segments `/{namespace}.{pid}.{tag}.{i}` of one generation; tensors page-aligned, never spanning segments."""
+    """Segments `/{namespace}.{pid}.{tag}.{i}.{random}` of one generation; tensors page-aligned, never spanning
+    segments."""
 
     def __init__(self, namespace: str, tag: int | str, segment_bytes: int = 0, group: str | None = None,
                  shm_dir: str = SHM_DIR):
@@ -104,6 +121,7 @@ class Arena:
         self.segments: list[SegmentEntry] = []
         self._maps: dict[str, mmap.mmap] = {}
         self._fds: dict[str, tuple[int, int]] = {}  # unreserved segments: (fd, mapping address), for `reserve`
+        self._placed: list[Placement] = []  # what `place` handed out: renamed with their segment (see `_open_new`)
 
     def _new_segment(self, i: int | None = None) -> SegmentEntry:
         number = len(self.segments) if i is None else i
@@ -189,6 +207,7 @@ class Arena:
                 self._new_segment()
                 used = 0
             placements.append(Placement(self.segments[-1].name, used))
+            self._placed.append(placements[-1])
             used += size
             self.segments[-1].nbytes = self.segment_size(used)
         return placements
@@ -197,32 +216,50 @@ class Arena:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
-    def create(self, writable_by_group: bool = False) -> None:
-        """Create, reserve and map every planned segment; on any failure remove what was made."""
+    def create(self, private: bool = False) -> None:
+        """Create, reserve and map every planned segment; on any failure remove what was made. `private`
+        (staging): 0600 even in group mode (`updates.Staging` lets its updater alone write it)."""
         self.check_space(self.nbytes)
         try:
             for seg in self.segments:
-                self._create_one(seg, writable_by_group)
+                self._create_one(seg, private)
         except BaseException:
             self.unlink()
             raise
 
-    def _create_one(self, seg: SegmentEntry, writable_by_group: bool = False, reserve: bool = True) -> None:
-        path = segment_path(seg.name, self.shm_dir)
-        self._maps[seg.name] = None  # unlink() removes it from here on (an interrupt may come right after open)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600)
-        except FileExistsError as exc:
-            del self._maps[seg.name]  # not ours: never unlink it
-            raise ShmError(f"shared-memory segment {seg.name} already exists ({path}); "
-                           "another daemon of this namespace may be running") from exc
-        except OSError as exc:
-            del self._maps[seg.name]  # nothing was created
-            raise ShmError(f"cannot create shared-memory segment {seg.name} ({path}): {exc.strerror}") from exc
+    def _open_new(self, seg: SegmentEntry) -> int:
+        """Create `seg`'s file (0600, O_EXCL, never through a link). A name already taken is someone else's file:
+        left alone, and `seg` (and the placements in it) take a freshly drawn name, up to CREATE_TRIES times."""
+        for _ in range(CREATE_TRIES):
+            path = segment_path(seg.name, self.shm_dir)
+            self._maps[seg.name] = None  # unlink() removes it from here on (an interrupt may come right after open)
+            try:
+                return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | OPEN_FLAGS, 0o600)
+            except FileExistsError:
+                del self._maps[seg.name]  # not ours: never unlink it
+                log.warning("a file already has the name of segment %s (%s): left alone, another name drawn",
+                            seg.name, path)
+                self._rename(seg)
+            except OSError as exc:
+                del self._maps[seg.name]  # nothing was created
+                raise ShmError(f"cannot create shared-memory segment {seg.name} ({path}): {exc.strerror}") from exc
+        prefix = segment_prefix(self.namespace, os.getpid(), self.tag)
+        raise ShmError(f"cannot create a shared-memory segment named {prefix}*: {CREATE_TRIES} random names in a row "
+                       f"were taken in {self.shm_dir}")
+
+    def _rename(self, seg: SegmentEntry) -> None:
+        old = seg.name
+        seg.name = f"{old.rsplit('.', 1)[0]}.{secrets.token_hex(NAME_RANDOM_BYTES)}"
+        for placement in self._placed:
+            if placement.segment == old:
+                placement.segment = seg.name
+
+    def _create_one(self, seg: SegmentEntry, private: bool = False, reserve: bool = True) -> None:
+        fd = self._open_new(seg)
         try:
             if self.gid is not None:
                 os.fchown(fd, -1, self.gid)
-                os.fchmod(fd, 0o660 if writable_by_group else 0o640)
+                os.fchmod(fd, 0o600 if private else 0o640)
             if reserve:
                 self._fallocate(fd, seg.name, 0, seg.nbytes)
             else:
@@ -230,7 +267,8 @@ class Arena:
             try:
                 self._maps[seg.name] = mmap.mmap(fd, seg.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as exc:  # hugetlbfs reserves the huge pages of a shared mapping when it is made
-                raise self._os_error(exc, f"map {seg.nbytes / 2**20:.1f} MiB of segment {seg.name}", seg.nbytes) from exc
+                doing = f"map {seg.nbytes / 2**20:.1f} MiB of segment {seg.name}"
+                raise self._os_error(exc, doing, seg.nbytes) from exc
             if not reserve:
                 address = ctypes.addressof(ctypes.c_char.from_buffer(self._maps[seg.name]))
                 self._fds[seg.name], fd = (fd, address), -1  # kept open for `reserve`

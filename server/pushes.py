@@ -67,7 +67,7 @@ class Pushes:
         pushes = plan_update(latest.index, req.tensors)
         self._updates += 1
         staging = Staging(self.cfg.namespace, self._updates, pushes, lease.client, group=self.cfg.group,
-                          shm_dir=self.cfg.shm_dir)
+                          shm_dir=self.cfg.shm_dir, writer=peer.uid)  # only the pusher may write it (tcp://: none)
         self.staging[staging.number] = staging
         self.builds.write_manifest("serving")
         return staging.reply().wire()

@@ -18,7 +18,7 @@ from expertd.errors import ExpertdError, NotReady, ProtocolError
 from expertd.procfs import default_threads
 
 from . import adopt, ledger
-from .arena import segment_name, unlink_segment
+from .arena import segment_prefix, unlink_segment
 from .built import Built, Cancelled, publish
 from .config import DaemonConfig
 from .dispatch import handles
@@ -236,7 +236,7 @@ class WeightService:
     def write_manifest(self, state: str, building: int | None = None) -> None:
         segments = self.gens.segments_by_generation()
         if building is not None:  # its segments are created one by one: record the names they will have
-            segments[building] = [segment_name(self.cfg.namespace, os.getpid(), building, 0).rsplit(".", 1)[0] + ".*"]
+            segments[building] = [segment_prefix(self.cfg.namespace, os.getpid(), building) + "*"]
         latest = self.gens.latest.number if self.gens.latest else self.first_generation
         self._recorded_leases = self.leases.recorded()
         self._leases_written = time.monotonic()

@@ -12,9 +12,11 @@ exactly as at load); everything else is shared.
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import mmap
 import os
+import struct
 import time
 from dataclasses import dataclass
 
@@ -33,6 +35,8 @@ from .building import PreviousBytes
 from .built import Built
 from .dequant import write_part
 from .loader import segments_of
+
+log = logging.getLogger("expertd.updates")
 
 
 @dataclass
@@ -117,11 +121,27 @@ def _push(codec, specs: dict, stored: str, aux: str | None, target: TensorEntry,
     return push
 
 
+ACL_XATTR = "system.posix_acl_access"
+_ACL_VERSION, _ANY = 2, 0xFFFFFFFF
+_USER_OBJ, _USER, _GROUP_OBJ, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+
+
+def writer_acl(uid: int) -> bytes:
+    """A POSIX access ACL in the kernel's xattr form: the owner (the daemon) and user `uid` read and write, nobody
+    else anything (its group included). A later chmod 0600 sets the mask to none: `uid` may then do nothing."""
+    entries = [(_USER_OBJ, 6, _ANY), (_USER, 6, uid), (_GROUP_OBJ, 0, _ANY), (_MASK, 6, _ANY), (_OTHER, 0, _ANY)]
+    return struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
 class Staging:
-    """The segment an updater writes its pushed tensors into, owned by the daemon until commit."""
+    """The segment an updater writes its pushed tensors into, owned by the daemon until commit.
+
+    It is 0600 whatever the group. An updater of another uid on this host (`writer`: its uid as SO_PEERCRED says)
+    is let write it by an ACL entry of its uid alone, never the group's; where the folder takes no ACLs
+    (hugetlbfs), it cannot open the segment and sends its bytes as `stage` frames, as over tcp://."""
 
     def __init__(self, namespace: str, number: int, pushes: list[Push], client: str, group: str | None = None,
-                 shm_dir: str = DEFAULT_SHM_DIR):
+                 shm_dir: str = DEFAULT_SHM_DIR, writer: int | None = None):
         self.number = number
         self.client = client
         self.committed = False  # a build from it is under way: it goes when that ends
@@ -135,10 +155,27 @@ class Staging:
             raise AssertionError(f"staging placed {len(flat)} tensors in {len(self.arena.segments)} segments")
         for t, where in zip(flat, places):
             t.offset = where.offset
-        self.arena.create(writable_by_group=True)
+        self.arena.create(private=True)
         self.arena.unmap()  # the daemon reads it back through a fresh read-only mapping at commit
         self.segment = self.arena.segments[0]
         self.tensors = flat
+        self.writer = writer if writer is not None and writer != os.geteuid() and self._let_write(writer) else None
+
+    def _let_write(self, uid: int) -> bool:
+        """Give uid `uid` alone read-write access to the segment (an ACL entry); False where the folder takes none."""
+        fd = os.open(segment_path(self.segment.name, self.arena.shm_dir), os.O_RDONLY | OPEN_FLAGS)
+        try:
+            os.setxattr(fd, ACL_XATTR, writer_acl(uid))
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                self.close()
+                raise
+            log.info("staging segment %s stays 0600 (%s takes no ACL: %s): uid %d sends its bytes as frames",
+                     self.segment.name, self.arena.shm_dir, exc.strerror, uid)
+            return False
+        finally:
+            os.close(fd)
+        return True
 
     def reply(self) -> UpdateReply:
         """What the updater writes into: the segment and where each pushed tensor goes in it."""
@@ -147,9 +184,10 @@ class Staging:
                            tensors=[StagedTensor(name=t.name, offset=t.offset, nbytes=t.nbytes) for t in self.tensors])
 
     def seal(self) -> dict[str, torch.Tensor]:
-        """The staged tensors copied into this process's private memory, the segment closed to its group first
-        (0600): the updater (in group mode another uid, with a writable mapping of its own) can change the segment
-        at any time, so what is checked and what is built from must be this one copy, never the shared pages."""
+        """The staged tensors copied into this process's private memory, the segment closed to its updater first
+        (0600, which masks its ACL entry): the updater (another uid, with a writable mapping of its own) can change
+        the segment at any time, so what is checked and what is built from must be this one copy, never the shared
+        pages."""
         fd = os.open(segment_path(self.segment.name, self.arena.shm_dir), os.O_RDONLY | OPEN_FLAGS)
         try:
             os.fchmod(fd, 0o600)
@@ -175,7 +213,8 @@ class Staging:
         for t, want in zip(self.tensors, checksums):
             got = tensor_checksum(staged[t.name])
             if got != want:
-                raise UpdateRejected(f"staged bytes of {t.name!r} do not match the updater's checksum ({got} != {want})")
+                raise UpdateRejected(f"staged bytes of {t.name!r} do not match the updater's checksum "
+                                     f"({got} != {want})")
         return staged
 
     def write(self, tensor: int, at: int, frames: list) -> int:
@@ -186,7 +225,8 @@ class Staging:
         slot = self.tensors[tensor]
         nbytes = sum(len(f) for f in frames)
         if at + nbytes > slot.nbytes:
-            raise UpdateRejected(f"{nbytes} bytes at {at!r} do not fit staged tensor {slot.name!r} ({slot.nbytes} bytes)")
+            raise UpdateRejected(f"{nbytes} bytes at {at!r} do not fit staged tensor {slot.name!r} "
+                                 f"({slot.nbytes} bytes)")
         # one pwritev of the request's frames into the segment's file: no mapping, and tmpfs takes the fresh
         # pages without zeroing them first (a write through a mapping has them zeroed, then written);
         # hugetlbfs has no write(): there they go through a mapping
@@ -254,7 +294,8 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
                 scale = staged[p.scale.name] if p.scale else None
                 write_part(dest.view(p.served_shape), staged[p.name], scale, name=p.name, block=p.block, kind=p.kind,
                            device=device)
-                mark = f"pushed:{tensor_checksum(staged[p.name])}" + (f"+{tensor_checksum(scale)}" if scale is not None else "")
+                mark = f"pushed:{tensor_checksum(staged[p.name])}" + (
+                    f"+{tensor_checksum(scale)}" if scale is not None else "")
                 for k in (range(n) if p.part is None else (p.part,)):
                     digests[k] = f"{mark}#{k}"
             parts[entry.name] = digests

@@ -9,7 +9,7 @@ import torch
 
 from expertd.segments import map_segment
 from expertd.shm import segment_bytes, view
-from expertd.errors import ShmSpaceError
+from expertd.errors import ShmError, ShmSpaceError
 from expertd.index import TensorEntry
 from expertd.server import arena as arena_mod
 from expertd.server.arena import ALIGN, Arena
@@ -74,25 +74,59 @@ def test_a_segment_that_fails_after_creation_is_removed(namespace, monkeypatch, 
 
     monkeypatch.setattr(arena_mod.os if fails == "posix_fallocate" else arena_mod.mmap, fails, no_space)
     arena = Arena(namespace, 1)
-    with pytest.raises(ShmSpaceError, match=rf"segment /{namespace}\.\d+\.1\.000 in /dev/shm"):
+    with pytest.raises(ShmSpaceError, match=rf"segment /{namespace}\.\d+\.1\.000\.[0-9a-f]{{16}} in /dev/shm"):
         arena.add(1 << 20)
     assert glob.glob(f"/dev/shm/{namespace}*") == [] and arena.segments == []
     monkeypatch.undo()
     placement = arena.add(1 << 20)  # the same number again: nothing of the failed one is in the way
-    assert placement.segment.endswith(".1.000")
+    assert placement.segment.rsplit(".", 1)[0].endswith(".1.000")
     arena.unmap()
     arena.unlink()
 
 
-def test_a_segment_name_taken_by_another_file_is_refused_and_left_alone(namespace):
+def test_a_segment_name_taken_by_another_file_is_left_alone_and_another_drawn(namespace, monkeypatch):
     arena = Arena(namespace, 1)
-    other = f"/dev/shm/{namespace}.{os.getpid()}.1.000"
+    names = iter(["0" * 16, "0" * 16, "1" * 16])  # the first two draws are the planted name
+    monkeypatch.setattr(arena_mod.secrets, "token_hex", lambda n: next(names))
+    other = f"/dev/shm/{namespace}.{os.getpid()}.1.000.{'0' * 16}"
     with open(other, "wb") as f:
         f.write(b"not ours")
     try:
-        with pytest.raises(Exception, match="already exists"):
-            arena.add(4096)
+        placement = arena.add(4096)
+        assert placement.segment == f"/{namespace}.{os.getpid()}.1.000.{'1' * 16}"
+        assert [s.name for s in arena.segments] == [placement.segment]
+        arena.unmap()
         arena.unlink()
         assert open(other, "rb").read() == b"not ours"
+        assert not os.path.exists(f"/dev/shm/{placement.segment[1:]}")
+    finally:
+        os.unlink(other)
+
+
+def test_planned_placements_follow_their_segment_to_a_fresh_name(namespace, monkeypatch):
+    arena = Arena(namespace, "u1", segment_bytes=2 * ALIGN)
+    places = arena.place([10, 20])
+    planted = f"/dev/shm/{places[0].segment[1:]}"
+    open(planted, "wb").close()
+    try:
+        arena.create(private=True)
+        assert places[0].segment == places[1].segment == arena.segments[0].name != "/" + os.path.basename(planted)
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{arena.segments[0].name[1:]}").st_mode) == 0o600
+        arena.unmap()
+        arena.unlink()
+        assert os.path.exists(planted)
+    finally:
+        os.unlink(planted)
+
+
+def test_a_name_taken_every_time_gives_up_after_a_few_draws(namespace, monkeypatch):
+    arena = Arena(namespace, 1)
+    monkeypatch.setattr(arena_mod.secrets, "token_hex", lambda n: "0" * 16)
+    other = f"/dev/shm/{namespace}.{os.getpid()}.1.000.{'0' * 16}"
+    open(other, "wb").close()
+    try:
+        with pytest.raises(ShmError, match="random names in a row were taken"):
+            arena.add(4096)
+        assert arena.segments == [] and os.path.exists(other)
     finally:
         os.unlink(other)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import mmap
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -30,13 +31,18 @@ def index_files(namespace: str) -> list[str]:
     return sorted(os.path.basename(p) for p in glob.glob(f"/dev/shm/{namespace}.*.i*.*"))
 
 
+def is_index(name: str, namespace: str, pid: int, generation: int) -> bool:
+    """Whether `name` is the index segment of `generation` made by `pid` (its last part random: nobody can plant it)."""
+    return re.fullmatch(rf"/{namespace}\.{pid}\.i{generation}\.000\.[0-9a-f]{{16}}", name) is not None
+
+
 def test_workers_attach_through_the_segment_and_it_lives_as_long_as_its_generation(tiny_checkpoint, tmp_path,
                                                                                  namespace, workers):
     daemon = DaemonProcess.launch(tmp_path, tiny_checkpoint, namespace)
     try:
         status = daemon.wait_serving()
         name = status["index_segment"]
-        assert name == f"/{namespace}.{daemon.proc.pid}.i1.000" and index_files(namespace) == [name[1:]]
+        assert is_index(name, namespace, daemon.proc.pid, 1) and index_files(namespace) == [name[1:]]
         m = segment_pattern(namespace).match(name[1:])  # what the start-up reaper matches
         assert m and int(m.group(1)) == daemon.proc.pid
         assert stat.S_IMODE(os.stat("/dev/shm" + name).st_mode) == 0o600  # as the tensors' segments
@@ -64,7 +70,7 @@ def test_workers_attach_through_the_segment_and_it_lives_as_long_as_its_generati
     try:
         status = successor.wait_serving()  # ... the next start adopts generation 1 and places its index anew,
         assert status["generation"] == 1  # reaping the dead daemon's index segment
-        assert index_files(namespace) == [f"{namespace}.{successor.proc.pid}.i1.000"]
+        assert [is_index("/" + n, namespace, successor.proc.pid, 1) for n in index_files(namespace)] == [True]
         assert not glob.glob(f"/dev/shm/{namespace}.{dead}.i*")
         conn = Connection(successor.endpoint, timeout=10)  # the adopted generation is held a lease timeout for
         while conn.request("status")["leases"]:  # workers coming back (no request may name it); none comes
@@ -76,8 +82,8 @@ def test_workers_attach_through_the_segment_and_it_lives_as_long_as_its_generati
                                 text=True, timeout=120)
         assert reload.returncode == 0, reload.stderr
         # no lease holds generation 1: it retires at once, its index segment with it
-        assert index_files(namespace) == [f"{namespace}.{successor.proc.pid}.i2.000"]
-        assert successor.status()["index_segment"] == f"/{namespace}.{successor.proc.pid}.i2.000"
+        name = successor.status()["index_segment"]
+        assert is_index(name, namespace, successor.proc.pid, 2) and index_files(namespace) == [name[1:]]
     finally:
         assert successor.stop() == 0
     assert not glob.glob(f"/dev/shm/{namespace}*")  # stop leaves nothing
@@ -121,7 +127,7 @@ def test_segment_round_trip_and_read_only_mode(placed, namespace):
     index, desc = placed
     assert index_segment.read(desc) == index
     assert stat.S_IMODE(os.stat("/dev/shm" + desc["segment"]).st_mode) == 0o600
-    assert desc["segment"] == f"/{namespace}.{os.getpid()}.i3.000" and desc["generation"] == 3
+    assert is_index(desc["segment"], namespace, os.getpid(), 3) and desc["generation"] == 3
 
 
 @pytest.mark.parametrize("damage, error, match", [
