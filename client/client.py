@@ -44,10 +44,12 @@ class ExpertClient:
         self.endpoint = endpoint or os.environ.get("EXPERTD_ENDPOINT", DEFAULT_ENDPOINT)
         self.timeout = timeout
         self.copy_on_write = copy_on_write
-        # what this client presents (arguments, else $EXPERTD_TOKEN, _PUSH_TOKEN, _SERVER_KEY, _CLIENT_KEY, _ADMIN_TOKEN)
+        # what this client presents (arguments, else $EXPERTD_TOKEN, _PUSH_TOKEN, _SERVER_KEY, _CLIENT_KEY,
+        # _ADMIN_TOKEN)
         self.credentials = credentials or Credentials.resolve(token, push_token, server_key, client_key, admin_token)
         self.token = self.credentials.token
-        self.on_update = on_update  # called with the new number, on the heartbeat thread, when a newer generation appears
+        # called with the new number, on the heartbeat thread, when a newer generation appears
+        self.on_update = on_update
         self.generation: int | None = None  # the generation this client's lease reads
         self.latest_generation = 0  # the newest generation the daemon serves, from its last reply
         self._announced = 0
@@ -128,7 +130,8 @@ class ExpertClient:
             self._bind(model, index, dtype, strict=True)
             model.eval()
         self._model_dtypes[id(model)] = dtype
-        run_model_hooks(model)  # client/hooks.py: on_model_loaded, EXPERTD_MODEL_HOOKS, EXPERTD_CAPTURE_DIR / _SIMULATE_*
+        # client/hooks.py: on_model_loaded, EXPERTD_MODEL_HOOKS, EXPERTD_CAPTURE_DIR / _SIMULATE_*
+        run_model_hooks(model)
         return model
 
     def private_tensors(self, model) -> list[str]:

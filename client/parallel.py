@@ -36,8 +36,8 @@ def check_partition(index, endpoint: str, ep_rank: int | None, ep_size: int) -> 
         raise PartitionError(f"this worker runs ep_size {ep_size} (EP rank {ep_rank}) but {served}; "
                              f"use DistributedConfig(ep_size={ep.size}, ...)")
     if ep_rank not in ep.ranks:
-        raise PartitionError(f"this worker is EP rank {ep_rank} of {ep_size}, which this host does not serve: {served}; "
-                             f"attach it to the daemon of the host that serves rank {ep_rank}")
+        raise PartitionError(f"this worker is EP rank {ep_rank} of {ep_size}, which this host does not serve: "
+                             f"{served}; attach it to the daemon of the host that serves rank {ep_rank}")
 
 
 def shard_of(entry_name: str, full: torch.Tensor, block, placeholder) -> torch.Tensor:

@@ -99,11 +99,13 @@ def restore(model: nn.Module, views, strict: bool = True, dtypes: dict[str, torc
                 continue
             if tuple(source.shape) != tuple(current.shape):
                 raise RestoreError(
-                    f"view of shape {list(source.shape)} cannot be bound to {name!r} (which has shape {list(current.shape)})"
+                    f"view of shape {list(source.shape)} cannot be bound to {name!r} "
+                    f"(which has shape {list(current.shape)})"
                 )
             want_dtype = dtypes.get(name, current.dtype)
             if source.dtype != want_dtype:
-                raise RestoreError(f"view of dtype {source.dtype} cannot be bound to {name!r} (which must be {want_dtype})")
+                raise RestoreError(f"view of dtype {source.dtype} cannot be bound to {name!r} "
+                                   f"(which must be {want_dtype})")
             if is_param:
                 module._parameters[attr] = nn.Parameter(source, requires_grad=False)
             else:

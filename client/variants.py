@@ -18,7 +18,8 @@ log = logging.getLogger("expertd.client")
 
 def fetch(conn, lease: str, index: TensorIndex, need: dict[str, tuple[str, str]]) -> list[TensorEntry]:
     """The daemon's variants of the served tensors `need` names (model name -> (served name, dtype)), in as few
-    requests as `messages.MAX_ITEMS` allows, on the index's generation; [] when the daemon makes none (an older daemon: said once, copies follow)."""
+    requests as `messages.MAX_ITEMS` allows, on the index's generation; [] when the daemon makes none (an older
+    daemon: said once, copies follow)."""
     asked = list(dict.fromkeys(need.values()))
     entries = []
     try:

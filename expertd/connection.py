@@ -39,9 +39,11 @@ def check_running(endpoint: str) -> None:
     path = ipc_path(endpoint)
     if path is None:
         return
-    fix = "start one with `expertd start --config CONFIG` (or point to the right one with --endpoint / $EXPERTD_ENDPOINT)"
+    fix = ("start one with `expertd start --config CONFIG` (or point to the right one with --endpoint / "
+           "$EXPERTD_ENDPOINT)")
     if not os.path.exists(path):
-        raise DaemonNotRunning(f"no expertd daemon is running at {endpoint}: the socket file {path} does not exist; {fix}")
+        raise DaemonNotRunning(f"no expertd daemon is running at {endpoint}: the socket file {path} does not exist; "
+                               f"{fix}")
     if _refused(path):
         raise DaemonNotRunning(f"no expertd daemon is running at {endpoint}: nothing listens on its socket file {path} "
                                f"(left behind by a daemon that was killed); {fix}")
@@ -89,9 +91,9 @@ class Connection:
                 message.update(self.credentials.for_op(op))  # the push or admin token, with the ops that need it
                 packed = pack(message)
                 if len(packed) > MAX_MESSAGE_BYTES:  # the daemon's socket would drop it unanswered
-                    raise ProtocolError(f"{messages.words(op)} is a {len(packed)}-byte request; the daemon takes requests "
-                                        f"of at most {MAX_MESSAGE_BYTES} bytes (larger data travels as frames or in "
-                                        "shared memory)")
+                    raise ProtocolError(f"{messages.words(op)} is a {len(packed)}-byte request; the daemon takes "
+                                        f"requests of at most {MAX_MESSAGE_BYTES} bytes (larger data travels as "
+                                        "frames or in shared memory)")
                 if _frames:
                     sock.send(packed, zmq.SNDMORE)
                     for k, buf in enumerate(_frames):
@@ -102,7 +104,8 @@ class Connection:
             except zmq.Again as exc:
                 self._reset()
                 raise DaemonTimeout(
-                    f"the daemon at {self.endpoint} did not answer {messages.words(op)} within {self.timeout_ms / 1000:.1f}s "
+                    f"the daemon at {self.endpoint} did not answer {messages.words(op)} "
+                    f"within {self.timeout_ms / 1000:.1f}s "
                     f"({self._silence()})"
                 ) from exc
             except BaseException:

@@ -29,7 +29,8 @@ class Fusion:
         return prefix
 
     def parts(self, param: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]] | None:
-        """(checkpoint name, shape) of each part of fused `param` in storage order; None if `param` is not this fusion's.
+        """(checkpoint name, shape) of each part of fused `param` in storage order; None if `param` is not this
+        fusion's.
 
         Part k lies at bytes [k * size, (k + 1) * size) of the fused tensor.
         """

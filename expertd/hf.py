@@ -49,7 +49,8 @@ def fusions_for(model_type: str | None) -> tuple[Fusion, ...]:
 
 
 def _decode_floats(value):
-    """transformers writes non-finite floats into config.json as {"__float__": "Infinity"}; its own loading decodes them."""
+    """transformers writes non-finite floats into config.json as {"__float__": "Infinity"}; its own loading decodes
+    them."""
     if isinstance(value, dict):
         if set(value) == {"__float__"}:
             return float(value["__float__"])
@@ -221,7 +222,8 @@ def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[
     stacks: dict[str, dict[str, list[str]]] = {}
     computed: dict[str, tuple] = {}  # layer name -> (converter, {pattern: keys})
     unused = []
-    rename = _RenameCache(lambda key: rename_source_key(key, renamings, converters, model.base_model_prefix, meta), meta)
+    rename = _RenameCache(lambda key: rename_source_key(key, renamings, converters, model.base_model_prefix, meta),
+                          meta)
     for key in sorted(names, key=natural_key(dot_natural_key)):
         renamed, pattern = rename(key)
         if renamed not in meta and key in meta:
@@ -250,8 +252,8 @@ def checkpoint_assembly(config: dict, names) -> tuple[dict[str, Assembly], list[
         sources = [k for keys in groups.values() for k in keys]
         for param in _targets(layer, conv.target_patterns):
             if param in plan:
-                raise CheckpointError(f"{param!r} is both loaded from {plan[param].sources} and converted from {sources}",
-                                      tensor=sources[0])
+                raise CheckpointError(f"{param!r} is both loaded from {plan[param].sources} and converted from "
+                                      f"{sources}", tensor=sources[0])
             plan[param] = Assembly(param, sources, tuple(conv.source_patterns), conv, groups, layer)
     return plan, unused, state
 
@@ -348,8 +350,9 @@ def convert(assembly: Assembly, collected: dict[str, list[torch.Tensor]], config
     if isinstance(result, list) and len(result) == 1:
         result = result[0]
     if not isinstance(result, torch.Tensor):
-        raise CheckpointError(f"transformers' conversion {[type(op).__name__ for op in conv.operations]} gives no single "
-                              f"tensor for {assembly.param!r} (it gives {sorted(results)})", tensor=assembly.sources[0])
+        raise CheckpointError(f"transformers' conversion {[type(op).__name__ for op in conv.operations]} gives no "
+                              f"single tensor for {assembly.param!r} (it gives {sorted(results)})",
+                              tensor=assembly.sources[0])
     return result
 
 
@@ -371,14 +374,15 @@ def _interleave(param: str, lists: dict[str, list[str]]) -> list[str]:
     for pattern, keys in lists.items():
         pos = _expert_position(keys)
         if pos is None:
-            raise UnsupportedConversion(f"cannot tell the expert index in the names of {param!r}'s parts", tensor=keys[0])
+            raise UnsupportedConversion(f"cannot tell the expert index in the names of {param!r}'s parts",
+                                        tensor=keys[0])
         by_index[pattern] = {int(k.split(".")[pos]): k for k in keys}
     count = max(max(d) + 1 for d in by_index.values())
     out = []
     for e in range(count):
         for pattern, found in by_index.items():
             if e not in found:
-                raise MissingTensorError(f"checkpoint lacks a tensor the model needs (expert {e} of parameter {param!r})",
-                                         tensor=expert_name(lists[pattern], e))
+                raise MissingTensorError(f"checkpoint lacks a tensor the model needs (expert {e} of parameter "
+                                         f"{param!r})", tensor=expert_name(lists[pattern], e))
             out.append(found[e])
     return out

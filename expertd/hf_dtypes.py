@@ -24,7 +24,8 @@ def keep_in_fp32(model, dtype: torch.dtype) -> dict[str, str]:
     if getattr(model, "_keep_in_fp32_modules_strict", None) and dtype in (torch.float16, torch.bfloat16):
         keep.update(dict.fromkeys(model._keep_in_fp32_modules_strict, "_keep_in_fp32_modules_strict"))
     if hasattr(model, "_get_dtype_plan"):  # 5.x: its own plan decides which patterns apply
-        keep = {p: keep.get(p, "_get_dtype_plan") for p, d in model._get_dtype_plan(dtype).items() if d == torch.float32}
+        keep = {p: keep.get(p, "_get_dtype_plan")
+                for p, d in model._get_dtype_plan(dtype).items() if d == torch.float32}
     return keep
 
 

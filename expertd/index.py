@@ -177,7 +177,8 @@ def encode_sources(sources: list[str]) -> list[str] | dict:
             parts.append(part)
         if len(sources) % len(parts) or len(sources) // len(parts) < 2 or (best and len(parts) >= len(best["parts"])):
             continue
-        candidate = {"prefix": first[: m.start()], "experts": [int(m.group()), len(sources) // len(parts)], "parts": parts}
+        candidate = {"prefix": first[: m.start()], "experts": [int(m.group()), len(sources) // len(parts)],
+                     "parts": parts}
         if decode_sources(candidate) == sources:
             best = candidate
     return best or list(sources)
@@ -215,7 +216,8 @@ class ExpertSources(Sequence):
 
     def __eq__(self, other) -> bool:
         if isinstance(other, ExpertSources):
-            return (self.prefix, self.experts, self.parts) == (other.prefix, other.experts, other.parts) or self.names() == other.names()
+            return ((self.prefix, self.experts, self.parts) == (other.prefix, other.experts, other.parts)
+                    or self.names() == other.names())
         if isinstance(other, Sequence) and not isinstance(other, str):
             return len(other) == len(self) and self.names() == list(other)
         return NotImplemented
@@ -233,7 +235,8 @@ def decode_sources(value) -> list[str] | ExpertSources:
     if not isinstance(value, dict):
         raise ProtocolError(f"sources must be a list or a pattern, got {type(value).__name__}")
     prefix, experts, parts = value.get("prefix"), value.get("experts"), value.get("parts")
-    if (not isinstance(prefix, str) or not isinstance(parts, list) or not parts or not all(isinstance(p, str) for p in parts)
+    if (not isinstance(prefix, str) or not isinstance(parts, list) or not parts
+            or not all(isinstance(p, str) for p in parts)
             or not isinstance(experts, list) or len(experts) != 2 or not all(type(n) is int and n >= 0 for n in experts)
             or experts[1] < 1):
         raise ProtocolError(f"malformed sources pattern {value!r}")
@@ -249,7 +252,8 @@ def derive_views(tensors: list[TensorEntry]) -> list[TensorEntry]:
         if not n or t.sources == [t.name]:
             continue  # computed by a conversion (no views), or served under its own checkpoint name
         if n == 1:  # served under the model's name for a renamed checkpoint tensor: the whole of it
-            views.append(TensorEntry(t.sources[0], t.segment, t.offset, t.nbytes, list(t.shape), t.dtype, list(t.sources), t.name))
+            views.append(TensorEntry(t.sources[0], t.segment, t.offset, t.nbytes, list(t.shape), t.dtype,
+                                     list(t.sources), t.name))
             continue
         if t.nbytes % n or not t.shape or n % t.shape[0] or t.shape[1] % (n // t.shape[0]):
             raise ProtocolError(f"fused tensor {t.name} {t.shape} cannot hold {n} equal sources")

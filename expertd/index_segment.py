@@ -61,7 +61,8 @@ def unpack(blob, desc: dict) -> dict:
     if HEADER.size + length != nbytes:
         raise CorruptIndex(f"index segment {name} announces {length} payload bytes, the daemon {nbytes - HEADER.size}")
     if checksum_text(checksum) != digest:
-        raise CorruptIndex(f"index segment {name}: header checksum {checksum_text(checksum)}, the daemon announced {digest}")
+        raise CorruptIndex(f"index segment {name}: header checksum {checksum_text(checksum)}, the daemon announced "
+                           f"{digest}")
     with memoryview(blob) as whole, whole[HEADER.size:nbytes] as payload:  # released before the mapping closes
         if xxhash.xxh3_64_intdigest(payload) != checksum:
             raise CorruptIndex(f"index segment {name} fails its checksum {digest}: its bytes were changed")
@@ -90,7 +91,8 @@ def read_dict(desc: dict) -> dict:
     try:
         fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
     except FileNotFoundError as exc:
-        raise ShmError(f"index segment {name} ({path}) does not exist (generation {generation} retired, or the daemon gone?)") from exc
+        raise ShmError(f"index segment {name} ({path}) does not exist (generation {generation} retired, or the daemon "
+                       "gone?)") from exc
     except PermissionError as exc:
         raise ShmError(f"no permission to open index segment {name} ({path})") from exc
     except OSError as exc:

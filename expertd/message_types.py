@@ -65,7 +65,8 @@ def _fits(meta: dict, value) -> bool:
     kind = dict if _message(meta["kind"]) else meta["kind"]
     if kind is not None and not _is(kind, value):
         return False
-    return kind is not int or ((meta["lo"] is None or value >= meta["lo"]) and (meta["hi"] is None or value < meta["hi"]))
+    return kind is not int or ((meta["lo"] is None or value >= meta["lo"])
+                               and (meta["hi"] is None or value < meta["hi"]))
 
 
 def _check(where: str, name: str, value, meta: dict):
@@ -73,7 +74,8 @@ def _check(where: str, name: str, value, meta: dict):
         return None
     if not _fits(meta, value):
         shown = repr(value) if len(repr(value)) <= 40 else type(value).__name__
-        raise ProtocolError(f"{where}: '{name}' must be {_words(meta)}{' (or nil)' if meta['nil'] else ''}, got {shown}")
+        raise ProtocolError(f"{where}: '{name}' must be {_words(meta)}{' (or nil)' if meta['nil'] else ''}, "
+                            f"got {shown}")
     most = meta.get("most")
     if most is not None and len(value) > most:
         unit = {list: "items", str: "characters", bytes: "bytes"}[meta["kind"]]

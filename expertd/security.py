@@ -3,9 +3,9 @@
 CURVE (ZeroMQ's elliptic-curve encryption, libsodium inside pyzmq) encrypts every frame and authenticates
 both ends: a client must know the daemon's public key, and the daemon sees each client's public key. Key
 files are ZeroMQ's own certificate format (`expertd keys` writes them with `zmq.auth.create_certificates`):
-`NAME.key` holds the public key, `NAME.key_secret` both. Pushing weights and administering the daemon (reload, stop) are permissions of their own
-(which ops need which: `expertd.messages.PERMISSIONS`): a `push_token` / `admin_token` (any transport) or, under
-CURVE, a client key on the daemon's push / admin allow-list.
+`NAME.key` holds the public key, `NAME.key_secret` both. Pushing weights and administering the daemon (reload,
+stop) are permissions of their own (which ops need which: `expertd.messages.PERMISSIONS`): a `push_token` /
+`admin_token` (any transport) or, under CURVE, a client key on the daemon's push / admin allow-list.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def _load(path: str, where: str) -> tuple[bytes, bytes | None]:
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{where} {path}: not a readable ZeroMQ key file ({exc}); make one with `expertd keys`") from None
+        raise ConfigError(f"{where} {path}: not a readable ZeroMQ key file ({exc}); "
+                          "make one with `expertd keys`") from None
     if public is None:
         raise ConfigError(f"{where} {path}: holds no public key")
     return public, secret
@@ -73,8 +74,8 @@ class Credentials:
     @classmethod
     def resolve(cls, token: str | None = None, push_token: str | None = None, server_key: str | bytes | None = None,
                 client_key: str | None = None, admin_token: str | None = None) -> "Credentials":
-        """Arguments first, then $EXPERTD_TOKEN, $EXPERTD_PUSH_TOKEN, $EXPERTD_ADMIN_TOKEN, $EXPERTD_SERVER_KEY (z85 or a
-        key file) and $EXPERTD_CLIENT_KEY (a NAME.key_secret file)."""
+        """Arguments first, then $EXPERTD_TOKEN, $EXPERTD_PUSH_TOKEN, $EXPERTD_ADMIN_TOKEN, $EXPERTD_SERVER_KEY (z85
+        or a key file) and $EXPERTD_CLIENT_KEY (a NAME.key_secret file)."""
         token = token if token is not None else os.environ.get("EXPERTD_TOKEN") or None
         push_token = push_token if push_token is not None else os.environ.get("EXPERTD_PUSH_TOKEN") or None
         admin_token = admin_token if admin_token is not None else os.environ.get("EXPERTD_ADMIN_TOKEN") or None

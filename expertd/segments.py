@@ -59,6 +59,7 @@ def map_segment(name: str, nbytes: int, writable: bool = False, shared_write: bo
             if writable and exc.errno == errno.ENOMEM:  # hugetlbfs reserves a private mapping's pages up front
                 hint = ("; a copy-on-write map of a hugetlbfs segment needs free huge pages for its whole size: "
                         "attach without copy_on_write, or serve from a huge tmpfs")
-            raise ShmError(f"cannot map shared-memory segment {name} ({path}, {nbytes} bytes): {exc.strerror}{hint}") from exc
+            raise ShmError(f"cannot map shared-memory segment {name} ({path}, {nbytes} bytes): "
+                           f"{exc.strerror}{hint}") from exc
     finally:
         os.close(fd)

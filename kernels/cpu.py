@@ -119,4 +119,6 @@ def _dequant_cpu(
     return out
 
 
-weight_dequant_cpu = checked_entry(_dequant_cpu, "weight_dequant_cpu", "Dequantize on the CPU into `out` (allocated if None; may be a view of an mmap) and return it.")
+weight_dequant_cpu = checked_entry(
+    _dequant_cpu, "weight_dequant_cpu",
+    "Dequantize on the CPU into `out` (allocated if None; may be a view of an mmap) and return it.")

@@ -27,7 +27,8 @@ def quantize_fp8_blockwise(
     """
     rows, cols = as_block(block_size, name)
     if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.dtype == FP8_DTYPE:
-        raise UnsupportedDtypeError(f"can only quantize a float tensor, got {getattr(w, 'dtype', type(w))}", tensor=name)
+        raise UnsupportedDtypeError(f"can only quantize a float tensor, got {getattr(w, 'dtype', type(w))}",
+                                    tensor=name)
     if w.dim() != 2:
         raise ShapeError(f"can only quantize a 2-D tensor, got shape {list(w.shape)}", tensor=name)
     w = w.float()

@@ -91,4 +91,6 @@ def _dequant_triton(
     return out
 
 
-weight_dequant_triton = checked_entry(_dequant_triton, "weight_dequant_triton", "Dequantize with the Triton kernel into `out` (allocated on weight's device if None); return it.")
+weight_dequant_triton = checked_entry(
+    _dequant_triton, "weight_dequant_triton",
+    "Dequantize with the Triton kernel into `out` (allocated on weight's device if None); return it.")

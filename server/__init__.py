@@ -1,1 +1,2 @@
-"""The loader daemon: checkpoint reader, expert layout, shared-memory arena, control server, CLI; offline tools in `tools`."""
+"""The loader daemon: checkpoint reader, expert layout, shared-memory arena, control server, CLI; offline tools in
+`tools`."""

@@ -168,7 +168,8 @@ def adopt(manifest: dict | None, *, namespace: str, run_dir: str, conditions: di
     started = time.perf_counter()
     why = refusal(manifest, namespace, conditions)
     if why is not None:
-        log.warning("not adopting what pid %s left in namespace %r: %s; reaping it", manifest.get("pid"), namespace, why)
+        log.warning("not adopting what pid %s left in namespace %r: %s; reaping it", manifest.get("pid"), namespace,
+                    why)
         return None
     records = []
     for number in sorted(int(n) for n, names in manifest["generations"].items() if not any("*" in x for x in names)):

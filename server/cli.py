@@ -32,7 +32,8 @@ def _wait_status(args) -> messages.StatusReply:
     deadline = time.monotonic() + args.wait
     while True:
         left = deadline - time.monotonic()
-        conn = Connection(target.daemon_endpoint, timeout=max(0.1, min(args.timeout, left)) if args.wait else args.timeout,
+        conn = Connection(target.daemon_endpoint,
+                          timeout=max(0.1, min(args.timeout, left)) if args.wait else args.timeout,
                           credentials=target.credentials)
         try:
             status = conn.send(messages.Status(), messages.StatusReply)
@@ -123,7 +124,8 @@ def cmd_keys(args) -> int:
     from expertd.security import create_keys
 
     public, secret = create_keys(args.folder, args.name)
-    print(f"public key  {public}  (hand it out: clients' server key, or a daemon's curve_client_keys / curve_push_keys)")
+    print(f"public key  {public}  (hand it out: clients' server key, or a daemon's curve_client_keys / "
+          "curve_push_keys)")
     print(f"secret key  {secret}  (0600; keep it: the daemon's curve_secret_key or a client's EXPERTD_CLIENT_KEY)")
     return 0
 
@@ -321,7 +323,8 @@ def _add_generate(add) -> None:
                    help="DeepSeek-V3 size when no --model-type: tiny (the bundled test model; the default), bench-1g "
                         "(~1 GB bf16), dsv3-counts (DeepSeek-V3's 61 layers, 256 experts, MTP layer and ~92k tensors "
                         "at tiny dims), dsv3-bytes (about dsv3-counts' bytes in ~70 tensors)")
-    p.add_argument("--model-type", help="a tiny checkpoint of this transformers model type, written by its save_pretrained")
+    p.add_argument("--model-type",
+                   help="a tiny checkpoint of this transformers model type, written by its save_pretrained")
     from expertd.tools.stored_formats import FORMATS, release_formats_text
 
     p.add_argument("--format", choices=FORMATS, default=None,
@@ -331,8 +334,8 @@ def _add_generate(add) -> None:
                    help="deprecated: --fp8 is --format fp8-blocks, --no-fp8 is --format bf16")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same bytes)")
     p.add_argument("--shards", type=_positive_int, default=None,
-                   help="number of safetensors shard files (default: 2 for a preset; for --model-type, save_pretrained's "
-                        "400KB pieces)")
+                   help="number of safetensors shard files (default: 2 for a preset; for --model-type, "
+                        "save_pretrained's 400KB pieces)")
     p.set_defaults(func=cmd_generate)
 
 

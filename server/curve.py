@@ -24,7 +24,8 @@ def _keys(folder: str | None) -> set[str]:
 
 class Curve:
     def __init__(self, authenticator, own: str, clients: set[str] | None, pushers: set[str], admins: set[str]):
-        self.authenticator, self.own, self.clients, self.pushers, self.admins = authenticator, own, clients, pushers, admins
+        self.authenticator, self.own = authenticator, own
+        self.clients, self.pushers, self.admins = clients, pushers, admins
 
     @classmethod
     def serve(cls, ctx, sock, cfg) -> "Curve":
@@ -35,8 +36,8 @@ class Curve:
         own = public.decode("ascii")
         admins = _keys(cfg.curve_admin_keys) | {own}
         clients = _keys(cfg.curve_client_keys) | admins if cfg.curve_client_keys else None
-        curve = cls(ThreadAuthenticator(ctx, log=log.getChild("zap")), own, clients, _keys(cfg.curve_push_keys) | admins,
-                    admins)
+        curve = cls(ThreadAuthenticator(ctx, log=log.getChild("zap")), own, clients,
+                    _keys(cfg.curve_push_keys) | admins, admins)
         curve.authenticator.start()
         curve.authenticator.configure_curve_callback("*", curve)
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True

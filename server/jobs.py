@@ -68,8 +68,8 @@ class Jobs:
 
     def check_idle(self) -> None:
         if self.current is not None:
-            raise Busy(f"{self.current.kind} {self.current.number} (generation {self.current.generation}) is still building; "
-                       "one reload or update at a time")
+            raise Busy(f"{self.current.kind} {self.current.number} (generation {self.current.generation}) is still "
+                       "building; one reload or update at a time")
 
     def start(self, kind: str, generation: int, work, on_end=None) -> Job:
         """Run `work()` (returning a Built, or None when there is nothing to build) in a thread as a new job."""

@@ -5,7 +5,8 @@ expert's gate rows, then its up rows) and `mlp.experts.down_proj` is [E, H, I]. 
 these fusions from transformers' own conversion mapping for the model type, builds the model
 skeleton on the meta device to learn every expected name and shape, and checks the checkpoint
 against it: every tensor present, every quantized weight with well-formed aux tensors (the checkpoint's
-format is a codec from `expertd.quantization`), expert shapes consistent. Each served tensor is the concatenation of its checkpoint sources in order, so each
+format is a codec from `expertd.quantization`), expert shapes consistent. Each served tensor is the
+concatenation of its checkpoint sources in order, so each
 per-expert checkpoint tensor stays addressable as a contiguous view of its fused block; a parameter
 that transformers converts with any other op (transpose, chunk, interleave, ...) is computed at load
 from all its sources (`PlannedTensor.computed`) and is no view of them.

@@ -160,7 +160,8 @@ def rebuild_tensors(ckpt: Checkpoint, plan, names: list[str], device: torch.devi
             continue
         if planned.whole:
             result = torch.empty(planned.shape, dtype=planned.dtype)
-            build_whole(ckpt, planned, result, model_config(ckpt.config) if planned.computed is not None else None, device)
+            build_whole(ckpt, planned, result, model_config(ckpt.config) if planned.computed is not None else None,
+                        device)
         else:
             result = torch.cat([dequantized(ckpt, src, device).reshape(-1) for src in planned.sources])
         out[name] = result.view(planned.shape)

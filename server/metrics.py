@@ -22,7 +22,8 @@ class DaemonMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
         r = self.registry = CollectorRegistry()
-        self.generation = Gauge("expertd_generation", "Latest published generation (0 while the first loads)", registry=r)
+        self.generation = Gauge("expertd_generation", "Latest published generation (0 while the first loads)",
+                                registry=r)
         self.serving = Gauge("expertd_serving", "1 when a generation is served, 0 while the first loads", registry=r)
         self.served_bytes = Gauge("expertd_served_bytes", "Bytes of the latest generation in shared memory, by dtype",
                                   ["dtype"], registry=r)
@@ -36,7 +37,8 @@ class DaemonMetrics:
         self.requests = Counter("expertd_requests", "Requests answered, by kind", ["op"], registry=r)
         self.errors = Counter("expertd_request_errors", "Requests answered with an error, by kind and error",
                               ["op", "error"], registry=r)
-        self.builds = Histogram("expertd_build_seconds", "Seconds to build a generation, by kind (load, reload, update)",
+        self.builds = Histogram("expertd_build_seconds",
+                                "Seconds to build a generation, by kind (load, reload, update)",
                                 ["kind"], buckets=BUILD_BUCKETS, registry=r)
         self.build_failures = Counter("expertd_build_failures", "Builds that failed, by kind", ["kind"], registry=r)
         self.ep_size = Gauge("expertd_expert_parallel_size",

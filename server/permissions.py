@@ -82,7 +82,8 @@ class Permissions:
             raise PushDenied(f"this credential may only read: pushing weights needs the daemon's push_token ({what}; "
                              "ExpertClient(push_token=...) or $EXPERTD_PUSH_TOKEN)")
         raise PermissionDenied(f"{what}: it needs the daemon's admin_token ($EXPERTD_ADMIN_TOKEN, or `expertd "
-                               f"{request.op} --config` on the daemon's host) or, under CURVE, a key in curve_admin_keys")
+                               f"{request.op} --config` on the daemon's host) or, under CURVE, a key in "
+                               "curve_admin_keys")
 
 
 def allowed_checkpoint(cfg, checkpoint: str | None) -> str:

@@ -244,8 +244,9 @@ class Checkpoint:
     def open(cls, folder: str) -> "Checkpoint":
         folder = os.path.abspath(folder)
         if not os.path.isdir(folder):
-            raise MissingShardError("checkpoint folder does not exist or is not a folder; point `checkpoint:` (or --checkpoint) "
-                                    "at a HuggingFace checkpoint folder (config.json and *.safetensors)", file=folder)
+            raise MissingShardError("checkpoint folder does not exist or is not a folder; point `checkpoint:` "
+                                    "(or --checkpoint) at a HuggingFace checkpoint folder (config.json and "
+                                    "*.safetensors)", file=folder)
         if not os.access(folder, os.R_OK | os.X_OK):
             raise CheckpointError("checkpoint folder is unreadable (permission denied)", file=folder)
         if not os.path.lexists(os.path.join(folder, "config.json")):
@@ -267,11 +268,13 @@ class Checkpoint:
         for shard in shard_names:
             path = os.path.join(folder, shard)
             if os.path.dirname(os.path.normpath(shard)) not in ("",):
-                raise CheckpointError(f"shard name {shard!r} must be a file name inside the checkpoint", file=index_path)
+                raise CheckpointError(f"shard name {shard!r} must be a file name inside the checkpoint",
+                                      file=index_path)
             for name, info in read_shard_header(path).items():
                 if name in tensors:
                     raise CheckpointError(
-                        f"duplicate tensor: also stored in {os.path.basename(tensors[name].file)}", file=path, tensor=name
+                        f"duplicate tensor: also stored in {os.path.basename(tensors[name].file)}", file=path,
+                        tensor=name,
                     )
                 tensors[name] = info
         if weight_map is not None:

@@ -92,7 +92,8 @@ class WeightService:
         adopted = adopt.adopt(manifest, namespace=self.cfg.namespace, run_dir=self.run_dir,
                               conditions=self.conditions, mode=self.cfg.adopt_verify,
                               threads=self.cfg.load_threads or default_threads(),
-                              gid=grp.getgrnam(self.cfg.group).gr_gid if self.cfg.group else None, rebuild=self._rebuild)
+                              gid=grp.getgrnam(self.cfg.group).gr_gid if self.cfg.group else None,
+                              rebuild=self._rebuild)
         ledger.remove_all(self.run_dir, self.cfg.namespace,  # what is not adopted is reaped: its records go too
                           keep={r.number for r in adopted.records} if adopted is not None else frozenset())
         return adopted
@@ -172,8 +173,9 @@ class WeightService:
             self.build_progress = (self.build_progress[0] + nbytes, plan.nbytes)
 
         return build(ckpt, plan, namespace=self.cfg.namespace, generation=number, previous=previous,
-                     device=self.cfg.device, threads=self.cfg.load_threads, progress=self.cfg.progress and previous is None,
-                     should_stop=self.should_stop, group=self.cfg.group, on_progress=placed, shm_dir=self.cfg.shm_dir)
+                     device=self.cfg.device, threads=self.cfg.load_threads,
+                     progress=self.cfg.progress and previous is None, should_stop=self.should_stop,
+                     group=self.cfg.group, on_progress=placed, shm_dir=self.cfg.shm_dir)
 
     def start_build(self, kind: str, number: int, work, on_end=None) -> Job:
         job = self.jobs.start(kind, number, work, on_end)
@@ -198,7 +200,8 @@ class WeightService:
         return job
 
     def finish(self, job: Job) -> None:
-        """Publish a built generation (index segment, index JSON, then the switch, then the manifest), or record a failure."""
+        """Publish a built generation (index segment, index JSON, then the switch, then the manifest), or record a
+        failure."""
         if job.state == "built":
             place = None
             try:
@@ -241,7 +244,8 @@ class WeightService:
         self._recorded_leases = self.leases.recorded()
         self._leases_written = time.monotonic()
         self.runstate.write_manifest(latest, segments, state, self.cfg.endpoint,
-                                     staging=[s.segment.name for s in self.pushes.staging.values()], shm_dir=self.cfg.shm_dir,
+                                     staging=[s.segment.name for s in self.pushes.staging.values()],
+                                     shm_dir=self.cfg.shm_dir,
                                      conditions=self.conditions, leases=self._recorded_leases)
 
     def _record_leases(self) -> None:
@@ -310,7 +314,8 @@ class WeightService:
                 os.unlink(self.cfg.index_path)
             except FileNotFoundError:
                 pass
-        self.runstate.write_manifest(self.status_generation(), {}, "stopped", self.cfg.endpoint, shm_dir=self.cfg.shm_dir)
+        self.runstate.write_manifest(self.status_generation(), {}, "stopped", self.cfg.endpoint,
+                                     shm_dir=self.cfg.shm_dir)
 
     def sweep(self) -> None:
         """Unlink what an abandoned build made so far: this process's segments that no generation live when it was

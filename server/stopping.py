@@ -77,7 +77,8 @@ def cmd_restart(args) -> int:
     args.endpoint, args.token, args.server_key, args.keep = None, None, None, True
     try:
         if cmd_stop(args) != 0:
-            raise DaemonError(f"the daemon of {args.config} did not exit within {args.timeout:.0f}s; not starting another")
+            raise DaemonError(f"the daemon of {args.config} did not exit within {args.timeout:.0f}s; not starting "
+                              "another")
     except DaemonNotRunning:
         print(f"no daemon answered on {cfg.endpoint}: starting one")
     return cmd_start(args)

@@ -277,9 +277,9 @@ class Capture:
         sim = simulation_tag(self.model, record.name)
         stem = f"{record.step:06d}_" + (f"L{layer:02d}_" if layer is not None else "") + f"{short}_{direction}_{tensor}"
         file = stem + (f"_call{record.call}" if record.call else "") + (f"_sim-{sim}" if sim else "") + ".safetensors"
-        entry = CaptureFile(file, record.step, layer, record.name, type(record.module).__name__, record.kind, direction, tensor,
-                            record.call, nbytes, {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-                                                  for k, t in data.items()}, sim, self.encoding)
+        shapes = {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for k, t in data.items()}
+        entry = CaptureFile(file, record.step, layer, record.name, type(record.module).__name__, record.kind,
+                            direction, tensor, record.call, nbytes, shapes, sim, self.encoding)
         metadata = {"format": FORMAT, **{k: json.dumps(v) for k, v in asdict(entry).items() if k != "tensors"}}
         save_file(data, os.path.join(self.out_dir, file), metadata=metadata)
         self.files.append(entry)
@@ -342,7 +342,8 @@ def capture(model: nn.Module, out_dir: str, *, modules=None, steps=None, directi
     to capture (ints, or a string like "1-3,10"; default all); `directions`: "forward" and/or
     "backward"; `max_bytes`: stop saving once this many bytes are written (an int or "2GB");
     `attention_probs`: also save attention modules' per-head probabilities (eager attention meanwhile);
-    `encoding="hif8"`: store floating tensors as HiFloat8 byte codes (a quarter of fp32; `expertd.tools.hif8.hif8_decode`).
+    `encoding="hif8"`: store floating tensors as HiFloat8 byte codes (a quarter of fp32;
+    `expertd.tools.hif8.hif8_decode`).
     """
     if isinstance(max_bytes, str):
         max_bytes = parse_size(max_bytes)

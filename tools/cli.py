@@ -31,7 +31,8 @@ def _formats(text: str) -> list[str]:
     names = [ALIASES.get(f, f) for f in names]
     unknown = [f for f in names if f not in FORMATS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(FORMATS)}, all, none")
+        raise argparse.ArgumentTypeError(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(FORMATS)}, "
+                                         "all, none")
     return names
 
 
@@ -125,7 +126,8 @@ def cmd_doctor(args) -> int:
         if endpoint is not None:
             from expertd.client import ExpertClient
 
-            client = ExpertClient(endpoint, timeout=args.timeout, heartbeat=False, **({"token": token} if token else {}))
+            client = ExpertClient(endpoint, timeout=args.timeout, heartbeat=False,
+                                  **({"token": token} if token else {}))
             served = client.status().get("checkpoint")
             if checkpoint is None and served and os.path.isdir(served):  # the daemon's own checkpoint, when readable
                 checkpoint = served
@@ -165,11 +167,14 @@ def add_tool_commands(sub, formatter_class=argparse.HelpFormatter) -> None:
     p.set_defaults(func=cmd_convert)
 
     p = add_parser("inspect", help="statistics, format comparison and pictures of a checkpoint, daemon or capture")
-    p.add_argument("src", nargs="?", help="checkpoint folder, daemon endpoint (ipc://... or tcp://...) or activation capture folder")
+    p.add_argument("src", nargs="?",
+                   help="checkpoint folder, daemon endpoint (ipc://... or tcp://...) or activation capture folder")
     p.add_argument("--config", help="inspect the daemon this YAML config describes (instead of SRC)")
     p.add_argument("--out", required=True, help="folder for stats.json, stats.md, the PNGs and index.html")
-    p.add_argument("--formats", type=_formats, default="all", help="comma-separated formats to compare, 'all' or 'none'")
-    p.add_argument("--sample", type=int, default=100_000, help="values per group drawn for histograms, box and QQ plots")
+    p.add_argument("--formats", type=_formats, default="all",
+                   help="comma-separated formats to compare, 'all' or 'none'")
+    p.add_argument("--sample", type=int, default=100_000,
+                   help="values per group drawn for histograms, box and QQ plots")
     p.add_argument("--no-plots", action="store_true", help="statistics only")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for a daemon")
     p.add_argument("--token", help="the daemon's auth token (default: the config's auth_token, then $EXPERTD_TOKEN)")
@@ -178,8 +183,10 @@ def add_tool_commands(sub, formatter_class=argparse.HelpFormatter) -> None:
     p = add_parser("evaluate", help="end-to-end cost of number formats: KL of the next token, top-1 agreement")
     p.add_argument("checkpoint", nargs="?", help="checkpoint folder (FP8 or bf16) to load instead of a daemon")
     _add_daemon_target(p, "a running daemon's endpoint (the model is its shared memory, no copy)")
-    p.add_argument("--formats", type=_formats, required=True, help="comma-separated formats (or 'all'), e.g. hif8,mxfp4_e2m1")
-    p.add_argument("--modules", type=_globs, default=["*"], help="comma-separated globs of the modules simulated (default all)")
+    p.add_argument("--formats", type=_formats, required=True,
+                   help="comma-separated formats (or 'all'), e.g. hif8,mxfp4_e2m1")
+    p.add_argument("--modules", type=_globs, default=["*"],
+                   help="comma-separated globs of the modules simulated (default all)")
     only = p.add_mutually_exclusive_group()
     only.add_argument("--weights-only", action="store_true", help="simulate the weights only")
     only.add_argument("--activations-only", action="store_true", help="simulate the modules' inputs only")
@@ -197,6 +204,7 @@ def add_tool_commands(sub, formatter_class=argparse.HelpFormatter) -> None:
     _add_daemon_target(p, "a running daemon's endpoint")
     p.add_argument("--load-model", action="store_true", help="also restore the model from the daemon and check it")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the dtype the model is loaded with")
-    p.add_argument("--strict", action="store_true", help="warnings (casts that work but cost memory or precision) fail too")
+    p.add_argument("--strict", action="store_true",
+                   help="warnings (casts that work but cost memory or precision) fail too")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.set_defaults(func=cmd_doctor)

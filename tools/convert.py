@@ -79,7 +79,8 @@ class OutShard:
         entries: dict = {"__metadata__": {"format": "pt"}}
         offset = 0
         for t in self.tensors:
-            entries[t.name] = {"dtype": SAFETENSORS_TAGS[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+            entries[t.name] = {"dtype": SAFETENSORS_TAGS[t.dtype], "shape": list(t.shape),
+                               "data_offsets": [offset, offset + t.nbytes]}
             offset += t.nbytes
         raw = json.dumps(entries, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
@@ -301,7 +302,8 @@ def convert(src: str, dst: str, *, device: str = "auto", max_shard_size: int | s
                     continue
                 _write_shard(plan, shard, path, dev, bar)
                 written.append(shard.file)
-        write_json_atomic(index_path, {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(plan.weight_map().items()))},
+        write_json_atomic(index_path, {"metadata": {"total_size": plan.nbytes},
+                                       "weight_map": dict(sorted(plan.weight_map().items()))},
                           indent=2, sort_keys=False)
         if skipped:
             log.info("resumed: %d shard(s) kept from an earlier run, %d written", len(skipped), len(written))

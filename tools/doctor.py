@@ -190,7 +190,8 @@ class Doctor:
         """The dtype each parameter and buffer of `model` holds, and what from_pretrained would give it."""
         from expertd.hf_dtypes import expected_dtypes, loaded_tensors
 
-        self.sources["model"] = f"{type(model).__name__} (expected dtypes of from_pretrained(dtype={dtype_name(self.dtype)}))"
+        self.sources["model"] = (f"{type(model).__name__} (expected dtypes of "
+                                 f"from_pretrained(dtype={dtype_name(self.dtype)}))")
         want = expected_dtypes(model, self.dtype)
         private = None
         if self.shm_dir is not None:  # with a daemon: what lies in its read-only shared memory (variants included)
@@ -228,14 +229,17 @@ class Doctor:
     def _compare(self, r: Row) -> None:
         if r.checkpoint and r.checkpoint.startswith("float8") and "+scale" not in r.checkpoint:
             self.find("error", "fp8-unscaled", r.name, f"stored as {r.checkpoint} without its scale")
-        if r.served and r.index and r.served != r.index and r.expected is None:  # (a model's tensor: its release's dtype)
+        # (a model's tensor: its release's dtype)
+        if r.served and r.index and r.served != r.index and r.expected is None:
             self.find("error", "index-vs-checkpoint", r.name,
                       f"the daemon's index says {r.index}, the checkpoint ({r.checkpoint}) is served as {r.served}: "
                       "the daemon serves another checkpoint or casts silently")
         if r.index and r.shm and r.index != r.shm:
-            self.find("error", "shm-vs-index", r.name, f"the view over shared memory reads {r.shm}, the index says {r.index}")
+            self.find("error", "shm-vs-index", r.name,
+                      f"the view over shared memory reads {r.shm}, the index says {r.index}")
         if r.index and r.index.startswith("float8") and r.expected and not r.expected.startswith("float8"):
-            self.find("error", "fp8-unscaled", r.name, f"the daemon serves {r.index} bytes, the model needs {r.expected}")
+            self.find("error", "fp8-unscaled", r.name,
+                      f"the daemon serves {r.index} bytes, the model needs {r.expected}")
         upstream = r.shm or r.index or r.served
         target = r.model or r.expected
         if r.model is not None and r.expected is not None and r.model != r.expected:
@@ -255,10 +259,12 @@ class Doctor:
             self.find("warning", "cast-at-build", r.name, f"stored as {r.checkpoint}, served as {r.served} (what "
                       f"from_pretrained(dtype={dtype_name(self.dtype)}) gives it): rounded once at build")
         if r.index is None and r.served is None and r.model is not None and "daemon" in self.sources:
-            self.find("error", "missing-in-index", r.name, "the model has this tensor, the daemon serves nothing for it")
+            self.find("error", "missing-in-index", r.name,
+                      "the model has this tensor, the daemon serves nothing for it")
 
 
-def diagnose(checkpoint: str | None = None, client=None, model=None, dtype: torch.dtype = torch.bfloat16) -> DoctorReport:
+def diagnose(checkpoint: str | None = None, client=None, model=None,
+             dtype: torch.dtype = torch.bfloat16) -> DoctorReport:
     """Compare dtypes across a checkpoint folder, a daemon (an `ExpertClient`) and/or a model."""
     if checkpoint is None and client is None and model is None:
         raise ValueError("diagnose needs a checkpoint, a daemon client or a model")

@@ -151,7 +151,8 @@ def markdown(result: dict, where: str) -> str:
     lines = [f"# expertd evaluate: {where}", "",
              f"{what} of modules {', '.join(result['modules'])} simulated, on {result['tokens'][0]} x "
              f"{result['tokens'][1]} tokens; compared with the unsimulated model.", "",
-             "| format | modules | KL mean | KL max | top-1 agreement | max abs delta logit |", "|---|---|---|---|---|---|"]
+             "| format | modules | KL mean | KL max | top-1 agreement | max abs delta logit |",
+             "|---|---|---|---|---|---|"]
     for fmt, r in result["formats"].items():
         lines.append(f"| {fmt} | {r['modules_simulated']} | {r['kl_mean']:.3g} | {r['kl_max']:.3g} | "
                      f"{r['top1_agreement']:.4f} | {r['max_abs_dlogit']:.3g} |")
@@ -176,7 +177,8 @@ def write_outputs(result: dict, out_dir: str, where: str, plots: bool = True) ->
         from .evaluate_plots import draw
 
         kl = {f: (r["kl_mean"], r["kl_max"]) for f, r in result["formats"].items()}
-        per_layer = {f: {int(k): v["kl_mean"] for k, v in r.get("per_layer", {}).items()} for f, r in result["formats"].items()}
+        per_layer = {f: {int(k): v["kl_mean"] for k, v in r.get("per_layer", {}).items()}
+                     for f, r in result["formats"].items()}
         result["plots"] = draw(kl, per_layer if result["per_layer"] else {}, out_dir)
     write_json_atomic(os.path.join(out_dir, RESULT), result)
     with open(os.path.join(out_dir, "evaluate.md"), "w") as f:

@@ -21,7 +21,8 @@ def plot_kl(kl: dict[str, tuple[float, float]], out_dir: str):
     ax.set_ylabel("KL(p || q) of the next token (nats)")
     ax.set_title("End-to-end cost of each format (lower is better)", fontsize=10)
     ax.legend(fontsize=7)
-    return save(fig, out_dir, "evaluate_kl.png"), "Mean and max KL divergence of the next-token distribution per format."
+    return (save(fig, out_dir, "evaluate_kl.png"),
+            "Mean and max KL divergence of the next-token distribution per format.")
 
 
 def plot_kl_per_layer(per_layer: dict[str, dict[int, float]], out_dir: str):

@@ -38,7 +38,8 @@ PRESETS: dict[str, dict] = {name: dict(zip(PRESET_FIELDS, dims)) for name, dims 
     # DeepSeek-V3's counts at tiny dims (61 layers, first 3 dense, 256 routed experts, the MTP layer 61:
     # ~92k checkpoint tensors in ~30 MB), for per-tensor costs at real scale.
     "dsv3-counts": ( 256,   64,  128,   16, 61, 3, 2, 2, 256, 1, 8, 8, 4,  32,  32, 16, 16, 16),
-    # About dsv3-counts' bytes (~0.1 GB of bf16) in ~100 tensors: the baseline its per-tensor costs are measured against.
+    # About dsv3-counts' bytes (~0.1 GB of bf16) in ~100 tensors: the baseline its per-tensor costs are measured
+    # against.
     "dsv3-bytes":  (4096, 1024, 2048, 2048,  2, 1, 8, 8,   4, 1, 2, 1, 1, 384, 256, 64, 32, 64),
     # ~1 GB of bf16 once dequantized: DeepSeek-V3's shapes scaled down, for the benchmarks.
     "bench-1g":    (8192, 1024, 2816,  384,  6, 1, 8, 8,  64, 1, 6, 8, 4, 384, 256, 64, 32, 64),
@@ -170,7 +171,8 @@ FP8_SCALE_DTYPES: dict[str, torch.dtype] = {
     "qwen3_moe": torch.bfloat16,
 }
 
-FP8_QUANTIZATION_CONFIG = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
+FP8_QUANTIZATION_CONFIG = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                               weight_block_size=[128, 128])
 
 
 def tiny_config(model_type: str, **overrides):
@@ -279,7 +281,8 @@ def quantize_saved_checkpoint(folder: str, scale_dtype: torch.dtype = torch.floa
 
 
 # compressed-tensors' weight strategies: the (rows, columns) one scale covers in a [rows, columns] weight
-CT_BLOCKS = {"channel": lambda shape, b: (1, shape[1]), "tensor": lambda shape, b: shape, "block": lambda shape, b: (b, b)}
+CT_BLOCKS = {"channel": lambda shape, b: (1, shape[1]), "tensor": lambda shape, b: shape,
+             "block": lambda shape, b: (b, b)}
 
 
 def compressed_tensors_config(strategy: str, block_size: int = 128) -> dict:

@@ -34,8 +34,8 @@ def log_lines(ax, xs: list, series: dict[str, list[float]], floor: float | None 
     positions = list(range(len(xs)))
     for name, ys in series.items():
         has_line = any(y > 0 for y in ys)  # a series with no positive point keeps its colour but no legend entry
-        line, = ax.plot(positions, [y if y > 0 else math.nan for y in ys], marker, label=name if has_line else "_" + name,
-                        markersize=3)
+        line, = ax.plot(positions, [y if y > 0 else math.nan for y in ys], marker,
+                        label=name if has_line else "_" + name, markersize=3)
         zeros = [i for i, y in enumerate(ys) if y == 0]
         if zeros:
             ax.plot(zeros, [floor] * len(zeros), "v", mfc="none", color=line.get_color(), markersize=7,

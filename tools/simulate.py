@@ -15,7 +15,8 @@ Served weights are never written: a model from `ExpertClient.load_model()` holds
 into shared memory. On entering, each simulated parameter's round trip is computed once into a
 private tensor (the cache: no forward re-quantizes) and swapped into `module._parameters`; leaving
 puts the very same parameter objects back (so leave the simulation before `client.refresh(model)`
-rebinds new generations; quantized copies of fp8-per-tensor formats are rounded to the parameter's dtype). Activations are quantized by a forward pre-hook on each
+rebinds new generations; quantized copies of fp8-per-tensor formats are rounded to the parameter's dtype).
+Activations are quantized by a forward pre-hook on each
 simulated module (the first tensor input: `x` of a linear, `hidden_states` of the experts; routing
 weights and indices pass unchanged), prepended so that a capture hook records what the module
 really computes on. Gradients pass through the activation round trip unchanged (straight-through).
@@ -131,7 +132,8 @@ class Simulation:
                             self._saved.append((module, name, p))
                             module._parameters[name] = q
                 if self.activations:
-                    self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True))
+                    self._handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True,
+                                                                          prepend=True))
         except BaseException:
             self.__exit__()
             raise

@@ -62,8 +62,8 @@ def main() -> int:
                 raise SystemExit("daemon did not start serving")
             time.sleep(0.1)
 
-        run = subprocess.run([os.path.join(args.build, "expertd-cpp-dump"), endpoint, "--json", "--bench", str(args.runs)],
-                             capture_output=True, text=True, check=True)
+        run = subprocess.run([os.path.join(args.build, "expertd-cpp-dump"), endpoint, "--json", "--bench",
+                              str(args.runs)], capture_output=True, text=True, check=True)
         cpp = json.loads(run.stdout)
         cpp_attach = [r["attach"] + r["tensors"] for r in cpp["bench_ms"]]
         cpp_close = [r["release"] for r in cpp["bench_ms"]]
@@ -94,18 +94,19 @@ def main() -> int:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.bind(left)
         probe.close()
-        for what, where in (("missing socket file", os.path.join(folder, "nobody.sock")), ("socket nobody listens on", left)):
+        for what, where in (("missing socket file", os.path.join(folder, "nobody.sock")),
+                            ("socket nobody listens on", left)):
             times = []
             for _ in range(args.runs):
                 t0 = time.perf_counter()
-                run = subprocess.run([os.path.join(args.build, "expertd-cpp-dump"), f"ipc://{where}", "--timeout-ms", "30000"],
-                                     capture_output=True, text=True)
+                run = subprocess.run([os.path.join(args.build, "expertd-cpp-dump"), f"ipc://{where}",
+                                      "--timeout-ms", "30000"], capture_output=True, text=True)
                 times.append((time.perf_counter() - t0) * 1000)
                 if run.returncode != 3 or "DaemonNotRunning" not in run.stderr:
                     raise SystemExit(f"expected DaemonNotRunning (exit 3) with no daemon, got exit {run.returncode}: "
                                      f"{run.stderr.strip()}")
-            print(f"  no daemon ({what}): DaemonNotRunning, whole process {min(times):.0f} ms best, {max(times):.0f} ms worst "
-                  f"(timeout 30000 ms)")
+            print(f"  no daemon ({what}): DaemonNotRunning, whole process {min(times):.0f} ms best, "
+                  f"{max(times):.0f} ms worst (timeout 30000 ms)")
     finally:
         daemon.terminate()
         daemon.wait(60)

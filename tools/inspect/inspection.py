@@ -50,7 +50,8 @@ class Inspection:
             except Exception as exc:
                 raise CheckpointError(f"reading failed: {exc}", tensor=it.name) from exc
             row = {"name": it.name, "component": it.component, "group": it.group, "role": it.role,
-                   "dtype": str(it.dtype).removeprefix("torch."), "values_dtype": str(values.dtype).removeprefix("torch."),
+                   "dtype": str(it.dtype).removeprefix("torch."),
+                   "values_dtype": str(values.dtype).removeprefix("torch."),
                    "shape": list(it.shape), "bytes": it.nbytes, "layer": it.layer, "expert": it.expert,
                    "footprint": footprint(it.shape, it.fp8_eligible), **tensor_stats(values)}
             if it.note:

@@ -123,7 +123,8 @@ def plot_expert_heatmaps(report: dict, out_dir: str) -> list[tuple[str, str]]:
     plt = _pyplot()
     out = []
     weights = lambda ts: [t for t in ts if t["role"] == "weight" and "sumsq" in t]  # noqa: E731
-    norm = _expert_matrix(report, lambda ts: math.sqrt(sum(_as_float(t["sumsq"]) for t in weights(ts))) if weights(ts) else math.nan)
+    norm = _expert_matrix(report, lambda ts: math.sqrt(sum(_as_float(t["sumsq"]) for t in weights(ts)))
+                          if weights(ts) else math.nan)
     if norm is not None:
         out.append((_heatmap(plt, *norm, "Frobenius norm of each routed expert's weights", "norm", out_dir,
                              "experts_norm.png"), "Weight norm per routed expert and layer."))
@@ -192,8 +193,8 @@ def _plot_lines(report: dict, out_dir: str, key: str, file: str, xlabel: str, ti
     fig, ax = plt.subplots(figsize=(10, 4.5))
     xs = list(dict.fromkeys(x for cells in table.values() for x in cells))  # the table's order (groups: group_rank)
     log_lines(ax, xs, {fmt: [_as_float(cells.get(x, {}).get("rel_error")) for x in xs] for fmt, cells in table.items()})
-    ax.set_xticks(range(len(xs)), xs, rotation=30 if key != "by_layer" else 0, ha="right" if key != "by_layer" else "center",
-                  fontsize=8)
+    ax.set_xticks(range(len(xs)), xs, rotation=30 if key != "by_layer" else 0,
+                  ha="right" if key != "by_layer" else "center", fontsize=8)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("relative error")
     ax.set_title(title, fontsize=10)

@@ -57,10 +57,12 @@ def markdown(report: dict) -> str:
     lines = [f"# expertd inspect: {report['source']['kind']} {report['source']['where']}", "",
              f"{totals['tensors']} tensors, {_fmt_bytes(totals['bytes'])} as stored.", "", "## By dtype", "",
              "| dtype | tensors | elements | bytes |", "|---|---:|---:|---:|"]
-    lines += [f"| {d} | {v['tensors']} | {v['numel']:,} | {_fmt_bytes(v['bytes'])} |" for d, v in totals["by_dtype"].items()]
+    lines += [f"| {d} | {v['tensors']} | {v['numel']:,} | {_fmt_bytes(v['bytes'])} |"
+              for d, v in totals["by_dtype"].items()]
     keys = [*FOOTPRINT_DTYPES, "fp8"]
     lines += ["", "## By component (memory footprint per dtype)", "",
-              "| component | tensors | elements | as stored | " + " | ".join(keys) + " |", "|---|" + "---:|" * (3 + len(keys))]
+              "| component | tensors | elements | as stored | " + " | ".join(keys) + " |",
+              "|---|" + "---:|" * (3 + len(keys))]
     for c, v in totals["by_component"].items():
         lines.append(f"| {c} | {v['tensors']} | {v['numel']:,} | {_fmt_bytes(v['bytes'])} | "
                      + " | ".join(_fmt_bytes(v["footprint"][k]) for k in keys) + " |")
@@ -73,16 +75,19 @@ def markdown(report: dict) -> str:
         for fmt, e in formats["overall"].items():
             cells = [formats["by_component"].get(fmt, {}).get(c) for c in comps]
             lines.append(f"| {fmt} | {_fmt_num(e['rel_error'])} ({_fmt_num(e['snr_db'])}) | "
-                         + " | ".join(f"{_fmt_num(x['rel_error'])} ({_fmt_num(x['snr_db'])})" if x else "" for x in cells) + " |")
+                         + " | ".join(f"{_fmt_num(x['rel_error'])} ({_fmt_num(x['snr_db'])})" if x else ""
+                                      for x in cells) + " |")
         lines += ["", "0 (inf): an exact round trip.", ""]
         if {"fp8_e5m2_tensor", "fp8_e5m2_block128"} <= set(formats["overall"]):
             lines += [E5M2_NOTE, ""]
-    lines += ["## Tensors", "", "| name | dtype | format | shape | bytes | min | max | mean | std | zeros | non-finite |",
+    lines += ["## Tensors", "",
+              "| name | dtype | format | shape | bytes | min | max | mean | std | zeros | non-finite |",
               "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for t in report["tensors"]:
-        lines.append(f"| {t['name']} | {t['dtype']} | {t.get('format', '')} | {'x'.join(map(str, t['shape'])) or 'scalar'} | "
-                     f"{t['bytes']:,} | "
-                     + " | ".join(_fmt_num(t.get(k)) for k in ("min", "max", "mean", "std", "zeros", "nonfinite")) + " |")
+        lines.append(f"| {t['name']} | {t['dtype']} | {t.get('format', '')} | "
+                     f"{'x'.join(map(str, t['shape'])) or 'scalar'} | {t['bytes']:,} | "
+                     + " | ".join(_fmt_num(t.get(k)) for k in ("min", "max", "mean", "std", "zeros", "nonfinite"))
+                     + " |")
     return "\n".join(lines) + "\n"
 
 def write_html(report: dict, out_dir: str) -> str:
@@ -92,7 +97,8 @@ def write_html(report: dict, out_dir: str) -> str:
     keys = ["bf16", "fp16", "fp32", "fp8"]
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>expertd inspect</title><style>"
              "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
-             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}td:first-child,th:first-child{text-align:left}"
+             "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+             "td:first-child,th:first-child{text-align:left}"
              "figure{display:inline-block;margin:1em;vertical-align:top}img{max-width:100%}</style></head><body>",
              f"<h1>expertd inspect</h1><p>{e(report['source']['kind'])}: <code>{e(report['source']['where'])}</code> — "
              f"{totals['tensors']} tensors, {_fmt_bytes(totals['bytes'])} as stored. "
@@ -106,14 +112,16 @@ def write_html(report: dict, out_dir: str) -> str:
               + "".join(f"<th>{_fmt_bytes(totals['footprint'][k])}</th>" for k in keys) + "</tr></table>",
               f"<p><small>{e(FP8_NOTE)}</small></p>"]
     if formats["overall"]:
-        parts.append("<h2>Quantization formats</h2><table><tr><th>format</th><th>relative error</th><th>SNR (dB)</th></tr>")
+        parts.append("<h2>Quantization formats</h2><table>"
+                     "<tr><th>format</th><th>relative error</th><th>SNR (dB)</th></tr>")
         parts += [f"<tr><td>{e(f)}</td><td>{_fmt_num(v['rel_error'])}</td><td>{_fmt_num(v['snr_db'])}</td></tr>"
                   for f, v in formats["overall"].items()]
         parts.append("</table><p><small>0 / inf: an exact round trip.</small></p>")
         if {"fp8_e5m2_tensor", "fp8_e5m2_block128"} <= set(formats["overall"]):
             parts.append(f"<p><small>{e(E5M2_NOTE)}</small></p>")
     parts.append("<h2>Pictures</h2>")
-    parts += [f"<figure><img src='{e(p['file'])}' alt='{e(p['caption'])}'><figcaption>{e(p['caption'])}</figcaption></figure>"
+    parts += [f"<figure><img src='{e(p['file'])}' alt='{e(p['caption'])}'>"
+              f"<figcaption>{e(p['caption'])}</figcaption></figure>"
               for p in report["plots"]]
     parts.append("</body></html>\n")
     path = os.path.join(out_dir, "index.html")

@@ -127,7 +127,8 @@ def _capture_items(folder: str) -> list[Item]:
                 if key.rsplit(".", 1)[-1] in MASK_KEYS:  # additive masks hold float min: not values to draw
                     role = "mask"
                 items.append(Item(f"{prefix}{entry['file'].removesuffix('.safetensors')}:{key}", dtype, shape,
-                                  math.prod(shape) * dtype.itemsize, component, f"{entry['direction']} {entry['tensor']}",
+                                  math.prod(shape) * dtype.itemsize, component,
+                                  f"{entry['direction']} {entry['tensor']}",
                                   role, load, entry.get("layer"), None, True))
     return items
 
