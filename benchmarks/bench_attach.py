@@ -141,15 +141,17 @@ def main() -> int:
         bf16 = ensure_bf16(args.workdir, checkpoint) if key == "A1" else None
         results[key] = measure(args.workdir, name, checkpoint, args.reps, bf16)
         print(key, json.dumps(results[key]), flush=True)
-    print("\n| id | checkpoint | cold (first load_model) | warm (repeat) | cold / warm | goal |\n|---|---|---|---|---|---|")
+    print("\n| id | checkpoint | cold (first load_model) | warm (repeat) | cold / warm | goal |"
+          "\n|---|---|---|---|---|---|")
     for key, what in (("A1", "~1 GB bench model"), ("A2", "DeepSeek-V3 counts, tiny dims")):
         r = results[key]
         print(f"| {key} | {what} ({r['served_tensors']} served, {r['views']} views) | {r['cold_ms']:.1f} ms | "
               f"{r['warm_ms']:.1f} ms | {r['ratio']:.2f} | <= 2 |")
     a1 = results["A1"]
     print(f"\nA1 from_pretrained(bf16 twin) / cold first load_model(), fresh processes: first call "
-          f"{a1['first_vs_cold']:.0f}x ({a1['from_pretrained_first_ms']:.0f} ms vs {a1['cold_ms']:.1f} ms; goal >= 60x), "
-          f"best of 3 {a1['best_vs_cold']:.0f}x ({a1['from_pretrained_best_ms']:.0f} ms); cold attach spent (ms, medians): "
+          f"{a1['first_vs_cold']:.0f}x ({a1['from_pretrained_first_ms']:.0f} ms vs {a1['cold_ms']:.1f} ms; "
+          f"goal >= 60x), best of 3 {a1['best_vs_cold']:.0f}x ({a1['from_pretrained_best_ms']:.0f} ms); "
+          f"cold attach spent (ms, medians): "
           + ", ".join(f"{k} {v:.1f}" for k, v in a1["phases_ms"].items())
           + f"; private tensors {a1['private']}; transformers {a1['transformers']}")
     return 0

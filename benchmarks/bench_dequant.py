@@ -142,7 +142,8 @@ def bench_gpu(m: int, n: int, reps: int) -> None:
     except Exception as e:  # e.g. no native fp8 conversion on this GPU
         print(f"gpu: DeepSeek-V3 kernel unavailable here ({type(e).__name__}: {e})")
     t = best_of(fns, reps, torch.cuda.synchronize)
-    line = f"gpu  {m}x{n}: triton {nbytes / t['triton'] / 1e9:7.1f} GB/s | d2d copy {nbytes / t['copy'] / 1e9:7.1f} GB/s"
+    line = (f"gpu  {m}x{n}: triton {nbytes / t['triton'] / 1e9:7.1f} GB/s | "
+            f"d2d copy {nbytes / t['copy'] / 1e9:7.1f} GB/s")
     if "deepseek" in t:
         line += f" | deepseek x.float()*s {nbytes / t['deepseek'] / 1e9:7.1f} GB/s"
     print(line)

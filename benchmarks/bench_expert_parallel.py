@@ -64,7 +64,8 @@ def e1_share(workdir: str, checkpoint: str, size: int, reps: int) -> dict:
             extra = {} if kind == "whole" else {"expert_parallel": {"size": size, "ranks": [0]}}
             d, seconds, status = start(workdir, f"e1{kind}{rep}", checkpoint, **extra)
             d.stop()
-            runs[kind].append((seconds, status["bytes"]["total"], status["job"]["bytes_read"], status["job"]["seconds"]))
+            runs[kind].append((seconds, status["bytes"]["total"], status["job"]["bytes_read"],
+                               status["job"]["seconds"]))
     whole, share = min(runs["whole"]), min(runs["share"])
     from expertd.server.loader import prepare
 
@@ -124,7 +125,8 @@ def e2_attach(workdir: str, checkpoint: str, reps: int, bf16: str | None) -> dic
                 single.append(time.perf_counter() - t0)
         env = {**os.environ, "EXPERTD_ENDPOINT": ep.endpoint, "OMP_NUM_THREADS": "1"}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                        "127.0.0.1", "--master_port", str(free_port()), script, out, str(reps), *([bf16] if bf16 else [])],
+                        "127.0.0.1", "--master_port", str(free_port()), script, out, str(reps),
+                        *([bf16] if bf16 else [])],
                        env=env, check=True, capture_output=True)
         with open(out) as f:
             ranked = json.load(f)
@@ -177,7 +179,8 @@ def e3_push(workdir: str, checkpoint: str, gib: float, reps: int) -> dict:
     keys = os.path.join(workdir, f"e3keys{os.getpid()}")
     daemon_key = create_keys(keys, "daemon")
     trainer_key = create_keys(os.path.join(keys, "push"), "trainer")
-    d = DaemonProcess.launch(os.path.join(workdir, "e3"), checkpoint, f"benchepe3{os.getpid()}", stdout=subprocess.DEVNULL,
+    d = DaemonProcess.launch(os.path.join(workdir, "e3"), checkpoint, f"benchepe3{os.getpid()}",
+                             stdout=subprocess.DEVNULL,
                              endpoint=f"tcp://127.0.0.1:{free_port()}", max_generations=2 + reps,
                              curve_secret_key=daemon_key[1], curve_push_keys=os.path.join(keys, "push"))
     credentials = {"server_key": daemon_key[0], "client_key": trainer_key[1]}
@@ -257,22 +260,26 @@ def main() -> int:
     if "E1" in args.only:
         r = e1_share(args.workdir, checkpoint, args.size, args.reps)
         print(f"| E1 | size {r['size']}, rank 0 vs whole | served bytes {r['bytes_share']:,} / {r['bytes_whole']:,} = "
-              f"{r['bytes_ratio']:.3f} (goal <= {r['bytes_goal']:.3f}: dense {r['dense_fraction']:.3f} + 1/{r['size']} + 0.01) | "
-              f"start-to-serving {r['start_share_s']:.2f}s / {r['start_whole_s']:.2f}s = {r['start_ratio']:.2f} (goal <= 0.35), "
+              f"{r['bytes_ratio']:.3f} (goal <= {r['bytes_goal']:.3f}: dense {r['dense_fraction']:.3f} + "
+              f"1/{r['size']} + 0.01) | start-to-serving {r['start_share_s']:.2f}s / {r['start_whole_s']:.2f}s = "
+              f"{r['start_ratio']:.2f} (goal <= 0.35), "
               f"of which the build {r['build_share_s']:.2f}s / {r['build_whole_s']:.2f}s = "
               f"{r['build_share_s'] / r['build_whole_s']:.2f} | "
               f"bytes read {r['read_share']:,} / {r['read_whole']:,} = {r['read_ratio']:.3f} |", flush=True)
     if "E2" in args.only:
         r = e2_attach(args.workdir, checkpoint, args.reps, bf16)
         versus = "" if r["from_pretrained_ms"] is None else \
-            f" | from_pretrained(bf16, same DistributedConfig) {r['from_pretrained_ms']:.0f} ms = {r['from_pretrained_ms'] / r['ep_ms']:.0f}x the EP attach"
-        print(f"| E2 | attach | EP rank (ep_size 2, torchrun) {r['ep_ms']:.1f} ms / single process {r['single_ms']:.1f} ms "
+            (f" | from_pretrained(bf16, same DistributedConfig) {r['from_pretrained_ms']:.0f} ms = "
+             f"{r['from_pretrained_ms'] / r['ep_ms']:.0f}x the EP attach")
+        print(f"| E2 | attach | EP rank (ep_size 2, torchrun) {r['ep_ms']:.1f} ms / single process "
+              f"{r['single_ms']:.1f} ms "
               f"= {r['ratio']:.2f} (goal <= 1.5){versus} |", flush=True)
     if "E3" in args.only:
         r = e3_push(args.workdir, checkpoint, args.push_gib, args.reps)
-        print(f"| E3 | tcp update (CURVE) of {r['bytes'] / 2**30:.2f} GiB | bytes sent at {r['push_gbps']:.2f} GB/s / raw "
-              f"pyzmq with CURVE {r['curve_gbps']:.2f} GB/s = {r['ratio_curve']:.2f} (goal >= 0.8); / raw pyzmq in clear "
-              f"{r['raw_gbps']:.2f} GB/s = {r['ratio']:.2f} | publish after the last byte {r['publish_after_last_byte_s']:.2f}s"
+        print(f"| E3 | tcp update (CURVE) of {r['bytes'] / 2**30:.2f} GiB | bytes sent at {r['push_gbps']:.2f} GB/s "
+              f"/ raw pyzmq with CURVE {r['curve_gbps']:.2f} GB/s = {r['ratio_curve']:.2f} (goal >= 0.8); "
+              f"/ raw pyzmq in clear {r['raw_gbps']:.2f} GB/s = {r['ratio']:.2f} | publish after the last byte "
+              f"{r['publish_after_last_byte_s']:.2f}s"
               f" | whole push {r['whole_s']:.2f}s |", flush=True)
     return 0
 

@@ -120,7 +120,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", nargs="*", default=["F1", "F2"])
     ap.add_argument("--checkpoint", action="append", default=[], metavar="FORMAT=DIR",
-                    help="F2 on this checkpoint as FORMAT (fp8, ct-channel, ct-block, mxfp4, ...) instead of the generated ones")
+                    help="F2 on this checkpoint as FORMAT (fp8, ct-channel, ct-block, mxfp4, ...) instead of the "
+                         "generated ones")
     args = ap.parse_args()
     given = dict(item.split("=", 1) for item in args.checkpoint)
     print(machine(), flush=True)

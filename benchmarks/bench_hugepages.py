@@ -41,7 +41,8 @@ INSIDE = "EXPERTD_BENCH_HUGEPAGES_INSIDE"
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
     mem = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal"))) / 2**20
     return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, kernel {platform.release()}; "
             f"Python {platform.python_version()}, torch {torch.__version__} ({torch.get_num_threads()} threads)")
@@ -141,7 +142,8 @@ def fills(shm_dir: str, experts: int, reps: int) -> tuple[dict, object, int]:
             seconds[how].append(took)
             if how == "map" and rep == reps - 1:
                 first, later = seconds["pwrite"][0], seconds["pwrite"][1:] or seconds["pwrite"]
-                return {"first": first, "pwrite": statistics.median(later), "map": statistics.median(seconds["map"])}, arena, huge_kb
+                fill_s = {"first": first, "pwrite": statistics.median(later), "map": statistics.median(seconds["map"])}
+                return fill_s, arena, huge_kb
             arena.unlink()
     raise ValueError("reps must be >= 1")
 
@@ -155,9 +157,10 @@ def measure(label: str, shm_dir: str, experts: int, reps: int) -> dict:
     finally:
         arena.unlink()
     gb = nbytes / 1e9
-    print(f"  {label}: {nbytes / 2**30:.2f} GiB in {len(arena.segments)} segments, {huge_kb / 2**10:.0f} MiB in huge pages",
-          flush=True)
-    return {"gb": gb, "fill_first": gb / fill_s["first"], "fill": gb / fill_s["pwrite"], "fill_map": gb / fill_s["map"], "touch_ms": touch * 1e3, "touch_per_gb": touch * 1e3 / gb,
+    print(f"  {label}: {nbytes / 2**30:.2f} GiB in {len(arena.segments)} segments, "
+          f"{huge_kb / 2**10:.0f} MiB in huge pages", flush=True)
+    return {"gb": gb, "fill_first": gb / fill_s["first"], "fill": gb / fill_s["pwrite"], "fill_map": gb / fill_s["map"],
+            "touch_ms": touch * 1e3, "touch_per_gb": touch * 1e3 / gb,
             "first_ms": first * 1e3, "steady_ms": steady * 1e3}
 
 
@@ -187,9 +190,11 @@ def loader(checkpoint: str, dirs: dict[str, str], reps: int) -> dict[str, dict]:
 
 def table(small: dict, huge: dict) -> str:
     rows = [
-        ("H1 first fill of the fresh mount, the daemon's path (fallocate + pwrite), GB/s", "fill_first", "{:.2f}", False),
+        ("H1 first fill of the fresh mount, the daemon's path (fallocate + pwrite), GB/s", "fill_first", "{:.2f}",
+         False),
         ("H1 fill, the daemon's path, later fills (median), GB/s", "fill", "{:.2f}", False),
-        ("H1 fill through the mapping (fallocate + copy; hugetlbfs, GPU path), median, GB/s", "fill_map", "{:.2f}", False),
+        ("H1 fill through the mapping (fallocate + copy; hugetlbfs, GPU path), median, GB/s", "fill_map", "{:.2f}",
+         False),
         ("H2 first touch, ms per GB", "touch_per_gb", "{:.1f}", True),
         ("H2 first touch, ms total", "touch_ms", "{:.1f}", True),
         ("H3 expert forward, first pass (cold mappings), ms", "first_ms", "{:.0f}", True),
@@ -238,7 +243,8 @@ def main() -> None:
         inside(args)
         return
     if os.geteuid() != 0 or shutil.which("unshare") is None:
-        sys.exit("bench_hugepages.py needs root and util-linux unshare (it mounts two tmpfs in a private mount namespace)")
+        sys.exit("bench_hugepages.py needs root and util-linux unshare (it mounts two tmpfs in a private mount "
+                 "namespace)")
     checkpoint, mib = None, int(args.gib * 1.5 * 1024) + 256
     if not args.no_loader:
         if args.checkpoint:
@@ -262,7 +268,8 @@ def main() -> None:
     cmd = [sys.executable, os.path.abspath(__file__), "--gib", str(args.gib), "--reps", str(args.reps),
            "--small-dir", small, "--huge-dir", huge] + (["--checkpoint", checkpoint] if checkpoint else [])
     try:
-        rc = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *cmd], env={**os.environ, INSIDE: "1"}).returncode
+        rc = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *cmd],
+                            env={**os.environ, INSIDE: "1"}).returncode
     finally:
         os.rmdir(small)
         os.rmdir(huge)

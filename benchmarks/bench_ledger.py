@@ -57,7 +57,8 @@ def synthetic(layers: int, dense: int, experts: int) -> Built:
                             ("self_attn.kv_b_proj.weight", (32768, 512)), ("self_attn.o_proj.weight", (HIDDEN, 16384))):
             add(f"{p}.{name}", shape, [f"{p}.{name}"])
         if layer < dense:
-            for name, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)), ("down_proj", (HIDDEN, INTER))):
+            for name, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)),
+                                ("down_proj", (HIDDEN, INTER))):
                 add(f"{p}.mlp.{name}.weight", shape, [f"{p}.mlp.{name}.weight"])
             continue
         add(f"{p}.mlp.experts.gate_up_proj", (experts, 2 * MOE_INTER, HIDDEN),
@@ -97,8 +98,9 @@ def main() -> int:
         t_write = best(lambda: ledger.write(folder, built, "load", conditions), args.runs)
         t_read = best(lambda: ledger.read(folder, "bench", 1), args.runs)
         size = os.path.getsize(ledger.record_path(folder, "bench", 1))
-        print(f"{args.layers} layers ({args.dense} dense), {args.experts} experts: {len(built.index.tensors)} served tensors, "
-              f"{sum(len(p) for p in built.parts.values())} part digests, {len(built.known)} source identities")
+        print(f"{args.layers} layers ({args.dense} dense), {args.experts} experts: {len(built.index.tensors)} served "
+              f"tensors, {sum(len(p) for p in built.parts.values())} part digests, {len(built.known)} source "
+              "identities")
         print(f"  index JSON publish   {t_index * 1000:8.1f} ms ({os.path.getsize(index_path) / 1e6:.1f} MB)")
         print(f"  ledger record write  {t_write * 1000:8.1f} ms ({size / 1e6:.1f} MB)   ratio to the index publish "
               f"{t_write / t_index:.1f}")

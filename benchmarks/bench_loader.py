@@ -153,7 +153,8 @@ def read_once(opened, threads: int, mode: str) -> float:
         data = ckpt.view(info)
         if mode == "populate" and data.numel():
             addr = data.data_ptr() & ~4095
-            _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(data.data_ptr() + info.nbytes - addr), MADV_POPULATE_READ)
+            _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(data.data_ptr() + info.nbytes - addr),
+                          MADV_POPULATE_READ)
         checksum(tensor_bytes(data))
 
     try:
@@ -220,7 +221,8 @@ def main() -> int:
     ap.add_argument("--only", choices=("L1", "L2", "L3"), action="append", help="run only these (default: all)")
     ap.add_argument("--checkpoint", help="L1 and L2 on this checkpoint (default: the generated ~1 GB one)")
     ap.add_argument("--counts-checkpoint", help="L3: a checkpoint with many tensors (default: generated dsv3-counts)")
-    ap.add_argument("--bytes-checkpoint", help="L3: about the same bytes in few tensors (default: generated dsv3-bytes)")
+    ap.add_argument("--bytes-checkpoint",
+                    help="L3: about the same bytes in few tensors (default: generated dsv3-bytes)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from expertd.procfs import default_threads
@@ -235,7 +237,8 @@ def main() -> int:
     src = torch.empty(plan.nbytes // 2 + CHUNK * 2, dtype=torch.uint8).fill_(7)
     fp8 = sum(info.nbytes for info in ckpt.tensors.values())
     print(machine())
-    print(f"checkpoint {checkpoint}: {plan.nbytes / 1e9:.2f} GB bf16 out, {fp8 / 1e9:.2f} GB read (every checkpoint tensor), {len(plan.tensors)} served tensors\n")
+    print(f"checkpoint {checkpoint}: {plan.nbytes / 1e9:.2f} GB bf16 out, {fp8 / 1e9:.2f} GB read "
+          f"(every checkpoint tensor), {len(plan.tensors)} served tensors\n")
     only = set(args.only or ("L1", "L2", "L3"))
     if "L3" in only:
         l3_counts(args.workdir, args.reps, args.counts_checkpoint, args.bytes_checkpoint)
@@ -266,7 +269,8 @@ def main() -> int:
         print("|---|---|---|---|")
     for t in counts if "L2" in only else ():
         best = {m: min(read_once(ckpt, t, m) for _ in range(args.reps)) for m in ("fault", "populate", "preadv")}
-        print(f"| {t} | " + " | ".join(f"{fp8 / best[m] / 1e9:.2f}" for m in ("fault", "populate", "preadv")) + " |", flush=True)
+        print(f"| {t} | " + " | ".join(f"{fp8 / best[m] / 1e9:.2f}" for m in ("fault", "populate", "preadv")) + " |",
+              flush=True)
     return 0
 
 

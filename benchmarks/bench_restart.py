@@ -142,7 +142,8 @@ def r2(workdir: str, checkpoint: str, restarts: int) -> dict:
             seconds.append(s)
         looped = worker.receive()
         after = worker.ask("lease")["lease"]
-        kept = after == lease and lease_tag(after) in {held["client"] for held in d.status()["leases"]}  # status shows tags
+        # status shows tags
+        kept = after == lease and lease_tag(after) in {held["client"] for held in d.status()["leases"]}
         return {"restarts": restarts, "forwards": looped.get("forwards"), "errors": 0 if "error" not in looped else 1,
                 "error": looped.get("message"), "distinct_logits": len(looped.get("digests", [])),
                 "logits_as_before": looped.get("digests") == [before["logits"]], "same_lease": kept,
@@ -171,13 +172,15 @@ def main() -> int:
             print(f"R1 {mode}: {row['seconds']} s to serving (runs {row['runs']}); / fresh {row['ratio']}", flush=True)
     if "R3" in args.only:
         result["R3"] = row = r3(args.workdir, checkpoint, args.reps)
-        print(f"R3 `expertd stop` returned {row['stop_after_exit']} s after the daemon exited ({row['stop']} s in all); "
+        print(f"R3 `expertd stop` returned {row['stop_after_exit']} s after the daemon exited "
+              f"({row['stop']} s in all); "
               f"`expertd status` {row['status']} s, `expertd --version` {row['version']} s", flush=True)
     if "R2" in args.only:
         result["R2"] = row = r2(args.workdir, checkpoint, args.restarts)
-        print(f"R2 {row['restarts']} SIGKILL restarts under a worker: {row['forwards']} forward passes, {row['errors']} "
-              f"raised, {row['distinct_logits']} distinct logits (as before: {row['logits_as_before']}), same lease "
-              f"throughout: {row['same_lease']}; median restart-to-serving {row['restart_seconds_median']} s", flush=True)
+        print(f"R2 {row['restarts']} SIGKILL restarts under a worker: {row['forwards']} forward passes, "
+              f"{row['errors']} raised, {row['distinct_logits']} distinct logits (as before: "
+              f"{row['logits_as_before']}), same lease throughout: {row['same_lease']}; median restart-to-serving "
+              f"{row['restart_seconds_median']} s", flush=True)
     print(json.dumps(result))
     return 0
 

@@ -166,7 +166,8 @@ def main() -> int:
         reports = attach_all([sys.executable] * 2 + ([previous] * 2 if previous else [sys.executable] * 2), d.endpoint)
         pss = sum(r["pss"] for r in reports)
         print(f"V2  sum Pss of 4 workers ({', '.join(r['transformers'] for r in reports)}) / served bytes: "
-              f"{pss / served:.3f} (goal <= 1.1; {pss / 2**20:.0f} MiB over {served / 2**20:.0f} MiB served)", flush=True)
+              f"{pss / served:.3f} (goal <= 1.1; {pss / 2**20:.0f} MiB over {served / 2**20:.0f} MiB served)",
+              flush=True)
         fill = fill_rate()
         v = variant_rate(d)
     routers_s = ROUTERS_BYTES / 1e9 / v["gbps"]

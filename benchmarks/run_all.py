@@ -38,11 +38,13 @@ from helpers.workers import Worker  # noqa: E402
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), platform.processor())
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
     mem = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal"))) / 2**20
     shm = os.statvfs("/dev/shm")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, /dev/shm {shm.f_blocks * shm.f_frsize / 2**30:.0f} GiB, "
+    return (f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, "
+            f"/dev/shm {shm.f_blocks * shm.f_frsize / 2**30:.0f} GiB, "
             f"{gpu}; Python {platform.python_version()}, torch {torch.__version__}")
 
 
@@ -150,7 +152,8 @@ def p3_load(checkpoint: str, reps: int) -> dict:
     for _ in range(reps):
         t_fill.append(best(fill, 1))
         t_load.append(best(one_load, 1))
-    return {"P3": min(t_fill) / min(t_load), "load_GBps": nbytes / min(t_load) / 1e9, "fill_GBps": nbytes / min(t_fill) / 1e9,
+    return {"P3": min(t_fill) / min(t_load), "load_GBps": nbytes / min(t_load) / 1e9,
+            "fill_GBps": nbytes / min(t_fill) / 1e9,
             "prepare_s": t_prepare, "bytes": nbytes}
 
 
@@ -184,7 +187,8 @@ def p6_control(big: DaemonProcess, seconds: float = 2.0, clients: int = 4, attac
     code = ("import sys,time,zmq,msgpack\nctx=zmq.Context();s=ctx.socket(zmq.REQ);s.connect(sys.argv[1])\n"
             "m=msgpack.packb({'op':'status'});n=0;t=time.perf_counter();end=t+float(sys.argv[2])\n"
             "while time.perf_counter()<end:\n s.send(m);s.recv();n+=1\nprint(n/(time.perf_counter()-t))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, big.endpoint, str(seconds)], stdout=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", code, big.endpoint, str(seconds)], stdout=subprocess.PIPE,
+                              text=True)
              for _ in range(clients)]
     rate = sum(float(p.communicate()[0]) for p in procs)
 
@@ -201,7 +205,8 @@ def p6_control(big: DaemonProcess, seconds: float = 2.0, clients: int = 4, attac
         " d=xs.read_dict(r['index_segment']);t1=time.perf_counter();TensorIndex.from_dict(d);t2=time.perf_counter()\n"
         " out.append((t1-t,t2-t))\n"
         " s.send(msgpack.packb({'op':'release','client':r['client']}));s.recv();s.close()\n"
-        "th=[threading.Thread(target=one) for _ in range(int(sys.argv[3]))]\n[t.start() for t in th];[t.join() for t in th]\n"
+        "th=[threading.Thread(target=one) for _ in range(int(sys.argv[3]))]\n"
+        "[t.start() for t in th];[t.join() for t in th]\n"
         "print(' '.join(f'{a},{b}' for a,b in out))")
     per_proc = 8
     start = time.time() + 3.0
@@ -327,16 +332,21 @@ def report(r: dict) -> str:
     rows = [
         ("P1", "attach-to-ready vs from_pretrained (bf16, ~1 GB)", f"{p1['P1']:.0f}x faster "
          f"({p1['attach_big_ms']:.0f} ms vs {p1['from_pretrained_ms']:.0f} ms)", ">= 50x"),
-        ("P1b", "attach at ~1 GB / attach at tiny", f"{p1['P1b']:.2f} ({p1['attach_big_ms']:.0f} / {p1['attach_tiny_ms']:.0f} ms)", "<= 2x"),
+        ("P1b", "attach at ~1 GB / attach at tiny",
+         f"{p1['P1b']:.2f} ({p1['attach_big_ms']:.0f} / {p1['attach_tiny_ms']:.0f} ms)", "<= 2x"),
         ("P2", f"sum Pss of {p2['workers']} workers / served bytes", f"{p2['P2']:.3f}", "<= 1.1"),
-        ("P3", "loader GB/s / fill limit GB/s", f"{p3['P3']:.2f} ({p3['load_GBps']:.2f} / {p3['fill_GBps']:.2f} GB/s)", ">= 0.6"),
+        ("P3", "loader GB/s / fill limit GB/s",
+         f"{p3['P3']:.2f} ({p3['load_GBps']:.2f} / {p3['fill_GBps']:.2f} GB/s)", ">= 0.6"),
         ("P4", "CPU dequant / copy of the output bytes", f"{p4['P4']:.2f} (" + ", ".join(
-            f"{k}: {v['dequant_GBps']:.1f} / {v['copy_GBps']:.1f} GB/s" for k, v in p4.items() if k != "P4") + ")", ">= 0.5"),
-        ("P5", "GPU Triton dequant", r["p5"]["report"].replace("\n", "<br>") if r["p5"] else "no GPU on this machine", ">= 85% / >= 1.0x"),
+            f"{k}: {v['dequant_GBps']:.1f} / {v['copy_GBps']:.1f} GB/s" for k, v in p4.items() if k != "P4") + ")",
+         ">= 0.5"),
+        ("P5", "GPU Triton dequant",
+         r["p5"]["report"].replace("\n", "<br>") if r["p5"] else "no GPU on this machine", ">= 85% / >= 1.0x"),
         ("P6", f"status requests/s; attach (lease + {p6['index_bytes'] / 1e3:.0f} kB index segment read) p99, "
                f"{p6['clients']} concurrent clients", f"{p6['status_rps']:.0f}/s; p99 {p6['attach_p99_ms']:.1f} ms "
                f"(p50 {p6['attach_p50_ms']:.1f} ms; decoded into a TensorIndex: p99 {p6['decoded_p99_ms']:.1f} ms); "
-               f"daemon side: {p6['clients']} leases in flight from one process, p99 reply {p6['daemon_lease_p99_ms']:.2f} ms "
+               f"daemon side: {p6['clients']} leases in flight from one process, "
+               f"p99 reply {p6['daemon_lease_p99_ms']:.2f} ms "
                f"(p50 {p6['daemon_lease_p50_ms']:.2f}) + index segment read {p6['index_read_ms']:.2f} ms = "
                f"{p6['daemon_lease_p99_ms'] + p6['index_read_ms']:.2f} ms",
          ">= 10k/s; <= 5 ms"),

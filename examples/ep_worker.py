@@ -90,8 +90,9 @@ def launch(argv: list[str]) -> int:
     """torchrun [its options, before `--`] on this script [with the options after `--`]; a SIGTERM or SIGINT here
     is a SIGTERM to every rank (until they have all gone), never to torchrun (which would report it as a failure)."""
     split = argv.index("--") if "--" in argv else len(argv)
-    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv[:split], os.path.abspath(__file__),
-                                 *argv[split + 1:]], start_new_session=True)  # Ctrl-C reaches this process alone
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *argv[:split],
+                                 os.path.abspath(__file__), *argv[split + 1:]],
+                                start_new_session=True)  # Ctrl-C reaches this process alone
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     told: set[int] = set()  # each rank once: one exiting already has Python's default handler back

@@ -66,7 +66,8 @@ def handler(served: Model):
             try:
                 request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 ids, new = request["input_ids"], int(request.get("max_new_tokens", 8))
-                if not (isinstance(ids, list) and ids and all(isinstance(r, list) and r for r in ids)) or not 0 < new <= 512:
+                well_formed = isinstance(ids, list) and ids and all(isinstance(r, list) and r for r in ids)
+                if not well_formed or not 0 < new <= 512:
                     raise ValueError("input_ids must be a non-empty list of token id lists, max_new_tokens 1-512")
             except (ValueError, KeyError, TypeError) as exc:
                 return self._reply(400, {"error": str(exc)})

@@ -85,7 +85,8 @@ def refuse_a_running_daemon(endpoint: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--endpoint", default=os.environ.get("EXPERTD_ENDPOINT", "ipc:///tmp/expertd/expertd.sock"))
-    parser.add_argument("--with-daemon", metavar="CONFIG", help="start `expertd start --config CONFIG` first, stop it after")
+    parser.add_argument("--with-daemon", metavar="CONFIG",
+                        help="start `expertd start --config CONFIG` first, stop it after")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens to generate")
     parser.add_argument("--wait", type=float, default=0.0,
                         help="seconds to wait for a daemon that is not running yet (--with-daemon: 600)")
