@@ -80,7 +80,8 @@ def test_bench_hugepages_on_a_given_checkpoint():
     text = run("bench_hugepages.py", "--gib", "0.01", "--reps", "2", "--checkpoint", TINY)
     huge = re.search(r"huge pages: [0-9.]+ GiB in \d+ segments, (\d+) MiB in huge pages", text)
     assert huge and int(huge.group(1)) > 0, text  # the huge mount really gave huge pages
-    for row in ("H1 first fill", "H1 fill, the daemon's path", "H1 fill through the mapping", "H2 first touch, ms per GB",
+    for row in ("H1 first fill", "H1 fill, the daemon's path", "H1 fill through the mapping",
+                "H2 first touch, ms per GB",
                 "H3 expert forward, steady state", "H4 loader, first build", "H4 loader, later builds"):
         cells = next(line for line in text.splitlines() if line.startswith(f"| {row}")).strip("|").split("|")
         assert float(cells[1]) >= 0 and float(cells[2]) >= 0 and cells[3].strip().endswith("x"), row

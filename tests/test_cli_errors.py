@@ -77,7 +77,8 @@ MISTAKES = [
     ("tcp-beyond-host-in-clear-without-token",
      lambda d, c: ["start", "--config", config(d, checkpoint=c, endpoint="tcp://0.0.0.0:5999", insecure_tcp=True)],
      ["set auth_token"]),
-    ("ep-size-not-a-number", lambda d, c: ["start", "--config", config(d, checkpoint=c, expert_parallel={"size": "four"})],
+    ("ep-size-not-a-number",
+     lambda d, c: ["start", "--config", config(d, checkpoint=c, expert_parallel={"size": "four"})],
      ["expert_parallel.size must be an integer >= 1"]),
 ]
 
@@ -126,7 +127,8 @@ def test_daemon_already_running_on_the_endpoint_or_namespace(start_daemon, tiny_
     other.mkdir()
     # another namespace on the same (default-like) endpoint: say which key to set
     same_endpoint = config(other, checkpoint=tiny_checkpoint, endpoint=first.endpoint, namespace=namespace + "-b")
-    line = assert_one_line(run_cli(["start", "--config", same_endpoint]), ["EndpointBusy", first.endpoint, "set `endpoint:`"])
+    line = assert_one_line(run_cli(["start", "--config", same_endpoint]),
+                           ["EndpointBusy", first.endpoint, "set `endpoint:`"])
     assert "Traceback" not in line
     # the same namespace on another endpoint: the namespace is taken
     same_namespace = write_config(other, tiny_checkpoint, namespace)
@@ -155,7 +157,8 @@ def test_status_wait_stop_and_a_clean_run_folder(start_daemon, tiny_checkpoint, 
     assert os.path.exists(run_dir / f"{namespace}.manifest.json")
     out = run_cli(["stop", "--endpoint", daemon.endpoint])
     assert out.returncode == 0, out.stderr
-    assert f"stopped expertd pid {daemon.proc.pid}" in out.stdout and namespace in out.stdout and daemon.endpoint in out.stdout
+    assert f"stopped expertd pid {daemon.proc.pid}" in out.stdout
+    assert namespace in out.stdout and daemon.endpoint in out.stdout
     assert daemon.proc.wait(60) == 0
     assert not os.path.exists(run_dir)  # segments, index, socket, manifest: all gone, and the folder it made
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(namespace + ".")]

@@ -85,7 +85,8 @@ def test_core_imports_tools_only_lazily():
 def test_client_and_its_model_hooks_leave_the_tools_unimported(monkeypatch):
     """`import expertd.client` and load_model's hooks import expertd.tools only when EXPERTD_CAPTURE_DIR or
     EXPERTD_SIMULATE_* ask for it."""
-    for var in ("EXPERTD_CAPTURE_DIR", "EXPERTD_SIMULATE_WEIGHTS", "EXPERTD_SIMULATE_ACTIVATIONS", "EXPERTD_MODEL_HOOKS"):
+    for var in ("EXPERTD_CAPTURE_DIR", "EXPERTD_SIMULATE_WEIGHTS", "EXPERTD_SIMULATE_ACTIVATIONS",
+                "EXPERTD_MODEL_HOOKS"):
         monkeypatch.delenv(var, raising=False)
     code = ("import sys, expertd.client\n"
             "from expertd.client.hooks import run_model_hooks\n"

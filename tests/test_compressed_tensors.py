@@ -98,7 +98,8 @@ def test_update_pushes_fp8_with_its_weight_scale(llmcompressor_checkpoints, star
         after = client.tensors()[EXPERT]
         assert generation == client.generation
         assert torch.equal(after, (q.float() * scale.float()).to(torch.bfloat16))
-        for bad, message in [({EXPERT: q}, "_scale"), ({EXPERT: q, EXPERT + "_scale": scale[:5]}, "[192, 1] (channel)")]:
+        for bad, message in [({EXPERT: q}, "_scale"),
+                             ({EXPERT: q, EXPERT + "_scale": scale[:5]}, "[192, 1] (channel)")]:
             with pytest.raises(Exception) as err:
                 client.update(bad)
             assert message in str(err.value)

@@ -20,7 +20,8 @@ from helpers.daemon import DaemonProcess, daemon_settings, expertd_cmd, save_con
 HEAVY = ("torch", "transformers", "safetensors", "numpy")
 
 CONTROL_MODULES = ("expertd.server.daemon", "expertd.server.service", "expertd.server.adopt",
-                   "expertd.server.runstate", "expertd.server.generations", "expertd.server.leases", "expertd.server.jobs",
+                   "expertd.server.runstate", "expertd.server.generations", "expertd.server.leases",
+                   "expertd.server.jobs",
                    "expertd.server.pushes", "expertd.server.variants", "expertd.server.stopping",
                    "expertd.server.starting", "expertd.server.cli", "expertd.connection", "expertd.leasing",
                    "expertd.segments", "expertd.index_segment")

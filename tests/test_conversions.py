@@ -184,7 +184,8 @@ def test_a_changed_source_recomputes_its_tensor_whole(llama_fp8, conversion, nam
     shutil.copytree(moved, changed)
     tensors = load_file(str(changed / "model.safetensors"))
     for suffix in ("weight", "weight_scale_inv"):  # layer 1's down_proj becomes layer 0's
-        tensors[f"model.layers.1.mlp.down_proj_t.{suffix}"] = tensors[f"model.layers.0.mlp.down_proj_t.{suffix}"].clone()
+        tensors[f"model.layers.1.mlp.down_proj_t.{suffix}"] = \
+            tensors[f"model.layers.0.mlp.down_proj_t.{suffix}"].clone()
     save_file(tensors, str(changed / "model.safetensors"))
     conversion([WeightConverter("mlp.down_proj_t.weight", "mlp.down_proj.weight", [Transpose(0, 1)])])
     first = build(*prepare(moved), namespace=namespace, generation=1, device="cpu")

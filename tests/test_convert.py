@@ -200,8 +200,8 @@ def test_keep_fp8_where_unscaled_only_when_asked(tiny_checkpoint, tmp_path):
 
 def test_cli_exit_code_and_progress_with_bytes(tiny_checkpoint, tmp_path):
     dst = str(tmp_path / "out")
-    run = subprocess.run([sys.executable, "-m", "expertd.server.cli", "convert", tiny_checkpoint, dst, "--device", "cpu"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "expertd.server.cli", "convert", tiny_checkpoint, dst,
+                          "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "expertd convert" in run.stderr and "100%" in run.stderr and "B/s" in run.stderr
     assert os.path.exists(os.path.join(dst, STATE_FILE)) and os.path.exists(os.path.join(dst, INDEX))

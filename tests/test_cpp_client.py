@@ -45,9 +45,10 @@ def _missing_prerequisites() -> list[str]:
     if cxx is None:
         missing.append("a C++17 compiler (package g++)")
         return missing
-    for header, package in (("zmq.h", "libzmq3-dev"), ("msgpack.hpp", "libmsgpack-cxx-dev"), ("xxhash.h", "libxxhash-dev")):
-        probe = subprocess.run([cxx, "-x", "c++", "-std=c++17", "-E", "-", "-o", os.devnull], input=f"#include <{header}>\n",
-                               capture_output=True, text=True)
+    for header, package in (("zmq.h", "libzmq3-dev"), ("msgpack.hpp", "libmsgpack-cxx-dev"),
+                            ("xxhash.h", "libxxhash-dev")):
+        probe = subprocess.run([cxx, "-x", "c++", "-std=c++17", "-E", "-", "-o", os.devnull],
+                               input=f"#include <{header}>\n", capture_output=True, text=True)
         if probe.returncode != 0:
             missing.append(f"{header} (package {package})")
     return missing
@@ -68,8 +69,8 @@ def cpp_build() -> Path:
     """client/cpp built (Release) in ~/.cache/expertd/cpp-<key>: once, then reused while its sources are unchanged."""
     missing = _missing_prerequisites()
     if missing:
-        pytest.fail(f"cannot build the C++ client (client/cpp): missing {', '.join(missing)}. Install them with:\n  {APT}",
-                    pytrace=False)
+        pytest.fail(f"cannot build the C++ client (client/cpp): missing {', '.join(missing)}. "
+                    f"Install them with:\n  {APT}", pytrace=False)
     cache = Path(os.path.expanduser("~")) / ".cache" / "expertd"
     cache.mkdir(parents=True, exist_ok=True)
     build = cache / f"cpp-{_build_key()}"
@@ -83,8 +84,8 @@ def cpp_build() -> Path:
                         ["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2)]):
                 run = subprocess.run(cmd, capture_output=True, text=True)
                 if run.returncode != 0:
-                    pytest.fail(f"building client/cpp failed ({' '.join(cmd)}):\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}\n"
-                                f"(prerequisites: {APT})", pytrace=False)
+                    pytest.fail(f"building client/cpp failed ({' '.join(cmd)}):\n{run.stdout[-4000:]}\n"
+                                f"{run.stderr[-4000:]}\n(prerequisites: {APT})", pytrace=False)
             (build / ".built").write_text(f"{time.monotonic() - t0:.1f}\n")
             print(f"\nbuilt client/cpp in {time.monotonic() - t0:.1f}s ({build})")
     return build
@@ -122,7 +123,8 @@ def test_cpp_client_sees_what_the_python_client_sees(cpp_build, start_daemon):
         assert [t["name"] for t in got["tensors"]] == [e.name for e in index.tensors]  # every served tensor, in order
         for row, entry in zip(got["tensors"], index.tensors):
             t = served[entry.name]
-            assert (row["dtype"], row["shape"], row["nbytes"]) == (str(t.dtype), list(t.shape), t.numel() * t.element_size())
+            assert (row["dtype"], row["shape"], row["nbytes"]) == \
+                (str(t.dtype), list(t.shape), t.numel() * t.element_size())
             assert (row["segment"], row["offset"]) == (entry.segment, entry.offset)
             assert row["recorded"] == entry.checksum
             assert row["checksum"] == entry.checksum == tensor_checksum(t, checksum_parts(entry.checksum)), entry.name
@@ -244,8 +246,8 @@ def test_curve_over_tcp(cpp_build, start_daemon, tmp_path):
                      auth_token=TOKEN)
     deadline = time.monotonic() + 60
     while True:  # DaemonProcess.status() speaks without CURVE: ask with the keys
-        run = dump(cpp_build, d.endpoint, "--token", TOKEN, "--server-key", daemon_public, "--client-key", client_secret,
-                   "--json", "--timeout-ms", "1000")
+        run = dump(cpp_build, d.endpoint, "--token", TOKEN, "--server-key", daemon_public,
+                   "--client-key", client_secret, "--json", "--timeout-ms", "1000")
         if run.returncode == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -284,7 +286,8 @@ def test_kill_9_of_the_cpp_process_gets_its_lease_reaped(cpp_build, start_daemon
         proc.wait()
         t0 = time.monotonic()
         assert _wait_for(lambda: d.status()["leases"] == [], seconds=30), d.status()["leases"]
-        print(f"\nlease of the killed C++ process dropped {time.monotonic() - t0:.2f} s after it died (lease timeout 600 s)")
+        print(f"\nlease of the killed C++ process dropped {time.monotonic() - t0:.2f} s after it died "
+              "(lease timeout 600 s)")
     finally:
         proc.kill()
         proc.wait()
@@ -295,7 +298,8 @@ def test_a_corrupted_tensor_is_bad_and_the_exit_status_says_so(cpp_build, start_
     with ExpertClient(d.endpoint) as client:
         entry = next(e for e in client.index().tensors if e.name == "model.norm.weight")
         shm_dir = client.index().shm_dir
-    with open(os.path.join(shm_dir, entry.segment.lstrip("/")), "r+b") as f:  # root may write what workers map read-only
+    # root may write what workers map read-only
+    with open(os.path.join(shm_dir, entry.segment.lstrip("/")), "r+b") as f:
         f.seek(entry.offset)
         first = f.read(1)
         f.seek(entry.offset)

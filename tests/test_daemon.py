@@ -124,7 +124,8 @@ def test_a_request_over_the_message_cap_is_refused_before_it_is_sent(start_daemo
     daemon = start_daemon(tiny_checkpoint)
     conn = Connection(daemon.endpoint, timeout=30)
     try:
-        with pytest.raises(ProtocolError, match=r"status is a \d+-byte request; the daemon takes requests of at most 1048576"):
+        with pytest.raises(ProtocolError,
+                           match=r"status is a \d+-byte request; the daemon takes requests of at most 1048576"):
             conn.request("status", padding="x" * (1 << 20))
         assert conn.request("status")["state"] == "serving"  # the connection still works
     finally:

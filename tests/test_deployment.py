@@ -112,7 +112,8 @@ def test_kustomization_lists_every_manifest_and_names_the_image(folder):
 
 def test_kubernetes_daemonset_and_workers_share_socket_and_shm():
     docs = {d["kind"]: d for _, d in kubernetes_documents()}
-    ds, worker, cm = docs["DaemonSet"]["spec"]["template"]["spec"], docs["Deployment"]["spec"]["template"]["spec"], docs["ConfigMap"]
+    ds, worker = docs["DaemonSet"]["spec"]["template"]["spec"], docs["Deployment"]["spec"]["template"]["spec"]
+    cm = docs["ConfigMap"]
     cfg = yaml.safe_load(cm["data"]["expertd.yaml"])
     accepted(cfg)
     assert ds["hostIPC"] is True and worker["hostIPC"] is True
@@ -140,7 +141,8 @@ def test_kubernetes_daemonset_and_workers_share_socket_and_shm():
     assert wait[:2] == ["expertd", "status"] and "--wait" in wait and cfg["endpoint"] in wait
     # the worker stays up (a worker that exits would crash-loop the Deployment) and says when it is ready
     serve = worker["containers"][0]
-    assert serve["command"][:2] == ["python", "examples/serve.py"] and os.path.exists(os.path.join(ROOT, serve["command"][1]))
+    assert serve["command"][:2] == ["python", "examples/serve.py"]
+    assert os.path.exists(os.path.join(ROOT, serve["command"][1]))
     assert serve["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert daemon["ports"][0]["containerPort"] == cfg["metrics_port"]
 
@@ -208,7 +210,8 @@ def test_multinode_daemons_take_their_ranks_from_the_node_label(tmp_path):
     assert env["EXPERTD_ENDPOINT"] == f"tcp://127.0.0.1:{cfg.endpoint.rsplit(':', 1)[1]}"
     worker_keys = next(v for v in spec["volumes"] if v["name"] == "keys")["secret"]
     worker_mount = next(m for m in worker["volumeMounts"] if m["name"] == "keys")
-    assert worker_keys["secretName"] == keys["secretName"] and worker_keys["items"] == [{"key": "daemon.key", "path": "daemon.key"}]
+    assert worker_keys["secretName"] == keys["secretName"]
+    assert worker_keys["items"] == [{"key": "daemon.key", "path": "daemon.key"}]
     assert env["EXPERTD_SERVER_KEY"] == os.path.join(worker_mount["mountPath"], "daemon.key")
     wait = spec["initContainers"][1]["command"]
     assert wait[:2] == ["expertd", "status"] and wait[wait.index("--server-key") + 1] == env["EXPERTD_SERVER_KEY"]
@@ -233,9 +236,11 @@ def image_users() -> dict:
             text = f.read()
         groups = dict((n, int(g)) for g, n in re.findall(r"groupadd --gid (\d+) (\S+)", text))
         users = {n: (int(u), g, extra) for u, g, extra, n in
-                 re.findall(r"useradd --uid (\d+) --gid (\S+)(?: --groups (\S+))?.*?(?:\\\n.*?)?--shell \S+ (\S+)", text)}
+                 re.findall(r"useradd --uid (\d+) --gid (\S+)(?: --groups (\S+))?.*?(?:\\\n.*?)?"
+                            r"--shell \S+ (\S+)", text)}
         folder = re.search(r"install -d -o (\S+) -g (\S+) -m (\d+) /run/expertd", text)
-        found.append({"groups": groups, "users": users, "run": folder.groups(), "USER": re.findall(r"^USER (\S+)", text, re.M)})
+        found.append({"groups": groups, "users": users, "run": folder.groups(),
+                      "USER": re.findall(r"^USER (\S+)", text, re.M)})
     assert found[0] == found[1]
     return found[0]
 
@@ -275,7 +280,8 @@ def test_daemon_and_workers_run_as_two_uids_sharing_the_daemons_group():
         workers = [d for d in pods if d not in daemons]
         assert len(daemons) == 1 and len(workers) == 1, folder
         pod = daemons[0]["spec"]["template"]["spec"]["securityContext"]
-        assert (pod["runAsUser"], pod["runAsGroup"], pod["fsGroup"], pod["runAsNonRoot"]) == (daemon_uid, gid, gid, True)
+        assert (pod["runAsUser"], pod["runAsGroup"], pod["fsGroup"], pod["runAsNonRoot"]) == \
+            (daemon_uid, gid, gid, True)
         pod = workers[0]["spec"]["template"]["spec"]["securityContext"]
         assert pod["runAsUser"] == worker_uid != daemon_uid and pod["runAsGroup"] != gid and pod["runAsNonRoot"] is True
         assert pod["supplementalGroups"] == [gid]
@@ -291,4 +297,5 @@ def test_daemon_and_workers_run_as_two_uids_sharing_the_daemons_group():
                     assert "add" not in ctx["capabilities"] and "runAsUser" not in ctx, c["name"]
             spec = doc["spec"]["template"]["spec"]
             tmp = {v["name"] for v in spec["volumes"] if "emptyDir" in v}
-            assert any(m["mountPath"] == "/tmp" and m["name"] in tmp for c in spec["containers"] for m in c["volumeMounts"])
+            assert any(m["mountPath"] == "/tmp" and m["name"] in tmp
+                       for c in spec["containers"] for m in c["volumeMounts"])

@@ -145,9 +145,11 @@ def test_expert_block_rows():
 
 # --- workers under torchrun --------------------------------------------------------------------
 
-def torchrun(out, reference: str, namespace: str, endpoint: str, nproc: int = 2, *extra: str) -> subprocess.CompletedProcess:
+def torchrun(out, reference: str, namespace: str, endpoint: str, nproc: int = 2,
+             *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), os.path.join(HELPERS, "ep_worker.py"), str(out), reference, namespace, *extra]
+           "--master_port", str(free_port()), os.path.join(HELPERS, "ep_worker.py"), str(out), reference, namespace,
+           *extra]
     # TMPDIR: torchrun's own torchelastic_* log folders go with the test's folder, not into /tmp
     env = {**os.environ, "EXPERTD_ENDPOINT": endpoint, "OMP_NUM_THREADS": "1", "TMPDIR": str(out)}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

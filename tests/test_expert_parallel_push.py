@@ -90,7 +90,8 @@ def test_push_all_publishes_nowhere_when_one_daemon_refuses(two_tcp_daemons, dsv
     from expertd.errors import DaemonNotRunning
 
     with pytest.raises(DaemonNotRunning):
-        push_all([a.endpoint, "ipc:///tmp/expertd-no-such-daemon/expertd.sock"], {"model.norm.weight": norm}, token=TOKEN)
+        push_all([a.endpoint, "ipc:///tmp/expertd-no-such-daemon/expertd.sock"], {"model.norm.weight": norm},
+                 token=TOKEN)
     # a wrong token
     with pytest.raises(DaemonError) as err:
         push_all([a.endpoint, b.endpoint], {"model.norm.weight": norm}, token="wrong-token-0123456789")
@@ -98,7 +99,8 @@ def test_push_all_publishes_nowhere_when_one_daemon_refuses(two_tcp_daemons, dsv
     for d in (a, b):
         assert d.status()["generation"] == 1
     # nothing held or staged was left behind: the next push goes through at once
-    assert push_all([a.endpoint, b.endpoint], {"model.norm.weight": norm * 2}, token=TOKEN) == {a.endpoint: 2, b.endpoint: 2}
+    assert push_all([a.endpoint, b.endpoint], {"model.norm.weight": norm * 2}, token=TOKEN) == \
+        {a.endpoint: 2, b.endpoint: 2}
 
 
 def test_update_on_a_partitioned_daemon_names_every_tensor_it_does_not_serve(dsv3, start_daemon):

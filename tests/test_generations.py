@@ -280,7 +280,8 @@ def test_sighup_reloads_the_configured_folder_in_place(tiny_checkpoint, start_da
         assert torch.equal(client.tensors()[NORM], ref[NORM] * 3)
 
 
-def test_an_updater_failing_before_commit_aborts_its_staged_update(tiny_checkpoint, start_daemon, namespace, monkeypatch):
+def test_an_updater_failing_before_commit_aborts_its_staged_update(tiny_checkpoint, start_daemon, namespace,
+                                                                   monkeypatch):
     from expertd.client import push as push_mod
 
     daemon = start_daemon(tiny_checkpoint)

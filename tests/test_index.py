@@ -22,7 +22,8 @@ KV = ["model.layers.1.self_attn.k_proj.weight", "model.layers.1.self_attn.v_proj
 
 
 def sample() -> TensorIndex:
-    """A fused down_proj (one part per expert), a fused gate_up_proj (two), an irregular fused tensor and a plain one."""
+    """A fused down_proj (one part per expert), a fused gate_up_proj (two), an irregular fused tensor and a plain
+    one."""
     return TensorIndex(
         generation=3,
         namespace="ns",
@@ -114,7 +115,8 @@ STYLES = {  # (prefix template, per-expert parts) as the model families name the
     "mixtral": ("model.layers.{layer}.block_sparse_moe.experts.", [".w1.weight", ".w3.weight"]),
     "mixtral_down": ("model.layers.{layer}.block_sparse_moe.experts.", [".w2.weight"]),
     "mtp": ("model.layers.{layer}.mlp.experts.", [".down_proj.weight_scale_inv"]),
-    "prefixed": ("language_model.model.layers.{layer}.mlp.experts.", [".gate_proj.weight", ".up_proj.weight", ".x3.weight"]),
+    "prefixed": ("language_model.model.layers.{layer}.mlp.experts.",
+                 [".gate_proj.weight", ".up_proj.weight", ".x3.weight"]),
 }
 
 
@@ -130,7 +132,8 @@ def test_expert_sources_become_patterns_and_decode_to_the_same_list(style, layer
     sources = expert_sources(style, layer, experts)
     encoded = encode_sources(sources)
     assert isinstance(encoded, dict)
-    assert encoded == {"prefix": STYLES[style][0].format(layer=layer), "experts": [0, experts], "parts": STYLES[style][1]}
+    assert encoded == {"prefix": STYLES[style][0].format(layer=layer), "experts": [0, experts],
+                       "parts": STYLES[style][1]}
     assert decode_sources(json.loads(json.dumps(encoded))) == sources
     assert len(json.dumps(encoded)) < 160
 
@@ -169,7 +172,8 @@ def test_any_list_round_trips_and_only_exact_ranges_become_patterns():
             assert decode_sources(json.loads(json.dumps(encoded))) == candidate
             if isinstance(encoded, dict):
                 prefix, (first, count), parts = encoded["prefix"], encoded["experts"], encoded["parts"]
-                assert count >= 2 and candidate == [f"{prefix}{e}{p}" for e in range(first, first + count) for p in parts]
+                assert count >= 2
+                assert candidate == [f"{prefix}{e}{p}" for e in range(first, first + count) for p in parts]
     for odd in ([], ["a"], ["a", "b"], ["x.1.y", "x.1.y"], ["x.0.y", "x.2.y"], ["x.00.y", "x.01.y"], KV):
         assert encode_sources(odd) == odd
 
@@ -204,7 +208,8 @@ def synthetic_dsv3_index() -> TensorIndex:
         p = f"model.layers.{layer}"
         for w in ("input_layernorm", "post_attention_layernorm"):
             add(f"{p}.{w}.weight", [16], [f"{p}.{w}.weight"])
-        for w in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"):
+        for w in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+                  "o_proj"):
             add(f"{p}.self_attn.{w}.weight", [16, 16], [f"{p}.self_attn.{w}.weight"])
         if layer < 3:
             for w in ("gate_proj", "up_proj", "down_proj"):

@@ -68,7 +68,8 @@ def test_checkpoint_statistics(mixed_checkpoint, checkpoint_report):
     ref = reference_tensors(mixed_checkpoint)[EXPERT].float()
     row = rows[EXPERT]
     assert row["dtype"] == "float8_e4m3fn" and row["values_dtype"] == "bfloat16" and row["shape"] == [200, 320]
-    assert row["bytes"] == 200 * 320 and row["component"] == "routed experts" and (row["layer"], row["expert"]) == (1, 3)
+    assert row["bytes"] == 200 * 320 and row["component"] == "routed experts"
+    assert (row["layer"], row["expert"]) == (1, 3)
     assert row["min"] == ref.min().item() and row["max"] == ref.max().item()
     assert row["mean"] == pytest.approx(ref.double().mean().item(), rel=1e-9, abs=1e-12)
     assert row["std"] == pytest.approx(ref.double().std(correction=0).item(), rel=1e-6)
@@ -116,7 +117,8 @@ def test_checkpoint_pictures_and_page(checkpoint_report):
     assert_valid_pngs(out, report)
     with open(os.path.join(out, "stats.md")) as f:
         text = f.read()
-    assert "| routed experts |" in text and f"| {EXPERT} | float8_e4m3fn | fp8 e4m3, 128x128 block scale | 200x320 |" in text
+    assert "| routed experts |" in text
+    assert f"| {EXPERT} | float8_e4m3fn | fp8 e4m3, 128x128 block scale | 200x320 |" in text
 
 
 def test_daemon_endpoint_gives_the_served_values(tiny_checkpoint, start_daemon, tmp_path):

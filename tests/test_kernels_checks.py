@@ -64,7 +64,8 @@ def test_errors_are_standard_exceptions_too():
         weight_dequant_cpu(x.float(), s)
 
 
-@pytest.mark.parametrize("fn", [weight_dequant_cpu, weight_dequant_triton, weight_dequant], ids=["cpu", "triton", "dispatch"])
+@pytest.mark.parametrize("fn", [weight_dequant_cpu, weight_dequant_triton, weight_dequant],
+                         ids=["cpu", "triton", "dispatch"])
 def test_bad_out_is_rejected(fn):
     x, s = random_case(200, 320, seed=16)
     bad = [
@@ -94,7 +95,8 @@ def test_quantize_round_trip(shape, block):
     assert q.dtype == FP8 and s.dtype == torch.float32 and tuple(s.shape) == scale_shape(*shape, block)
     y = weight_dequant_reference(q, s, block, out_dtype=torch.float32)
     # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 for normals, absolute <= 2**-10 * s for subnormals
-    bound = w.abs() * 2.0**-4 + 2.0**-10 * s.repeat_interleave(block, 0)[: shape[0]].repeat_interleave(block, 1)[:, : shape[1]]
+    scales = s.repeat_interleave(block, 0)[: shape[0]].repeat_interleave(block, 1)[:, : shape[1]]
+    bound = w.abs() * 2.0**-4 + 2.0**-10 * scales
     assert bool(((y - w).abs() <= bound).all())
     # the largest magnitude of each block maps to +-448 exactly
     for i in range(s.shape[0]):

@@ -102,7 +102,8 @@ def test_triton_refuses_cpu_tensors_without_interpreter():
 
 
 @needs_cuda
-@pytest.mark.parametrize("shape,block", [((200, 320), 128), ((130, 70), 64), ((7168, 2048), 128), ((129, 257), 128), ((33, 50), 100)])
+@pytest.mark.parametrize("shape,block", [((200, 320), 128), ((130, 70), 64), ((7168, 2048), 128), ((129, 257), 128),
+                                         ((33, 50), 100)])
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES)
 def test_triton_gpu_matches_reference(shape, block, out_dtype):
     x, s = random_case(*shape, block=block, seed=21)
@@ -117,7 +118,8 @@ def test_triton_gpu_matches_reference(shape, block, out_dtype):
 def test_triton_gpu_all_256_bytes(out_dtype):
     x, s = all_bytes_case(-100, 100)  # every product a normal float32
     got = weight_dequant_triton(x.cuda(), s.cuda(), 16, out_dtype=out_dtype).cpu()
-    assert_bits_equal(got, weight_dequant_reference(x, s, 16, out_dtype=out_dtype), nan_payload=out_dtype == torch.bfloat16)
+    assert_bits_equal(got, weight_dequant_reference(x, s, 16, out_dtype=out_dtype),
+                      nan_payload=out_dtype == torch.bfloat16)
 
 
 @needs_cuda

@@ -61,7 +61,8 @@ def test_a_killed_worker_loses_its_lease_at_once_and_its_generation_retires(
     assert on_disk == {s.lstrip("/") for s in [*status["segments"], status["index_segment"]]}
     with open(log_path) as f:  # (the daemon's log handler flushes each line)
         text = f.read()
-    assert "1 lease(s) ended: 0 without heartbeat" in text and f"1 whose process is gone: {lease} (pid {worker.proc.pid})" in text
+    assert "1 lease(s) ended: 0 without heartbeat" in text
+    assert f"1 whose process is gone: {lease} (pid {worker.proc.pid})" in text
 
 
 def test_old_clients_keep_the_timeout_rule_and_bad_fields_are_refused(tiny_checkpoint, start_daemon):

@@ -123,7 +123,8 @@ def test_load_threads_defaults_to_the_usable_cores():
 def test_interleave_takes_turns_among_width_streams_in_order():
     streams = [[f"a{k}" for k in range(3)], [], ["b0"], [f"c{k}" for k in range(2)], ["d0", "d1"]]
     assert list(interleave(streams, 1)) == ["a0", "a1", "a2", "b0", "c0", "c1", "d0", "d1"]
-    assert list(interleave(streams, 2)) == ["a0", "a1", "b0", "a2", "c0", "d0", "c1", "d1"]  # the empty one is passed over
+    # the empty one is passed over
+    assert list(interleave(streams, 2)) == ["a0", "a1", "b0", "a2", "c0", "d0", "c1", "d1"]
     assert list(interleave(iter(streams), 9)) == ["a0", "b0", "c0", "d0", "a1", "c1", "d1", "a2"]
 
 
@@ -175,7 +176,8 @@ def test_a_failed_build_kept_by_its_job_holds_no_segment_pages(tiny_checkpoint, 
     job.thread.join(60)
     assert job.state == "failed" and job.exc is not None and calls["n"] > 6
     if how == "write fails":
-        assert job.error == "ShmSpaceError" and "no space to write" in job.message and f"segment /{namespace}." in job.message
+        assert job.error == "ShmSpaceError" and "no space to write" in job.message
+        assert f"segment /{namespace}." in job.message
     assert glob.glob(f"/dev/shm/{namespace}*") == []
     assert open_paths(f"/{namespace}.") == []  # while the job and its exception are still kept
 

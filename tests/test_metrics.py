@@ -52,12 +52,14 @@ def test_metrics_match_status(start_daemon, tiny_checkpoint):
             assert m[("expertd_leases", ())] == len(status["leases"]) == 1
             served = {dict(labels)["dtype"]: v for (name, labels), v in m.items() if name == "expertd_served_bytes"}
             assert served == {k: v for k, v in status["bytes"].items() if k != "total"}
-            assert m[("expertd_load_progress_bytes", ())] == m[("expertd_load_total_bytes", ())] == status["bytes"]["total"]
+            assert m[("expertd_load_progress_bytes", ())] == m[("expertd_load_total_bytes", ())] \
+                == status["bytes"]["total"]
             assert m[("expertd_requests_total", (("op", "status"),))] >= 1
             assert m[("expertd_requests_total", (("op", "lease"),))] == 1
             assert ("expertd_requests_total", (("op", "index"),)) not in m  # attach reads the index segment
             assert m[("expertd_build_seconds_count", (("kind", "load"),))] == 1
-            assert m[("expertd_build_seconds_sum", (("kind", "load"),))] == pytest.approx(status["job"]["seconds"], abs=1e-3)
+            assert m[("expertd_build_seconds_sum", (("kind", "load"),))] == \
+                pytest.approx(status["job"]["seconds"], abs=1e-3)
             return m
 
         eventually(matches)

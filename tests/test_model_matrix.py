@@ -49,7 +49,8 @@ def test_transformers4_worker_maps_every_tensor(model_checkpoint, tf4_python, st
     import subprocess
 
     model_type, folder, _ = model_checkpoint
-    known = subprocess.run([tf4_python, "-c", f"from transformers import AutoConfig; AutoConfig.for_model({model_type!r})"],
+    known = subprocess.run([tf4_python, "-c",
+                            f"from transformers import AutoConfig; AutoConfig.for_model({model_type!r})"],
                            capture_output=True, text=True, timeout=300)
     if known.returncode != 0:
         pytest.skip(f"transformers 4.57 has no model type {model_type!r}")

@@ -97,7 +97,8 @@ def test_update_pushes_blocks_and_scales(gpt_oss, start_daemon):
         assert generation == client.generation
         assert torch.equal(client.tensors()[DOWN], dequant_mxfp4_reference(blocks, scales))
         for bad, message in [({DOWN + "_blocks": blocks}, f"need their '{DOWN}_scales'"),
-                             ({DOWN + "_blocks": blocks, DOWN + "_scales": scales[:, :, :2]}, "cannot make the served")]:
+                             ({DOWN + "_blocks": blocks, DOWN + "_scales": scales[:, :, :2]},
+                              "cannot make the served")]:
             with pytest.raises(UpdateRejected) as err:
                 client.update(bad)
             assert message in str(err.value)

@@ -91,7 +91,8 @@ def test_every_op_is_one_typed_message_and_the_golden_requests_parse_into_them(g
             assert {**reply.wire(), "latest": reply.latest} == entry["reply"]["decoded"], name
     # a field of the wrong type, a missing one, one out of range: ProtocolError naming the op and the field
     for bad, words in (({"op": "heartbeat"}, "op 'heartbeat': 'client' is missing; it must be a string"),
-                       ({"op": "lease", "pid": -1}, r"op 'lease': 'pid' must be a non-negative integer below 2\^31, got -1"),
+                       ({"op": "lease", "pid": -1},
+                       r"op 'lease': 'pid' must be a non-negative integer below 2\^31, got -1"),
                        ({"op": "commit", "client": "c1", "update": 1, "checksums": [7]},
                         r"op 'commit': 'checksums'\[0\] must be a string, got int"),
                        ({"op": "stage", "client": "c1", "update": "1", "tensor": 0},

@@ -2,7 +2,8 @@
 
 The real code paths (`ExpertClient`, `push_all`, `Connection`) run the capture scenario against a real daemon:
 what they send and receive has the golden shapes (field names and msgpack types); and a daemon accepts the golden
-requests byte for byte (but for the lease id, 128 random bits: the one the daemon grants stands for the golden one). The vectors themselves are checked in tests/test_protocol_golden.py.
+requests byte for byte (but for the lease id, 128 random bits: the one the daemon grants stands for the golden one).
+The vectors themselves are checked in tests/test_protocol_golden.py.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ from helpers.daemon import expertd_cmd, write_config
 # what llmcompressor writes for QuantizationModifier(scheme="FP8_DYNAMIC") (save_compressed=True)
 COMPRESSED_TENSORS = {
     "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel",
-                                                                     "symmetric": True, "dynamic": False},
+    "config_groups": {"group_0": {"targets": ["Linear"],
+                                  "weights": {"type": "float", "num_bits": 8, "strategy": "channel",
+                                              "symmetric": True, "dynamic": False},
                                   "input_activations": {"type": "float", "num_bits": 8, "strategy": "token",
                                                         "dynamic": True}}},
     "ignore": ["lm_head"],
@@ -29,8 +30,10 @@ DEEPSEEK = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"
 
 def test_served_formats():
     assert quantization_format({}) == ScaledFp8(None)
-    assert quantization_format({"quantization_config": DEEPSEEK}) == ScaledFp8("fp8", "_scale_inv", ("block",), (128, 128))
-    assert quantization_format({"quantization_config": {**DEEPSEEK, "weight_block_size": [64, 32]}}).block_size == (64, 32)
+    assert quantization_format({"quantization_config": DEEPSEEK}) == \
+        ScaledFp8("fp8", "_scale_inv", ("block",), (128, 128))
+    assert quantization_format({"quantization_config": {**DEEPSEEK, "weight_block_size": [64, 32]}}).block_size == \
+        (64, 32)
     no_method = {k: v for k, v in DEEPSEEK.items() if k != "quant_method"}
     assert quantization_format({"quantization_config": no_method}).method == "fp8"
     channel = quantization_format({"quantization_config": COMPRESSED_TENSORS})
@@ -70,11 +73,13 @@ STATIC = {**COMPRESSED_TENSORS, "config_groups": {"group_0": {
     (compressed("channel", symmetric=False), "config_groups.group_0.weights.symmetric False is not served"),
     (STATIC, "quantization_config.config_groups.group_0.input_activations False is not served (static activation "
              "scales would change the numerics)"),
-    ({**COMPRESSED_TENSORS, "kv_cache_scheme": {"type": "float", "num_bits": 8}}, "quantization_config.kv_cache_scheme"),
+    ({**COMPRESSED_TENSORS, "kv_cache_scheme": {"type": "float", "num_bits": 8}},
+     "quantization_config.kv_cache_scheme"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quantization_config.quant_method 'modelopt' is not served"),
     ({"quant_method": "gptq", "bits": 4}, "quantization_config.quant_method 'gptq' is not served"),
-    ({**DEEPSEEK, "activation_scheme": "static"}, "quantization_config.activation_scheme 'static' is not served (static "
-                                                  "activation scales would change the numerics)"),
+    ({**DEEPSEEK, "activation_scheme": "static"},
+     "quantization_config.activation_scheme 'static' is not served (static activation scales would change the "
+     "numerics)"),
     ({**DEEPSEEK, "fmt": "e5m2"}, "quantization_config.fmt 'e5m2' is not served"),
 ])
 def test_unserved_formats_are_refused_naming_the_field(qc, message):
@@ -98,6 +103,7 @@ def test_the_daemon_refuses_them_in_one_line_and_creates_nothing(tiny_checkpoint
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "UnsupportedQuantization" in lines[0] and f"quantization_config.{field} {qc[field]!r}" in lines[0]
+    assert len(lines) == 1 and "UnsupportedQuantization" in lines[0]
+    assert f"quantization_config.{field} {qc[field]!r}" in lines[0]
     assert os.path.join(folder, "config.json") in lines[0]
     assert not glob.glob(f"/dev/shm/{namespace}*")

@@ -197,15 +197,19 @@ BAD_CHECKPOINTS = [
     ("truncated-shard", lambda f: _truncate(f, EXPERT), ShardFormatError, "past the end"),
     ("header-offsets-past-end", lambda f: _set_entry(f, EXPERT, data_offsets=[0, 10**12]), ShardFormatError, EXPERT),
     ("header-overlap", lambda f: _set_entry(f, EXPERT, data_offsets=[0, 200 * 320]), ShardFormatError, "overlaps"),
-    ("header-bad-json", lambda f: rewrite_header(_shard_of(f, EXPERT), lambda h: None) or _corrupt_json(_shard_of(f, EXPERT)),
+    ("header-bad-json",
+     lambda f: rewrite_header(_shard_of(f, EXPERT), lambda h: None) or _corrupt_json(_shard_of(f, EXPERT)),
      ShardFormatError, "not valid JSON"),
     ("index-not-json", lambda f: _index_json(f, "{not json"), CheckpointError, "model.safetensors.index.json"),
-    ("index-names-absent", lambda f: _index_json(f, json.dumps({"weight_map": {**weight_map(f), "ghost.weight": weight_map(f)[EXPERT]}})),
+    ("index-names-absent",
+     lambda f: _index_json(f, json.dumps({"weight_map": {**weight_map(f), "ghost.weight": weight_map(f)[EXPERT]}})),
      MissingTensorError, "ghost.weight"),
     ("fp8-without-scale", lambda f: _drop_tensor(f, SCALE), ScaleError, EXPERT),
     ("scale-wrong-shape", lambda f: _write_scale(f, SCALE, torch.ones(1, 3)), ScaleError, "expected [2, 3]"),
-    ("scale-wrong-dtype", lambda f: _write_scale(f, SCALE, torch.ones(2, 3, dtype=torch.float64)), ScaleError, "float32"),
-    ("scale-nan", lambda f: _write_scale(f, SCALE, torch.tensor([[1.0, float("nan"), 1.0], [1.0, 1.0, 1.0]])), ScaleError, SCALE),
+    ("scale-wrong-dtype", lambda f: _write_scale(f, SCALE, torch.ones(2, 3, dtype=torch.float64)), ScaleError,
+     "float32"),
+    ("scale-nan", lambda f: _write_scale(f, SCALE, torch.tensor([[1.0, float("nan"), 1.0], [1.0, 1.0, 1.0]])),
+     ScaleError, SCALE),
     ("scale-inf", lambda f: _write_scale(f, SCALE, torch.full((2, 3), float("inf"))), ScaleError, "non-finite"),
     ("scale-zero", lambda f: _write_scale(f, SCALE, torch.zeros(2, 3)), ScaleError, "non-positive"),
     ("unsupported-dtype", lambda f: _set_entry(f, EXPERT, dtype="C64"), UnsupportedDtypeError, "C64"),
@@ -228,7 +232,8 @@ def _corrupt_json(path):
         f.write(b"#")
 
 
-@pytest.mark.parametrize("break_it, error, names", [row[1:] for row in BAD_CHECKPOINTS], ids=[row[0] for row in BAD_CHECKPOINTS])
+@pytest.mark.parametrize("break_it, error, names", [row[1:] for row in BAD_CHECKPOINTS],
+                         ids=[row[0] for row in BAD_CHECKPOINTS])
 def test_bad_checkpoint_is_a_typed_error_naming_the_problem(ckpt, break_it, error, names):
     break_it(ckpt)
     with pytest.raises(error) as info:

@@ -13,7 +13,8 @@ class PerExpertMoE(nn.Module):
     def __init__(self, experts=3, hidden=8, inter=4):
         super().__init__()
         self.experts = nn.ModuleList(
-            nn.ModuleDict({"gate_proj": nn.Linear(hidden, inter, bias=False), "up_proj": nn.Linear(hidden, inter, bias=False),
+            nn.ModuleDict({"gate_proj": nn.Linear(hidden, inter, bias=False),
+                           "up_proj": nn.Linear(hidden, inter, bias=False),
                            "down_proj": nn.Linear(inter, hidden, bias=False)})
             for _ in range(experts)
         )
@@ -112,6 +113,7 @@ def test_fused_model_refuses_parts_of_the_wrong_shape(tiny_checkpoint):
     from helpers.reference import reference_tensors
 
     views = reference_tensors(tiny_checkpoint)
-    views["model.layers.1.mlp.experts.0.gate_proj.weight"] = views["model.layers.1.mlp.experts.0.gate_proj.weight"][:100]
+    gate = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    views[gate] = views[gate][:100]
     with pytest.raises(RestoreError, match=r"experts.0.gate_proj.weight' of shape \[100, 320\] cannot be part of"):
         restore(_tiny_v3_model(), views)

@@ -48,10 +48,12 @@ def curve_settings(keys, port: int, **extra) -> dict:
 
 @pytest.mark.parametrize("extra, message", [
     ({"endpoint": "tcp://0.0.0.0:5555", "auth_token": TOKEN}, "without encryption; set curve_secret_key"),
-    ({"push_token": TOKEN, "auth_token": TOKEN}, "push_token must be a string of at least 16 characters, not the auth_token"),
+    ({"push_token": TOKEN, "auth_token": TOKEN},
+     "push_token must be a string of at least 16 characters, not the auth_token"),
     ({"curve_push_keys": "/tmp"}, "apply to tcp:// endpoints"),
     ({"endpoint": "tcp://127.0.0.1:5555", "curve_push_keys": "/tmp"}, "need curve_secret_key"),
-    ({"endpoint": "tcp://127.0.0.1:5555", "curve_secret_key": "/nonexistent.key_secret"}, "not a readable ZeroMQ key file"),
+    ({"endpoint": "tcp://127.0.0.1:5555", "curve_secret_key": "/nonexistent.key_secret"},
+     "not a readable ZeroMQ key file"),
 ])
 def test_security_settings_are_checked(tmp_path, extra, message):
     with pytest.raises(ConfigError) as err:
@@ -83,7 +85,8 @@ def test_read_credential_cannot_push_over_ipc(tiny_checkpoint, start_daemon):
 
 def test_curve_keys_decide_who_connects_and_who_pushes(tiny_checkpoint, start_daemon, keys, tmp_path):
     port = free_port()
-    d = start_daemon(tiny_checkpoint, wait=False, **curve_settings(keys, port, curve_client_keys=str(keys["root"] / "readers")))
+    d = start_daemon(tiny_checkpoint, wait=False,
+                     **curve_settings(keys, port, curve_client_keys=str(keys["root"] / "readers")))
     # the CLI on the daemon's host presents the daemon's own key (read from the config's key file)
     done = subprocess.run(expertd_cmd("status", "--config", d.config, "--wait", "120"), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -115,7 +118,8 @@ def test_trainer_key_pushes_over_curve(tiny_checkpoint, start_daemon, keys):
         experts = reader.served_tensors()[block].clone()
     assert experts.nbytes > 1 << 20  # several frames, each encrypted: under the per-frame cap with CURVE's overhead
     pushed = {"model.norm.weight": norm * 2, block: experts * 2}
-    assert push_all([d.endpoint], pushed, server_key=keys["daemon"][0], client_key=keys["trainer"][1]) == {d.endpoint: 2}
+    assert push_all([d.endpoint], pushed, server_key=keys["daemon"][0], client_key=keys["trainer"][1]) == \
+        {d.endpoint: 2}
     with ExpertClient(d.endpoint, server_key=keys["daemon"][0]) as reader:
         assert torch.equal(reader.tensors()["model.norm.weight"], norm * 2)
         assert torch.equal(reader.served_tensors()[block], experts * 2)

@@ -36,7 +36,8 @@ def needs_root_and_unshare():
 
 def worktree_files() -> set[str] | None:
     """Untracked files of the checkout (None outside a git checkout)."""
-    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True,
+                         text=True)
     return set(out.stdout.splitlines()) if out.returncode == 0 else None
 
 
@@ -175,7 +176,8 @@ def served_from_huge_pages(tmp_path, tiny_checkpoint, namespace, kind):
     # an update writes its new segment there; the old generation's replaced segment goes when it retires
     old, new = seen["update_segments"]
     assert seen["update_generation"] == 2 and seen["generation_after_refresh"] == 2 and old != new
-    assert ".2." in new and new.lstrip("/") in seen["files_after_update"] and old.lstrip("/") in seen["files_after_update"]
+    assert ".2." in new
+    assert new.lstrip("/") in seen["files_after_update"] and old.lstrip("/") in seen["files_after_update"]
     assert not any(".u" in name for name in seen["files_after_update"])  # the staging segment went after commit
     assert old.lstrip("/") not in seen["files_after_retire"] and new.lstrip("/") in seen["files_after_retire"]
 

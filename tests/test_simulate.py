@@ -29,7 +29,8 @@ def by_hand(model, fmt: str, pattern: str) -> dict:
 
     out = {}
     for name, module in model.named_modules():
-        if not fnmatch.fnmatchcase(name, pattern) or not (isinstance(module, nn.Linear) or "experts" in name.rsplit(".", 1)[-1]):
+        if not fnmatch.fnmatchcase(name, pattern) \
+                or not (isinstance(module, nn.Linear) or "experts" in name.rsplit(".", 1)[-1]):
             continue
         for pname, p in module.named_parameters(recurse=False):
             mats = [p[e] for e in range(p.shape[0])] if p.dim() == 3 else [p]
@@ -106,9 +107,11 @@ def test_environment_simulates_load_model_and_capture_records_it(served, tiny_ch
     assert client.verify() == []
     folder = tmp_path / "cap" / f"pid{os.getpid()}"
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert manifest["simulation"] == {"weights": "mxfp4_e2m1", "activations": "hif8", "modules": [EXPERTS], "simulated": 2}
+    assert manifest["simulation"] == {"weights": "mxfp4_e2m1", "activations": "hif8", "modules": [EXPERTS],
+                                      "simulated": 2}
     names = os.listdir(folder)
-    assert "000001_L01_mlp.experts_forward_input_sim-w-mxfp4_e2m1.a-hif8.safetensors" not in names  # experts: not hooked
+    # experts: not hooked
+    assert "000001_L01_mlp.experts_forward_input_sim-w-mxfp4_e2m1.a-hif8.safetensors" not in names
     assert "000001_L01_mlp.shared_experts.down_proj_forward_input.safetensors" in names  # not simulated: no tag
 
 

@@ -27,7 +27,8 @@ WORKER = textwrap.dedent(
         client.restore(own)
         private = client.private_tensors(model) + client.private_tensors(own)
         with torch.no_grad():
-            out = {name: m(ids).logits for name, m in (("load_model", model), ("restore", own), ("from_pretrained", ref))}
+            out = {name: m(ids).logits
+                   for name, m in (("load_model", model), ("restore", own), ("from_pretrained", ref))}
         print(json.dumps({
             "transformers": transformers.__version__,
             "names": sorted(n for n, _ in model.named_parameters()),

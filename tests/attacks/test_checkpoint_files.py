@@ -110,5 +110,6 @@ def test_symlinked_shards_are_followed_to_regular_files(tiny_checkpoint, tmp_pat
     shard = next(n for n in os.listdir(snapshot) if n.endswith(".safetensors"))
     os.unlink(snapshot / shard)
     os.symlink("/dev/null", snapshot / shard)
-    with pytest.raises(NotRegularFileError, match=f"shard is a symlink to /dev/null, which is a character device.*{shard}"):
+    with pytest.raises(NotRegularFileError,
+                       match=f"shard is a symlink to /dev/null, which is a character device.*{shard}"):
         Checkpoint.open(str(snapshot))

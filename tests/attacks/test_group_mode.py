@@ -29,7 +29,8 @@ import yaml
 from helpers.daemon import DaemonProcess, expertd_cmd, save_config
 
 pytestmark = [pytest.mark.timeout(600),
-              pytest.mark.skipif(os.geteuid() != 0, reason="runs processes as other uids: needs root (setpriv, groupadd)")]
+              pytest.mark.skipif(os.geteuid() != 0,
+                                reason="runs processes as other uids: needs root (setpriv, groupadd)")]
 
 DOCKER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docker")
 WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "group_worker.py")

@@ -211,7 +211,8 @@ def test_socket_folder_of_another_user_is_refused(tiny_checkpoint, namespace, sh
                                 text=True)
     try:
         assert impostor.stdout.readline().strip() == "ready"
-        config = config_in(tmp_path, tiny_checkpoint, namespace, endpoint=f"ipc://{path}", run_dir=str(tmp_path / "run"))
+        config = config_in(tmp_path, tiny_checkpoint, namespace, endpoint=f"ipc://{path}",
+                           run_dir=str(tmp_path / "run"))
         refused(config, "socket folder", os.path.dirname(path), f"uid {NOBODY}", "0755")
         assert os.stat(path).st_uid == NOBODY  # the impostor's socket is left as it was
     finally:

@@ -3,7 +3,8 @@
 libzmq caps each frame (MAXMSGSIZE = MAX_MESSAGE_BYTES on the daemon's socket: a larger frame disconnects its
 peer) but not a message's frame count; the daemon refuses a request of more frames or bytes than any op takes
 right after receiving it, before it decodes a byte (so before the token check), and what it received goes back to
-the system with the refusal (malloc_trim: glibc keeps freed heap otherwise). What a reply or a log line repeats of a client's values is clipped to 120 characters.
+the system with the refusal (malloc_trim: glibc keeps freed heap otherwise). What a reply or a log line repeats of
+a client's values is clipped to 120 characters.
 """
 
 from __future__ import annotations

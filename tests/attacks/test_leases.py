@@ -106,5 +106,6 @@ def test_expired_leases_make_one_log_line_per_sweep(tiny_checkpoint, start_daemo
     assert daemon.status()["leases"] == []
     lines = log_path.read_text().splitlines()
     ended = [line for line in lines if "lease(s) ended" in line]
-    assert 1 <= len(ended) <= 3 and len(lines) < 20, lines  # no line per lease  # 50 leases, silent alike: one sweep ends them (two if they straddle one)
+    # 50 leases, silent alike: one sweep ends them (two if they straddle one); no line per lease
+    assert 1 <= len(ended) <= 3 and len(lines) < 20, lines
     assert sum(int(line.split(" lease(s) ended")[0].rsplit(" ", 1)[-1]) for line in ended) == 50, ended

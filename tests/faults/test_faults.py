@@ -37,14 +37,16 @@ def test_sigkilled_worker_loses_its_lease(tiny_checkpoint, start_daemon, workers
     assert all(lease["age_s"] >= 0 and lease["pid"] > 0 for lease in leases.values())
     doomed.proc.send_signal(signal.SIGKILL)
     doomed.proc.wait()
-    wait_until(lambda: [lease["client"] for lease in daemon.status()["leases"]] == [lease_tag(survivor.hello["lease"])], 10,
+    survivor_tag = lease_tag(survivor.hello["lease"])
+    wait_until(lambda: [lease["client"] for lease in daemon.status()["leases"]] == [survivor_tag], 10,
                "the killed worker's lease to expire")
     assert survivor.ask("digest")["digest"] == survivor.hello["digest"]
 
 
 # --- crashed daemon ------------------------------------------------------------------------
 
-def test_worker_outlives_a_killed_daemon_and_reconnects_to_its_successor(tiny_checkpoint, start_daemon, workers, namespace):
+def test_worker_outlives_a_killed_daemon_and_reconnects_to_its_successor(tiny_checkpoint, start_daemon, workers,
+                                                                          namespace):
     daemon = start_daemon(tiny_checkpoint)
     worker = workers(daemon.endpoint, timeout=2)
     dead_pid = daemon.proc.pid

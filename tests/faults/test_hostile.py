@@ -46,7 +46,8 @@ def random_frame(rng: random.Random) -> bytes:
     if kind == 0:
         return os.urandom(rng.randrange(0, 256))
     if kind == 1:  # a map with a known op but hostile fields (never "stop": that one is allowed to stop it)
-        fields = {k: random_value(rng) for k in rng.sample(["client", "pid", "protocol", "token", "x"], rng.randrange(0, 5))}
+        fields = {k: random_value(rng)
+                  for k in rng.sample(["client", "pid", "protocol", "token", "x"], rng.randrange(0, 5))}
         return msgpack.packb({"op": rng.choice([o for o in OPS if o != "stop"]), **fields}, use_bin_type=True)
     if kind == 2:  # truncated or lying msgpack headers
         return rng.choice([b"\xdf\xff\xff\xff\xff", b"\xdb\x7f\xff\xff\xff", b"\xc6\xff\xff\xff\xff", b"\x93\x01"])
@@ -120,7 +121,8 @@ def test_write_into_a_served_view_kills_only_that_worker(tiny_checkpoint, start_
     vandal.send("write")
     assert vandal.proc.wait(60) == -11  # SIGSEGV: the mapping is read-only
     assert bystander.ask("digest")["digest"] == bystander.hello["digest"]
-    out = subprocess.run(expertd_cmd("verify", "--endpoint", daemon.endpoint), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(expertd_cmd("verify", "--endpoint", daemon.endpoint), capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0 and "all bytes match" in out.stdout
 
 
@@ -143,7 +145,8 @@ def test_verify_names_a_tensor_whose_bytes_changed(tiny_checkpoint, start_daemon
         byte = f.read(1)
         f.seek(entry.offset + 1234)
         f.write(bytes([byte[0] ^ 0x01]))
-    out = subprocess.run(expertd_cmd("verify", "--endpoint", daemon.endpoint), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(expertd_cmd("verify", "--endpoint", daemon.endpoint), capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 1
     assert f"CHANGED  {entry.name}" in out.stdout and "1 changed" in out.stdout
 
@@ -188,10 +191,12 @@ def test_unreadable_checkpoint_folder(tmp_path, tiny_checkpoint):
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
             pytest.fail("setpriv (util-linux) is needed to drop root's permission override")
-        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--inh-caps", "-dac_override,-dac_read_search"]
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search",
+                  "--inh-caps", "-dac_override,-dac_read_search"]
     cfg = write_config(tmp_path, str(ckpt), "unreadable")
     try:
-        out = subprocess.run(prefix + expertd_cmd("start", "--config", cfg), capture_output=True, text=True, timeout=120)
+        out = subprocess.run(prefix + expertd_cmd("start", "--config", cfg), capture_output=True, text=True,
+                             timeout=120)
     finally:
         os.chmod(ckpt, 0o755)
     assert out.returncode == 2

@@ -47,7 +47,8 @@ def main() -> None:
             report["daemon_error"] = waited.stderr
             return
         endpoint = report["loaded"]["endpoint"]
-        worker = [sys.executable, "-m", "torch.distributed.run", "--nnodes", args.nnodes, "--nproc_per_node", args.nproc,
+        worker = [sys.executable, "-m", "torch.distributed.run", "--nnodes", args.nnodes,
+                  "--nproc_per_node", args.nproc,
                   "--node_rank", args.node, "--master_addr", "127.0.0.1", "--master_port", args.port,
                   os.path.join(HERE, "ep_worker.py"), args.out, args.reference, args.namespace]
         if args.reload:

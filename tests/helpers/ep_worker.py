@@ -43,7 +43,8 @@ def reference(folder: str, distributed_config):
 def placements(model) -> dict:
     from torch.distributed.tensor import DTensor
 
-    return {n: [str(p.placements), list(p.to_local().shape)] for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    return {n: [str(p.placements), list(p.to_local().shape)]
+            for n, p in model.named_parameters() if isinstance(p, DTensor)}
 
 
 def in_shm(model, namespace: str, shm_dir: str) -> dict:

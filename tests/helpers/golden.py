@@ -145,12 +145,14 @@ def run_scenario(endpoint: str) -> Recorder:
             client.status()
             reverse = derived.request("model.norm.weight", derived.encode(torch.arange(319, -1, -1)), 320, (320,),
                                       whole=True)
-            conn.send(messages.Gather(client=client.lease, tensors=[reverse]))  # after `status`: live only, its index is binary
+            # after `status`: live only, its index is binary
+            conn.send(messages.Gather(client=client.lease, tensors=[reverse]))
             extra = lease_request(conn, generation=client.generation).client  # a resume
             conn.request("release", client=extra)
             client.update({PUSHED: torch.full((320,), 1.5, dtype=torch.bfloat16)})  # update, commit, job
             client.refresh()
-            push_all([endpoint], {PUSHED: torch.full((320,), 2.5, dtype=torch.bfloat16)}, token=TOKEN)  # commit hold, publish
+            # commit hold, publish
+            push_all([endpoint], {PUSHED: torch.full((320,), 2.5, dtype=torch.bfloat16)}, token=TOKEN)
             tensors = {PUSHED: torch.full((320,), 3.5, dtype=torch.bfloat16)}
             spec = [messages.PushedTensor(name=n, shape=list(t.shape), dtype=str(t.dtype)) for n, t in tensors.items()]
             staging = conn.send(messages.Update(client=client.lease, tensors=spec), messages.UpdateReply)
@@ -168,8 +170,8 @@ def run_scenario(endpoint: str) -> Recorder:
             _expect(VersionMismatch, lambda: conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION - 1))
             _expect(GenerationGone, lambda: conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION,
                                                          generation=99))
-            _expect(VariantRejected, lambda: conn.request("cast", client=client.lease,
-                                                          tensors=[{"name": "model.nope.weight", "dtype": "torch.float32"}]))
+            nope = [{"name": "model.nope.weight", "dtype": "torch.float32"}]
+            _expect(VariantRejected, lambda: conn.request("cast", client=client.lease, tensors=nope))
             _expect(DaemonError, lambda: conn.request("frobnicate"))
             client.close()  # release
             conn.request("stop")
@@ -284,7 +286,8 @@ def build_golden(rec: Recorder, namespace: str, daemon_pid: int, endpoint: str) 
         "optional_keys": list(OPTIONAL_KEYS),
         "token": TOKEN,
         "messages": vectors,
-        "index_segment": {"file": INDEX_BIN.name, "descriptor": {"segment": f"/{NORMAL_NAMESPACE}.{NORMAL_PID}.i1.000", **desc},
+        "index_segment": {"file": INDEX_BIN.name,
+                          "descriptor": {"segment": f"/{NORMAL_NAMESPACE}.{NORMAL_PID}.i1.000", **desc},
                           "index": index.to_dict(), "checkpoint_entries": entries},
     }
     return golden, blob
@@ -301,7 +304,8 @@ def checksum_vectors() -> list[dict]:
     from expertd.index import tensor_checksum
 
     data = torch.arange(256, dtype=torch.uint8).repeat(4)
-    return [{"data": "bytes 0..255 x4", "parts": parts, "checksum": tensor_checksum(data, parts)} for parts in (1, 3, 4, 16)]
+    return [{"data": "bytes 0..255 x4", "parts": parts, "checksum": tensor_checksum(data, parts)}
+            for parts in (1, 3, 4, 16)]
 
 
 def regenerate() -> None:

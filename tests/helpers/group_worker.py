@@ -99,6 +99,7 @@ def outsider(segment: str, socket: str) -> dict:
 if __name__ == "__main__":
     endpoint, role = sys.argv[1], sys.argv[2]
     if role == "owner":  # opened for writing and closed: nothing is changed
-        print(json.dumps({"uid": os.getuid(), "open O_RDWR": attempt(lambda: os.close(os.open(sys.argv[3], os.O_RDWR)))}))
+        print(json.dumps({"uid": os.getuid(),
+                          "open O_RDWR": attempt(lambda: os.close(os.open(sys.argv[3], os.O_RDWR)))}))
     else:
         print(json.dumps(member(endpoint) if role == "member" else outsider(*sys.argv[3:5])), flush=True)

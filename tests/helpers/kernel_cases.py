@@ -13,7 +13,8 @@ from expertd.kernels import scale_shape
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 NAME = "model.layers.3.mlp.experts.7.up_proj.weight"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
@@ -23,7 +24,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, nan_payload: bool = True) -> None:
     """Bit-for-bit, NaN patterns included; nan_payload=False only requires NaN in the same places."""
-    assert got.dtype == want.dtype and got.shape == want.shape, f"{got.dtype} {list(got.shape)} vs {want.dtype} {list(want.shape)}"
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{got.dtype} {list(got.shape)} vs {want.dtype} {list(want.shape)}"
     if not nan_payload:
         nan = torch.isnan(want.float())
         assert torch.equal(torch.isnan(got.float()), nan), "NaN in other places"

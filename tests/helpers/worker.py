@@ -78,7 +78,8 @@ def shm_pages(namespace: str, shm_dir: str) -> dict:
         for line in f:
             parts = line.split()
             if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:
-                current = parts[5] if len(parts) >= 6 and parts[5].startswith(segment_prefix(namespace, shm_dir)) else None
+                ours = len(parts) >= 6 and parts[5].startswith(segment_prefix(namespace, shm_dir))
+                current = parts[5] if ours else None
                 if current:
                     files.add(current)
                     perms.add(parts[1])
@@ -125,7 +126,8 @@ def model_report(client: ExpertClient, namespace: str, save_dir: str | None) -> 
         from safetensors.torch import save_file
 
         logits = forward_logits(model, INPUT_IDS)
-        save_file({k: v.contiguous() for k, v in client.tensors().items()}, os.path.join(save_dir, "tensors.safetensors"))
+        save_file({k: v.contiguous() for k, v in client.tensors().items()},
+                  os.path.join(save_dir, "tensors.safetensors"))
         torch.save(logits, os.path.join(save_dir, "logits.pt"))
     touched = sum(float(v.float().abs().sum()) for v in client.served_tensors().values())
     return {
