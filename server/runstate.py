@@ -37,6 +37,8 @@ from .ledger import LEDGER_VERSION
 
 log = logging.getLogger("expertd.runstate")
 
+SHOWN = 5  # names a log line shows of the files of other users it leaves alone (anyone may plant thousands)
+
 
 class NamespaceBusy(ExpertdError, RuntimeError):
     """Another live daemon already serves this namespace."""
@@ -204,9 +206,10 @@ class RunState:
             if unlink_segment(name, shm_dir):
                 reaped.append(name)
         if foreign:
-            log.warning("leaving %d file(s) named like segments of namespace %r in %s alone: another user owns them "
-                        "(this daemon runs as uid %d): %s", len(foreign), self.namespace, shm_dir, os.geteuid(),
-                        ", ".join(foreign))
+            more = f" and {len(foreign) - SHOWN} more" if len(foreign) > SHOWN else ""
+            log.warning("leaving %d file(s) named like segments of namespace %r in %s alone: another user owns "
+                        "them (this daemon runs as uid %d): %s%s", len(foreign), self.namespace, shm_dir, os.geteuid(),
+                        ", ".join(foreign[:SHOWN]), more)
         if reaped and self.handover_from is not None:  # a planned restart: what is not served again (index segments)
             log.info("handover from pid %s: removed %d segment(s) it left that this daemon makes anew or does not "
                      "serve: %s", self.handover_from, len(reaped), ", ".join(reaped))
