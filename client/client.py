@@ -22,7 +22,7 @@ from .hooks import run_model_hooks
 from .parallel import bind_sharded, check_partition
 from .quiet import attaching
 from .restore import restore
-from .variants import derive, fetch, log_casts
+from .variants import check_bytes, derive, fetch, log_casts
 from .views import IndexViews
 
 log = logging.getLogger("expertd.client")
@@ -342,6 +342,7 @@ class ExpertClient:
             index = self.index()
             self._segments = map_segments(index.segments, writable=self.copy_on_write, shm_dir=index.shm_dir)
         return self._segments
+        check_bytes([view(self._segments, e) for e in entries], entries)  # each the derivation asked for too
 
     def _announce(self) -> None:
         """Call `on_update` with each newer generation's number, in order, none skipped (on the heartbeat thread:

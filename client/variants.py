@@ -8,12 +8,19 @@ mapped read-only like any segment. Only a daemon that cannot make variants leave
 from __future__ import annotations
 
 import logging
+import time
 
 from expertd import messages
+from expertd.derived import Gather, cast_key
 from expertd.errors import DaemonError, GenerationGone, ProtocolError, VariantRejected
-from expertd.index import TensorEntry, TensorIndex
+from expertd.index import TensorEntry, TensorIndex, tensor_checksum
 
 log = logging.getLogger("expertd.client")
+
+# A derived tensor of at most this many bytes is checksummed once mapped (xxh3: a few ms); larger ones are trusted by
+# their name (a digest of this client's own request over the served bytes' checksums) and their segment (the
+# daemon's own file, created O_EXCL, owner-checked when mapped), as served tensors are until verify().
+VERIFY_BYTES = 64 << 20
 
 
 def fetch(conn, lease: str, index: TensorIndex, need: dict[str, tuple[str, str]]) -> list[TensorEntry]:
@@ -21,19 +28,24 @@ def fetch(conn, lease: str, index: TensorIndex, need: dict[str, tuple[str, str]]
     requests as `messages.MAX_ITEMS` allows, on the index's generation; [] when the daemon makes none (an older
     daemon: said once, copies follow)."""
     asked = list(dict.fromkeys(need.values()))
-    entries = []
+    answered = []
     try:
         for at in range(0, len(asked), messages.MAX_ITEMS):  # the most one request names
             items = [messages.CastItem(name=name, dtype=dtype) for name, dtype in asked[at:at + messages.MAX_ITEMS]]
-            reply = conn.send(messages.Cast(client=lease, generation=index.generation, tensors=items),
-                              messages.VariantReply)
-            entries += _entries(reply)
+            answered.append(_ask(conn, messages.Cast(client=lease, generation=index.generation, tensors=items)))
     except (VariantRejected, GenerationGone):
         raise
     except (DaemonError, ProtocolError) as exc:
         log.warning("the daemon made no dtype variants (%s: %s): %d tensor(s) become private copies",
                     type(exc).__name__, exc, len(need))
         return []
+    served = {t.name: t for t in index.tensors}
+    names = [None if name not in served else "" if served[name].dtype == dtype else cast_key(served[name], dtype)
+             for name, dtype in asked]
+    entries = []
+    for k, reply in enumerate(answered):  # each entry the cast asked for, else refused (not a private copy)
+        at = k * messages.MAX_ITEMS
+        entries += _entries(reply, names[at:at + messages.MAX_ITEMS], index)
     if [(e.name, e.dtype) for e in entries] != asked:
         raise ProtocolError(f"the daemon's variants {[(e.name, e.dtype) for e in entries][:4]} do not answer the "
                             f"request {asked[:4]}")
@@ -60,18 +72,58 @@ def log_casts(model, dtype, index: TensorIndex, views, need: dict) -> None:
 
 def derive(conn, lease: str, index: TensorIndex, items: list[messages.GatherItem]) -> list[TensorEntry]:
     """The derived tensors `items` asks for (`expertd.derived.request`), of the index's generation, in order: made by
-    the daemon once per host (VariantRejected names what it refused)."""
-    reply = conn.send(messages.Gather(client=lease, generation=index.generation, tensors=items), messages.VariantReply)
-    entries = _entries(reply)
+    the daemon once per host (VariantRejected names what it refused), each checked to be the derivation asked for."""
+    reply = _ask(conn, messages.Gather(client=lease, generation=index.generation, tensors=items))
+    served, names = {t.name: t for t in index.tensors}, []
+    for item in items:  # what each answer must be: computed from this client's own request and index
+        sources = [served.get(n) for n in (item.name, *(item.also or ()))]
+        if any(s is None for s in sources):
+            raise ProtocolError(f"the daemon answered a derivation of {item.name!r}, which this index does not serve")
+        gather = Gather(item, list(sources[0].shape), "", [list(s.shape) for s in sources[1:]])
+        names.append(gather.key(sources))
+    entries = _entries(reply, names, index)
     if [(e.name, list(e.shape)) for e in entries] != [(i.name, list(i.shape)) for i in items]:
         raise ProtocolError(f"the daemon's derived tensors {[(e.name, e.shape) for e in entries][:4]} do not answer "
                             f"the request {[i.name for i in items][:4]}")
     return entries
 
 
-def _entries(reply) -> list[TensorEntry]:
+def _ask(conn, request):
+    """Send a cast or gather until the daemon answers it: a large one is made off its request loop meanwhile (the
+    reply says `building`), and the same request asked again is answered once made."""
+    wait = 0.01
+    while True:
+        reply = conn.send(request, messages.VariantReply)
+        if not reply.building:
+            return reply
+        time.sleep(wait)
+        wait = min(wait * 2, 0.25)
+
+
+def _entries(reply, names: list, index: TensorIndex) -> list[TensorEntry]:
+    """The reply's entries, each checked to be the derivation asked for: its `derivation` is the name this client
+    computed from its own request and the index's checksums (a served tensor that is its own variant: that entry)."""
     try:
-        return [TensorEntry(t["name"], t["segment"], t["offset"], t["nbytes"], list(t["shape"]), t["dtype"],
-                            checksum=t.get("checksum")) for t in reply.tensors]
-    except (KeyError, TypeError) as exc:
+        entries = [TensorEntry(t["name"], t["segment"], t["offset"], t["nbytes"], list(t["shape"]), t["dtype"],
+                               checksum=t.get("checksum")) for t in reply.tensors]
+        got = [t.get("derivation", "") for t in reply.tensors]
+    except (KeyError, TypeError, AttributeError) as exc:
         raise ProtocolError(f"the daemon's reply to a cast or gather: malformed entry ({exc})") from exc
+    if len(entries) != len(names):
+        raise ProtocolError(f"the daemon answered {len(entries)} derived tensor(s) for {len(names)} asked")
+    served = {(t.segment, t.offset, t.nbytes, t.dtype) for t in index.tensors}
+    for entry, name, want in zip(entries, got, names):
+        if want == "" and (entry.segment, entry.offset, entry.nbytes, entry.dtype) in served:
+            continue
+        if not want or name != want:
+            raise ProtocolError(f"the daemon's {entry.name!r} is derivation {str(name)[:80]!r}, not the "
+                                f"{str(want)[:80]!r} this client asked for: refused (nothing of it mapped)")
+    return entries
+
+
+def check_bytes(tensors, entries: list[TensorEntry]) -> None:
+    """Each mapped derived tensor of at most VERIFY_BYTES checked against the reply's checksum (see VERIFY_BYTES)."""
+    for t, e in zip(tensors, entries):
+        if e.checksum and e.nbytes <= VERIFY_BYTES and tensor_checksum(t) != e.checksum:
+            raise ProtocolError(f"the derived tensor {e.name!r} in {e.segment} does not match its checksum "
+                                f"{e.checksum}: refused")

@@ -10,21 +10,58 @@ The daemon makes the bytes from its own served bytes: a client can ask for a rea
 never put bytes of its own into shared memory. The index travels deflated as int32 differences (a packing's
 index is regular: a few kilobytes per expert shape); one request carries each distinct index once.
 
+A derivation is named by a cryptographic digest of its whole canonical request (`key`): its kind, dtype, the
+sources' identity (name, dtype, shape and the checksum of their served bytes, as the index carries it), the derived
+shape, the blocks and the inflated index. Nobody can store other bytes under a name: a name is the digest of what
+it names, and a client recomputes it from its own request and index (`client/variants.py`).
+
+The index is inflated, checked and gathered in chunks of CHUNK entries (`chunks`, `gather_into`): the daemon's
+memory beyond the derived bytes stays a few MiB whatever the index's length or the number of sources.
+
 Client-safe: torch is imported by the functions that compute, not by this module (the daemon's control plane
 imports it).
 """
 
 from __future__ import annotations
 
-import functools
+import bisect
+import hashlib
+import json
 import math
 import zlib
-
-import xxhash
 
 from .errors import VariantRejected
 from .message_types import ABSENT
 from .messages import GatherItem
+
+CHUNK = 1 << 17  # index entries inflated, checked and gathered at a time (512 KiB of int32 differences)
+KEY_PREFIX = "blake2b:"
+
+
+def source_identity(entry) -> list:
+    """What a derivation says of one source (an index entry): name, dtype, shape and its served bytes' checksum."""
+    return [entry.name, entry.dtype, [int(s) for s in entry.shape], entry.checksum or ""]
+
+
+def key(header: dict, index_chunks=()) -> str:
+    """The name of a derivation: BLAKE2b-256 of its canonical header (sorted compact JSON, which holds no NUL),
+    a NUL, then the inflated index's bytes."""
+    digest = _digest(header)
+    for chunk in index_chunks:
+        digest.update(chunk)
+    return KEY_PREFIX + digest.hexdigest()
+
+
+def _digest(header: dict):
+    digest = hashlib.blake2b(digest_size=32, person=b"expertd.derive")
+    digest.update(json.dumps(header, sort_keys=True, separators=(",", ":")).encode())
+    digest.update(b"\0")
+    return digest
+
+
+def cast_key(source, dtype: str) -> str:
+    """The name of served tensor `source` (an index entry) cast to `dtype`."""
+    return key({"kind": "cast", "v": 1, "dtype": dtype, "sources": [source_identity(source)]})
 
 
 def encode(index) -> bytes:
@@ -62,60 +99,112 @@ class Gather:
         self.name, self.length, self.shape, self.blocks = name, length, tuple(shape), blocks
         self.source_block = (math.prod(source_shape) + sum(math.prod(s) for s in also)) // blocks
         self.deflated = item.index
-        self._index = None
 
-    def raw(self) -> bytes:
-        """The inflated int32 differences, exactly `length` of them (a deflate bomb stops at that size, which is at
-        most twice the source block: padding never doubles a block)."""
-        if self._index is None:
-            if self.length > 2 * self.source_block:
-                raise VariantRejected(f"op 'gather': a gather of {self.name!r} into blocks of {self.length} elements: "
-                                      f"at most twice the served block's {self.source_block}")
-            inflater = zlib.decompressobj()
-            try:
-                raw = inflater.decompress(self.deflated, 4 * self.length + 1)
-            except zlib.error as exc:
-                raise VariantRejected(f"op 'gather': the gather index for {self.name!r} is not deflated data "
-                                      f"({exc})") from None
-            if len(raw) != 4 * self.length or not inflater.eof or inflater.unconsumed_tail:
-                raise VariantRejected(f"op 'gather': the gather index for {self.name!r} does not inflate to "
-                                      f"{self.length} int32 differences")
-            self._index = raw
-        return self._index
+    def differences(self, chunk: int = CHUNK):
+        """The inflated int32 differences, `chunk` at a time (bytes of 4 * chunk at most), exactly `length` of them:
+        a deflate bomb stops at that size, one short or over is refused."""
+        if self.length > 2 * self.source_block:
+            raise VariantRejected(f"op 'gather': a gather of {self.name!r} into blocks of {self.length} elements: "
+                                  f"at most twice the served block's {self.source_block}")
+        inflater, data, left, carry = zlib.decompressobj(), self.deflated, 4 * self.length, b""
+        try:
+            while left:
+                raw = inflater.decompress(data, min(left, 4 * chunk))
+                data = inflater.unconsumed_tail
+                if not raw:
+                    break
+                left -= len(raw)
+                raw, cut = carry + raw, (len(carry) + len(raw)) // 4 * 4
+                carry = raw[cut:]
+                yield raw[:cut]
+            more = inflater.decompress(data, 1) if not inflater.eof else b""
+        except zlib.error as exc:
+            raise VariantRejected(f"op 'gather': the gather index for {self.name!r} is not deflated data "
+                                  f"({exc})") from None
+        if left or more or not inflater.eof or inflater.unconsumed_tail:
+            raise VariantRejected(f"op 'gather': the gather index for {self.name!r} does not inflate to "
+                                  f"{self.length} int32 differences")
 
-    @functools.cached_property
-    def key(self) -> str:
-        """What names this derivation: the inflated index, the derived shape, the further sources and the blocks."""
-        digest = xxhash.xxh3_128(self.raw())
-        digest.update(repr((self.shape, self.also, self.blocks)).encode())
-        return f"gather:{digest.hexdigest()}"
+    def header(self, sources: list) -> dict:
+        """The canonical request this gather is (`sources`: the index entries of `name`, then of `also`)."""
+        return {"kind": "gather", "v": 1, "dtype": sources[0].dtype, "sources": [source_identity(e) for e in sources],
+                "shape": list(self.shape), "blocks": self.blocks, "length": self.length}
 
-    def index(self):
-        """The index as an int64 tensor, checked to lie in [-1, source block) (torch: the daemon's making step)."""
+    def key(self, sources: list) -> str:
+        """This derivation's name (inflating the index once, chunk by chunk; no torch)."""
+        return key(self.header(sources), self.differences())
+
+    def chunks(self, check: bool = False, digest=None):
+        """(start, int64 tensor of entries) for each chunk of the index; with `check`, every entry checked to lie in
+        [-1, source block) (entry by entry: a running sum cannot wrap past a check); `digest` is fed the raw bytes."""
         import torch
 
-        index = torch.frombuffer(bytearray(self.raw()), dtype=torch.int32).to(torch.int64).cumsum(0)
-        lo, hi = int(index.min()), int(index.max())
-        if lo < -1 or hi >= self.source_block:
-            raise VariantRejected(f"op 'gather': the gather index for {self.name!r} holds {lo if lo < -1 else hi}, "
-                                  f"outside [-1, {self.source_block}) (the served block's elements)")
-        return index
+        at, carry = 0, 0
+        for raw in self.differences():
+            if digest is not None:
+                digest.update(raw)
+            index = torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64).cumsum(0).add_(carry)
+            if check:
+                lo, hi = int(index.min()), int(index.max())
+                if lo < -1 or hi >= self.source_block:
+                    raise VariantRejected(f"op 'gather': the gather index for {self.name!r} holds "
+                                          f"{lo if lo < -1 else hi}, outside [-1, {self.source_block}) (the served "
+                                          f"block's elements)")
+            carry = int(index[-1])
+            yield at, index
+            at += index.numel()
+
+    def checked_key(self, sources: list) -> str:
+        """Check every entry of the index (chunk by chunk) and return the name: the one pass before anything is made."""
+        digest = _digest(self.header(sources))
+        for _ in self.chunks(check=True, digest=digest):
+            pass
+        return KEY_PREFIX + digest.hexdigest()
 
 
-def gather_into(out, source, gather: Gather, chunk_bytes: int = 64 << 20, also=()) -> None:
-    """Fill `out` (the derived tensor) from `source` (the served tensor; `also`: the others, concatenated after it)
-    by `gather`, a few blocks at a time."""
+def gather_into(out, sources: list, gather: Gather, should_stop=None) -> None:
+    """Fill `out` (the derived tensor) from `sources` (the served tensors: the first, then `also`, read where they
+    lie, never concatenated) by `gather`, one index chunk at a time; `should_stop()` is asked between chunks."""
     import torch
 
-    if also:
-        source = torch.cat([source.reshape(-1), *(t.reshape(-1) for t in also)])
-    index = gather.index()
-    pad = index < 0
-    take = index.clamp(min=0)
-    src, dst = source.reshape(gather.blocks, -1), out.view(gather.blocks, -1)
-    step = max(1, chunk_bytes // max(1, gather.length * source.element_size()))
-    for b in range(0, gather.blocks, step):
-        part = src[b:b + step].index_select(1, take)
-        if bool(pad.any()):
-            part[:, pad] = 0
-        dst[b:b + step].copy_(part)
+    m, flat = gather.length, out.view(-1)
+    if gather.blocks > 1:
+        pieces, starts = [sources[0].reshape(gather.blocks, -1)], [0]
+    else:
+        pieces = [s.reshape(-1) for s in sources]
+        starts = [0]
+        for p in pieces[:-1]:
+            starts.append(starts[-1] + p.numel())
+    for at, index in gather.chunks():
+        if should_stop is not None and should_stop():
+            raise InterruptedError("the daemon is stopping")
+        pad = index < 0
+        take = index.clamp_(min=0)
+        padded = bool(pad.any())
+        for b in range(gather.blocks):
+            dst = flat[b * m + at: b * m + at + take.numel()]
+            if gather.blocks > 1:
+                torch.index_select(pieces[0][b], 0, take, out=dst)
+            else:
+                _from_pieces(dst, pieces, starts, take)
+            if padded:
+                dst.masked_fill_(pad, 0)
+
+
+def _from_pieces(dst, pieces: list, starts: list[int], take) -> None:
+    """dst[j] = the concatenation of `pieces` (starting at `starts`) at take[j], reading each piece where it lies."""
+    import torch
+
+    lo, hi = int(take.min()), int(take.max())
+    k = bisect.bisect_right(starts, lo) - 1
+    if hi < starts[k] + pieces[k].numel():  # the chunk reads one piece (a regular index: the usual case)
+        torch.index_select(pieces[k], 0, take - starts[k], out=dst)
+        return
+    which = torch.bucketize(take, torch.tensor(starts[1:], dtype=torch.int64), right=True)
+    order = torch.argsort(which, stable=True)
+    at = 0
+    for k, count in enumerate(torch.bincount(which, minlength=len(pieces)).tolist()):
+        if count:
+            sel = order[at:at + count]
+            dst[sel] = pieces[k][take[sel] - starts[k]]
+            at += count

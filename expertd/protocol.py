@@ -49,7 +49,7 @@ MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES + STAGE_MESSAGE_BYTES + 4096
 ERRORS = {cls.__name__: cls for cls in (
     errors.NotReady, errors.LeaseExpired, errors.LeaseLimit, errors.Busy, errors.GenerationLimit, errors.GenerationGone,
     errors.UpdateRejected, errors.PushDenied, errors.PermissionDenied, errors.AuthError, errors.VersionMismatch,
-    errors.VariantRejected,
+    errors.VariantRejected, errors.LeaseRevoked, errors.MappedLimit, errors.DerivedLimit,
 )}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .index import DEFAULT_SHM_DIR
-from .message_types import F, Message
+from .message_types import ABSENT, F, Message
 
 
 @dataclass
@@ -51,6 +51,7 @@ class IndexSegmentReply(Reply):  # `index` with segment, and `refresh`
 class VariantReply(Reply):
     generation: int = F(int, required=True)
     tensors: list = F(list, required=True, items=dict)  # one index entry per requested variant, in request order
+    building: bool = F(bool, ABSENT)  # true: a large request being made off the request loop: ask again (tensors: [])
 
 
 @dataclass
@@ -121,6 +122,7 @@ class StatusReply(Reply):
     expert_parallel: dict | None = F(dict, nil=True)
     leases: list = F(list, items=dict)
     generations: list = F(list, items=dict)
+    derived: dict = F(dict)  # derived tensors: bytes and files (in pages), limits, per reader, the derivation job
     job: JobState | None = F(JobState, nil=True)
     uptime_s: float = F(float)
 

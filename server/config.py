@@ -53,6 +53,11 @@ class DaemonConfig:
     stop_timeout_s: float = 10.0  # a stop waits this long for a build; then it is abandoned and the daemon exits
 
     @property
+    # derived tensors (casts, gathers) readers may leave, in bytes (whole pages) and files: see server/quota.py
+    max_derived_bytes: int | None = None  # the whole daemon's; None: the latest generation's served bytes
+    max_derived_files: int = 4096
+    max_derived_bytes_per_reader: int | None = None  # one uid's (ipc://) or CURVE key's (tcp://); None: the daemon's
+    max_derived_files_per_reader: int | None = None
     def index_path(self) -> str:
         return os.path.join(self.resolved_run_dir, f"{self.namespace}.index.json")
 
@@ -118,9 +123,14 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: namespace {cfg.namespace!r} must be 1-64 of [A-Za-z0-9_.-]")
     if not isinstance(cfg.max_generations, int) or isinstance(cfg.max_generations, bool) or cfg.max_generations < 1:
         raise ConfigError(f"config {source}: max_generations must be an integer >= 1")
-    if not isinstance(cfg.max_leases_per_client, int) or isinstance(cfg.max_leases_per_client, bool) \
-            or cfg.max_leases_per_client < 1:
-        raise ConfigError(f"config {source}: max_leases_per_client must be an integer >= 1")
+    for key in ("max_leases_per_client", "max_leases"):
+        value = getattr(cfg, key)
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
+            raise ConfigError(f"config {source}: {key} must be an integer from 1 to {1 << 20}")
+    if cfg.max_leases < cfg.max_leases_per_client:
+        raise ConfigError(f"config {source}: max_leases ({cfg.max_leases}, every holder together) must be at least "
+                          f"max_leases_per_client ({cfg.max_leases_per_client})")
+    _check_derived(cfg, source)
     if cfg.adopt_verify not in VERIFY_MODES:
         raise ConfigError(f"config {source}: adopt_verify {cfg.adopt_verify!r} must be 'full' (every checksum) or "
                           "'sizes'")
@@ -159,6 +169,17 @@ def check_security(cfg: DaemonConfig, source: str, host: str | None) -> None:
 
     if cfg.push_token is not None and (not isinstance(cfg.push_token, str) or len(cfg.push_token) < 16
                                        or cfg.push_token == cfg.auth_token):
+def _check_derived(cfg: DaemonConfig, source: str) -> None:
+    """The limits on derived tensors: whole numbers of bytes or files (server/quota.py)."""
+    for key in ("max_derived_bytes", "max_derived_files", "max_derived_bytes_per_reader",
+                "max_derived_files_per_reader"):
+        value = getattr(cfg, key)
+        if (value is not None or key == "max_derived_files") and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ConfigError(f"config {source}: {key} must be an integer >= 0" + (
+                "" if key == "max_derived_files" else " (or leave it out: see README \"Config keys\")"))
+
+
         raise ConfigError(f"config {source}: push_token must be a string of at least 16 characters, not the auth_token")
     if cfg.admin_token is not None and (not isinstance(cfg.admin_token, str) or len(cfg.admin_token) < 16
                                         or cfg.admin_token in (cfg.auth_token, cfg.push_token)):

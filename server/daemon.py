@@ -307,6 +307,7 @@ class Daemon:
             expert_parallel=expert_parallel_status(index),
             leases=w.leases.status(now),
             generations=w.gens.status(),
+            derived=w.readers.derivations.status(),
             job=job.report() if job is not None else None,
             uptime_s=round(time.time() - self.started, 3),
         )

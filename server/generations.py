@@ -25,6 +25,7 @@ from .built import Built
 from .leases import Lease, LeaseTable, lease_tag
 
 log = logging.getLogger("expertd.generations")
+LISTED_VARIANTS = 256  # variants a generation's status row lists at most (its `derived` counts them all)
 
 def place_index(index: TensorIndex, group: str | None = None) -> dict:
     """Pack an index into a segment of its own (`/{namespace}.{pid}.i{generation}.000`, same owner and mode
@@ -48,7 +49,7 @@ class Generation:
         self.number = built.index.generation
         self.index_place = index_place  # the index segment's descriptor, as lease replies carry it
         self._reply: tuple[int, bytes] | None = None
-        self.variants: dict[tuple[str, str], object] = {}  # (served name, dtype) -> variants.Variant
+        self.variants: dict[str, object] = {}  # derivation name (`expertd.derived.key`) -> variants.Variant
         self._variant_numbers = itertools.count()
 
     def next_variant(self) -> int:
@@ -198,6 +199,7 @@ class Generations:
             rows.append({
                 "generation": n, "tensors": len(gen.index.tensors), "bytes": gen.nbytes, "bytes_shared_with_latest": shared,
                 "leases": [{"client": lease_tag(lease.client), "pid": lease.pid} for lease in pinned.get(n, [])],
-                "variants": [v.status() for v in gen.variants.values()],
+                "variants": [v.status() for v in itertools.islice(gen.variants.values(), LISTED_VARIANTS)],
+                "derived": {"bytes": sum(v.placed for v in gen.variants.values()), "files": len(gen.variants)},
             })
         return rows

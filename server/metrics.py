@@ -47,6 +47,13 @@ class DaemonMetrics:
                               ["rank"], registry=r)
         self.served_experts = Gauge("expertd_served_experts",
                                     "Experts served per MoE layer's fused tensors, summed over them", registry=r)
+        self.derived_bytes = Gauge("expertd_derived_bytes", "Bytes (whole pages) of derived tensors (casts, gathers)",
+                                   registry=r)
+        self.derived_files = Gauge("expertd_derived_files", "Files of derived tensors (casts, gathers)", registry=r)
+        self.derived_readers = Gauge("expertd_derived_readers", "Readers (uids, CURVE keys) holding derived tensors",
+                                     registry=r)
+        self.derived_limit = Gauge("expertd_derived_limit", "Limits on derived tensors: max_bytes, max_files, ...",
+                                   ["limit"], registry=r)
         self._dtypes: set[str] = set()
         self._seen_generation = None
         self._seen_job = 0
@@ -86,6 +93,12 @@ class DaemonMetrics:
             for rank in ep.ranks if ep is not None else ():
                 self.ep_ranks.labels(str(rank)).set(1)
             self.served_experts.set(sum(t.experts.count for t in latest.index.tensors if t.experts is not None))
+        derived = service.readers.derivations.status()
+        self.derived_bytes.set(derived["bytes"])
+        self.derived_files.set(derived["files"])
+        self.derived_readers.set(len(derived["readers"]))
+        for limit in ("max_bytes", "max_files", "max_bytes_per_reader", "max_files_per_reader", "shm_reserve"):
+            self.derived_limit.labels(limit).set(derived[limit])
         done, total = service.build_progress
         self.load_progress.set(done)
         self.load_total.set(total)

@@ -11,7 +11,7 @@ from expertd import messages, replies
 from expertd.errors import GenerationGone, NotReady
 from expertd.message_types import ABSENT
 
-from . import variants
+from .derivations import Derivations
 from .dispatch import handles
 from .generations import Generation, Generations
 from .leases import LeaseTable, watchable
@@ -21,6 +21,7 @@ from .peers import Peer
 class Readers:
     def __init__(self, cfg, leases: LeaseTable, gens: Generations):
         self.cfg, self.leases, self.gens = cfg, leases, gens
+        self.derivations = Derivations(cfg, gens)  # casts and gathers: checked whole, counted, made off the loop
 
     @handles(messages.Lease)
     def op_lease(self, req: messages.Lease, peer: Peer) -> dict:
@@ -69,17 +70,14 @@ class Readers:
     @handles(messages.Cast)
     def op_cast(self, req: messages.Cast, peer: Peer) -> dict:
         """Dtype variants of served tensors for a worker whose transformers loads them in another dtype: cast once
-        per host into the lease's generation (or `generation`, which must be live), reused by every later ask."""
-        gen = self._generation(req)
-        made = variants.cast(gen, self._others(gen), req.tensors, group=self.cfg.group)
-        return replies.VariantReply(generation=gen.number, tensors=[v.to_wire() for v in made]).wire()
+        per host into the lease's generation (or `generation`, which must be live), reused by every later ask;
+        counted against the sender's quota (`derivations`)."""
+        return self.derivations.ask("cast", self._generation(req), req.tensors, peer)
 
     @handles(messages.Gather)
     def op_gather(self, req: messages.Gather, peer: Peer) -> dict:
         """Served tensors rearranged into an engine's layout (`expertd.derived`), made once per host."""
-        gen = self._generation(req)
-        made = variants.gather(gen, self._others(gen), req.tensors, group=self.cfg.group)
-        return replies.VariantReply(generation=gen.number, tensors=[v.to_wire() for v in made]).wire()
+        return self.derivations.ask("gather", self._generation(req), req.tensors, peer)
 
     def _latest(self) -> Generation:
         if self.gens.latest is None:
@@ -94,6 +92,3 @@ class Readers:
             raise GenerationGone(f"generation {number} is not served any more (live: {sorted(self.gens.live)}): its "
                                  "variants went with it; refresh() and ask again")
         return gen
-
-    def _others(self, gen: Generation) -> list[Generation]:
-        return [g for g in self.gens.live.values() if g is not gen]

@@ -33,7 +33,7 @@ from .runstate import RunState, namespace_segments
 
 # What builds (torch, transformers, the checkpoint reader, the kernels) is imported by the methods that start one,
 # so that serving adopted generations waits for none of it: `loader` and `updates` (see `built`); a variant
-# imports torch only to cast (`variants._cast`).
+# imports torch only to make one (`variants.make`).
 
 log = logging.getLogger("expertd.daemon")
 
@@ -154,6 +154,7 @@ class WeightService:
         self.pushes.sweep()
 
     def _prepare(self, checkpoint: str):
+        self.readers.derivations.tick()
         """`loader.prepare` on a job's thread (importing torch and transformers the first time): until it returns,
         the job has made nothing, and a stop does not wait for it."""
         self._preparing = True
@@ -297,6 +298,7 @@ class WeightService:
         if job is not None and job.built is not None:
             job.built.close()  # built but never published
         for number in list(self.pushes.staging):
+        self.readers.derivations.close()  # a derivation job stops; what it made goes
             self.pushes.drop(number)
         if keep and self.gens.latest is not None:
             segments = self.gens.segments_by_generation()

@@ -4,45 +4,48 @@ engine's layout (`expertd.derived`), made once per host.
 The daemon serves every tensor in the dtype its own transformers loads it as (`expertd.hf_dtypes`). A worker
 on another release may want another dtype for a few tensors (transformers 5.24 keeps DeepSeek-V3's routers in
 float32, 5.23 and 4.57 in bf16). Rather than every such worker making a private copy, it asks the daemon
-(`cast`), which casts the served bytes once into a segment of their own (`/{namespace}.{pid}.v{N}.{k}`,
-owner and mode as any segment), checksums them and hands out the entry; every later worker maps the same
-bytes. A variant belongs to the generation it was asked in: it lives while that generation does (a lease
-on it keeps both), is listed in `status`, and is unlinked when the generation retires. A newer generation
-whose served tensor is the same bytes (same segment and offset) reuses the variant instead of casting again.
+(`cast`), which casts the served bytes once into a segment of their own (`/{namespace}.{pid}.v{N}.…`, owner and
+mode as any segment), checksums them and hands out the entry; every later worker maps the same bytes. A gather
+(`gather`: vLLM's packed experts) rearranges served bytes the same way.
 
-A derived variant (`gather`: vLLM's packed experts) is named by its index and shape instead of a dtype. The
-derived bytes of a generation may total at most its served bytes: a reader cannot fill the host's memory.
+Every variant is named by its derivation (`expertd.derived.key`: a BLAKE2b digest of its canonical request,
+sources' checksums included). A variant belongs to the generation it was asked in: it lives while that generation
+does (a lease on it keeps both), is listed in `status`, and is unlinked when the generation retires. A newer
+generation whose sources are the same bytes reuses it. The request flow, quotas and jobs are `derivations`; this
+module plans a request (cheap checks, nothing inflated), checks it whole (`check`: every index inflated chunk by
+chunk, every name computed) and makes one variant (`make`: streamed from its sources).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from expertd.derived import Gather
+from expertd.derived import Gather, cast_key
 from expertd.errors import VariantRejected
 from expertd.index import TensorEntry, tensor_checksum
 from expertd.messages import VARIANT_DTYPES, CastItem, GatherItem
 
 from .arena import Arena
 
-log = logging.getLogger("expertd.variants")
+ITEMSIZE = {"torch.float16": 2, "torch.bfloat16": 2, "torch.float32": 4, "torch.float64": 8}
 
 
 def same_bytes(entry: TensorEntry) -> tuple:
-    """What a cast is made from: the same bytes wherever these five agree (a newer generation's unchanged tensor)."""
+    """What a variant is made from: the same bytes wherever these five agree (a newer generation's unchanged tensor)."""
     return entry.segment, entry.offset, entry.nbytes, entry.dtype, entry.checksum
 
 
 @dataclass
 class Variant:
-    """A served tensor (`of`, an entry of its generation's index) cast into `entry`."""
+    """A served tensor (`of`, an entry of its generation's index; `also`: further sources) made into `entry`."""
 
     of: TensorEntry
     entry: TensorEntry
-    key: str = ""  # "" for a dtype cast; the derivation's name (`Gather.key`) for a derived tensor
-    also: tuple = ()  # a derived tensor's further sources (entries of the same generation), after `of`
+    key: str = ""  # the derivation's name; "" for a served tensor that is its own variant (a cast to its dtype)
+    also: tuple = ()  # a gather's further sources (entries of the same generation), after `of`
+    owner: str = ""  # the reader whose request made it (what its bytes and file count against)
+    placed: int = 0  # the bytes its segment takes in shm_dir (whole pages of the folder's unit)
 
     def made_of(self) -> tuple:
         """What it is made from: the same bytes wherever these agree (a newer generation's unchanged tensors)."""
@@ -56,13 +59,39 @@ class Variant:
 
     def status(self) -> dict:
         return {"name": self.entry.name, "dtype": self.entry.dtype, "served_dtype": self.of.dtype,
-                "nbytes": self.entry.nbytes, "segment": self.entry.segment,
-                **({"derivation": self.key, "shape": list(self.entry.shape)} if self.key else {})}
+                "nbytes": self.entry.nbytes, "segment": self.entry.segment, "derivation": self.key,
+                "shape": list(self.entry.shape)}
 
 
-def _casts(items: list[CastItem], served: dict[str, TensorEntry], generation: int) -> list[tuple]:
-    """The requested (served entry, dtype, None) triples, checked: every name served and a float tensor (the parser
-    has checked each dtype is a float type)."""
+@dataclass
+class Planned:
+    """One item of a request, looked up and bounded (nothing inflated): its sources, what it makes and its size."""
+
+    entry: TensorEntry  # the (first) source
+    dtype: str  # the derived tensor's dtype
+    shape: list
+    gather: Gather | None = None
+    more: tuple = ()  # a gather's further sources
+    key: str = field(default="", init=False)  # its derivation's name, once `check` has run
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ITEMSIZE.get(self.dtype, 0) if self.gather is None else \
+            math.prod(self.shape) * self.entry.nbytes // max(1, math.prod(self.entry.shape))
+
+    @property
+    def served(self) -> bool:
+        """A cast to the dtype the tensor is served in: the served tensor is its own variant (nothing made)."""
+        return self.gather is None and self.entry.dtype == self.dtype
+
+    @property
+    def entries(self) -> int:
+        """Index entries this item inflates and checks (its share of the work before anything is made)."""
+        return self.gather.length if self.gather is not None else 0
+
+
+def plan_casts(items: list[CastItem], served: dict[str, TensorEntry], generation: int) -> list[Planned]:
+    """The requested casts, checked: every name served and a float tensor (the parser checked each dtype)."""
     out = []
     for item in items:
         entry = served.get(item.name)
@@ -72,14 +101,13 @@ def _casts(items: list[CastItem], served: dict[str, TensorEntry], generation: in
         if entry.dtype not in VARIANT_DTYPES:
             raise VariantRejected(f"{item.name!r} is served as {entry.dtype}: only float tensors have dtype variants "
                                   f"({item.dtype!r} asked)")
-        out.append((entry, item.dtype, None))
+        out.append(Planned(entry, item.dtype, list(entry.shape)))
     return out
 
 
-def _gathers(items: list[GatherItem], served: dict[str, TensorEntry], generation: int, limit: int) -> list[tuple]:
-    """The requested (served entry, key, (Gather, further sources)) triples, checked whole before anything is made:
-    every source served and of one dtype, each gather well-formed for its sources' shapes and no larger than
-    `limit` bytes (checked before its index is inflated)."""
+def plan_gathers(items: list[GatherItem], served: dict[str, TensorEntry], generation: int, limit: int) -> list[Planned]:
+    """The requested gathers, checked before any index is inflated: every source served and of one dtype, each
+    gather well-formed for its sources' shapes and no larger than `limit` bytes."""
     out = []
     for i, item in enumerate(items):
         entry = served.get(item.name)
@@ -88,11 +116,12 @@ def _gathers(items: list[GatherItem], served: dict[str, TensorEntry], generation
                                   f"cannot be made (derived tensors are asked by served name)")
         more = _also(item, served, entry, generation)
         gather = Gather(item, list(entry.shape), f"tensors[{i}]", [list(e.shape) for e in more])
-        if _size(gather, entry) > limit:
+        planned = Planned(entry, entry.dtype, list(gather.shape), gather, tuple(more))
+        if planned.nbytes > limit:
             raise VariantRejected(f"generation {generation}: deriving {item.name!r} in shape {list(gather.shape)} "
-                                  f"takes {_size(gather, entry)} bytes, more than its {limit} served bytes (the "
-                                  f"most a generation derives)")
-        out.append((entry, gather.key, (gather, more)))
+                                  f"takes {planned.nbytes} bytes, more than max_derived_bytes={limit} (the served "
+                                  f"bytes unless the config says otherwise)")
+        out.append(planned)
     return out
 
 
@@ -109,105 +138,54 @@ def _also(item: GatherItem, served: dict[str, TensorEntry], entry: TensorEntry, 
     return out
 
 
-def _size(gather: Gather, entry: TensorEntry) -> int:
-    return math.prod(gather.shape) * entry.nbytes // max(1, math.prod(entry.shape))
+def check(planned: Planned) -> str:
+    """The item checked whole (a gather's index inflated chunk by chunk, every entry in range) and named; nothing
+    made. Pure: runs on the request loop for small requests, in a derivation job for large ones."""
+    if planned.served:
+        planned.key = ""
+    elif planned.gather is None:
+        planned.key = cast_key(planned.entry, planned.dtype)
+    else:
+        planned.key = planned.gather.checked_key([planned.entry, *planned.more])
+    return planned.key
 
 
-def _what(variant: Variant) -> str:
-    return variant.key or variant.entry.dtype
-
-
-def cast(gen, others, items: list[CastItem], group: str | None = None) -> list[Variant]:
-    """The dtype casts `items` asks of generation `gen` (see `_make_all`)."""
-    served = {t.name: t for t in gen.index.tensors}
-    return _make_all(gen, others, _casts(items, served, gen.number), group)
-
-
-def gather(gen, others, items: list[GatherItem], group: str | None = None) -> list[Variant]:
-    """The gathers `items` asks of generation `gen` (see `_make_all`)."""
-    served = {t.name: t for t in gen.index.tensors}
-    return _make_all(gen, others, _gathers(items, served, gen.number, sum(t.nbytes for t in gen.index.tensors)), group)
-
-
-def _make_all(gen, others, asked: list[tuple], group: str | None) -> list[Variant]:
-    """The variants `asked` names of generation `gen`: those it has, those another live generation (`others`)
-    made of the same bytes, and the rest made now into new segments of `gen`. In request order."""
-    limit = sum(t.nbytes for t in gen.index.tensors)
-    reusable = {(v.made_of(), _what(v)): v for other in others for v in other.variants.values()}
-    budget = limit - sum(v.entry.nbytes for v in gen.variants.values() if v.key)
-    out, made, added = [], [], []
-    try:
-        for entry, what, derivation in asked:
-            spec, more = derivation or (None, [])
-            if spec is None and entry.dtype == what:  # already served so: the served tensor is its own variant
-                out.append(Variant(entry, entry))
-                continue
-            variant = gen.variants.get((entry.name, what))
-            if variant is None:
-                found = reusable.get((tuple(same_bytes(e) for e in (entry, *more)), what))
-                if found is not None:
-                    variant = Variant(entry, found.entry, found.key, tuple(more))
-                elif spec is None:
-                    variant = _make(gen, entry, list(entry.shape), what, group, None)
-                else:
-                    budget -= _size(spec, entry)
-                    if budget < 0:
-                        raise VariantRejected(f"generation {gen.number}: deriving {entry.name!r} in shape "
-                                              f"{list(spec.shape)} would take its derived tensors past its served "
-                                              f"bytes (the most a generation derives)")
-                    variant = _make(gen, entry, list(spec.shape), entry.dtype, group, spec, more)
-                if found is None:
-                    made.append(variant)
-                gen.variants[(entry.name, what)] = variant
-                added.append((entry.name, what))
-            out.append(variant)
-    except BaseException:
-        for key in added:  # nothing of a refused request stays listed: the request fails whole
-            gen.variants.pop(key, None)
-        for variant in made:  # and what it made is unlinked
-            gen.drop_variant(variant)
-        raise
-    if made:
-        log.info("generation %d: %d variant(s) made once for this host (%s; %.1f MiB)", gen.number, len(made),
-                 _summary(made), sum(v.entry.nbytes for v in made) / 2**20)
-    return out
-
-
-def _summary(variants: list[Variant]) -> str:
-    counts: dict[tuple[str, str], int] = {}
-    for v in variants:
-        key = (v.of.dtype.removeprefix("torch."), "derived layout" if v.key else v.entry.dtype.removeprefix("torch."))
-        counts[key] = counts.get(key, 0) + 1
-    return ", ".join(f"{n} {a} -> {b}" for (a, b), n in counts.items())
-
-
-def _make(gen, entry: TensorEntry, shape: list[int], dtype: str, group: str | None, gather, more=()) -> Variant:
-    """Make one variant into a segment of its own (numbered after the generation's variants so far): the served
-    tensor cast to `dtype`, or gathered by `gather`. The one step of a variant that needs torch: variants already
-    made are handed out without it."""
+def make(gen, planned: Planned, owner: str, placed: int, group: str | None, should_stop=None) -> Variant:
+    """Make one variant into a segment of its own of generation `gen`: the served tensor cast, or gathered by its
+    index streamed from the sources where they lie. Touches no table (it may run on a job's thread)."""
     from expertd.derived import gather_into
     from expertd.segments import map_segment
     from expertd.shm import segment_bytes, to_dtype, view
 
-    shm_dir = gen.index.shm_dir
+    shm_dir, entry = gen.index.shm_dir, planned.entry
     arena = Arena(gen.index.namespace, f"v{gen.number}", group=group, shm_dir=shm_dir)
-    target = to_dtype(dtype)
-    nbytes = math.prod(shape) * target.itemsize
+    target = to_dtype(planned.dtype)
+    nbytes = math.prod(planned.shape) * target.itemsize
     placement = arena.add(nbytes, gen.next_variant())
     try:
         sizes = {s.name: s.nbytes for s in gen.index.segments}
         source = {e.segment: segment_bytes(map_segment(e.segment, sizes[e.segment], shm_dir=shm_dir))
-                  for e in (entry, *more)}
-        out = arena.tensor(placement, tuple(shape), target)
-        if gather is None:
+                  for e in (entry, *planned.more)}
+        out = arena.tensor(placement, tuple(planned.shape), target)
+        if planned.gather is None:
             out.copy_(view(source, entry))
         else:
-            gather_into(out, view(source, entry), gather, also=[view(source, e) for e in more])
+            gather_into(out, [view(source, e) for e in (entry, *planned.more)], planned.gather, should_stop)
         checksum = tensor_checksum(out)
         del out, source
         arena.unmap()  # the daemon keeps no writable mapping
     except BaseException:
         arena.unlink()
         raise
-    made = TensorEntry(entry.name, placement.segment, 0, nbytes, shape, dtype, [entry.name], checksum=checksum)
-    return Variant(entry, made, gather.key if gather is not None else "", tuple(more))
+    made = TensorEntry(entry.name, placement.segment, 0, nbytes, list(planned.shape), planned.dtype, [entry.name],
+                       checksum=checksum)
+    return Variant(entry, made, planned.key, tuple(planned.more), owner, placed)
+
+
+def summary(variants: list[Variant]) -> str:
+    counts: dict[tuple[str, str], int] = {}
+    for v in variants:
+        key = (v.of.dtype.removeprefix("torch."),
+               "derived layout" if v.also or v.entry.shape != v.of.shape else v.entry.dtype.removeprefix("torch."))
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} {a} -> {b}" for (a, b), n in counts.items())

@@ -20,7 +20,7 @@ from expertd import derived, messages
 from expertd.client import ExpertClient
 from expertd.client.residency import shared_ranges
 from expertd.connection import Connection
-from expertd.errors import DaemonError, VariantRejected
+from expertd.errors import DaemonError, DerivedLimit, VariantRejected
 from expertd.messages import GatherItem
 from expertd.tools.generate import generate_model_type
 from helpers.daemon import DaemonProcess
@@ -88,8 +88,11 @@ def ask(name: str, index: torch.Tensor, shape) -> GatherItem:
     return derived.request(name, derived.encode(index), index.numel(), shape)
 
 
-def derivation(item: GatherItem, source_shape) -> str:
-    return derived.Gather(item, list(source_shape), "test").key
+def derivation(client: ExpertClient, item: GatherItem) -> str:
+    """The derivation's name as the client computes it: a digest of the request and its sources' checksums."""
+    served = {t.name: t for t in client.index().tensors}
+    sources = [served[n] for n in (item.name, *(item.also or ()))]
+    return derived.Gather(item, list(sources[0].shape), "test", [list(s.shape) for s in sources[1:]]).key(sources)
 
 
 def derived_listed(daemon: DaemonProcess, generation: int) -> list[dict]:
@@ -148,7 +151,7 @@ def test_asked_again_and_from_another_client_is_the_same_segment(daemon, client)
         (theirs,) = other.derived([item])
         assert mapping_of(theirs)[0] == made[0] and torch.equal(theirs, first)
     assert _left(daemon.namespace) == sorted(before + made)  # nothing more made by the asks after the first
-    listed = [v for v in derived_listed(daemon, client.generation) if v["derivation"] == derivation(item, source.shape)]
+    listed = [v for v in derived_listed(daemon, client.generation) if v["derivation"] == derivation(client, item)]
     assert len(listed) == 1, listed
     (v,) = listed
     assert v["name"] == name and v["shape"] == list(shape) and f"/dev/shm{v['segment']}" == made[0]
@@ -177,7 +180,7 @@ def test_newer_generation_reuses_same_bytes_and_remakes_changed_ones(daemon, cli
         assert _left(daemon.namespace) == before  # not made again
         assert mapping_of(reused)[0] == old_segment and torch.equal(reused, old)
         (listed,) = [v for v in derived_listed(daemon, unrelated) if v["name"] == name]
-        assert f"/dev/shm{listed['segment']}" == old_segment and listed["derivation"] == derivation(item, source.shape)
+        assert f"/dev/shm{listed['segment']}" == old_segment and listed["derivation"] == derivation(newer, item)
         # the old generation retires (its lease moves): the segment the newer one reuses stays
         client.refresh()
         assert unrelated - 1 not in {g["generation"] for g in daemon.status()["generations"]}
@@ -272,40 +275,44 @@ def test_bad_requests_are_refused_by_name_and_make_nothing(daemon, client):
 
 
 def test_derived_bytes_are_capped_at_the_served_bytes(daemon, client):
+    """max_derived_bytes by default: the served bytes, in whole pages, whatever generations the derived tensors are
+    of; a request over it is refused whole (DerivedLimit names the limit), nothing of it made."""
     generation = client.index().generation
-    (gen,) = [g for g in daemon.status()["generations"] if g["generation"] == generation]
-    served = gen["bytes"]
-    assert served == sum(t.nbytes for t in client.served_tensors().values())
+    derived_now = daemon.status()["derived"]
+    pages = sum(-(-max(t.nbytes, 1) // 4096) * 4096 for t in client.served_tensors().values() if t.nbytes)
+    cap = derived_now["max_bytes"]
+    assert cap == derived_now["max_bytes_per_reader"] == pages
     name, source = expert_stack(client, layer=1)
     blocks, size = source.shape[0], source.element_size()
 
     # one gather bigger than everything served (an index of -1s deflates to a few hundred bytes)
-    huge = served // (blocks * size) + 1
+    huge = cap // (blocks * size) + 1
     pad = torch.full((huge,), -1, dtype=torch.int64)
-    refused(daemon, client, [ask(name, pad, (blocks, huge))], repr(name), "served bytes", f"generation {generation}")
+    refused(daemon, client, [ask(name, pad, (blocks, huge))], repr(name), "max_derived_bytes",
+            f"generation {generation}")
 
     # a request whose last gather passes the budget: those made before it in the request do not stay either
     # (the longest gather there is doubles the block: an index of padding, distinct lengths, distinct tensors)
-    left = served - sum(v["nbytes"] for v in derived_listed(daemon, generation))
+    left = cap - derived_now["bytes"]
     n = source[0].numel()
     items = [ask(name, torch.full((2 * n - k,), -1, dtype=torch.int64), (blocks, 2 * n - k))
              for k in range(left // (blocks * 2 * n * size) + 2)]
-    refused(daemon, client, items, repr(name), "served bytes")
-    # asked one at a time: made until the next is over what is left, never past the served bytes
+    refused(daemon, client, items, repr(name), "max_derived_bytes", "nothing made")
+    # asked one at a time: made until the next is over what is left, never past the cap
     made = 0
     for item in items:
         try:
             (out,) = client.derived([item])
-        except VariantRejected as exc:
-            assert "served bytes" in str(exc) and repr(name) in str(exc)
+        except DerivedLimit as exc:
+            assert "max_derived_bytes" in str(exc) and repr(name) in str(exc)
             break
         assert not bool(out.any())
         made += 1
     else:
         raise AssertionError("every gather was made: the budget did not hold")
-    sizes = [blocks * (2 * n - k) * size for k in range(len(items))]
+    sizes = [-(-blocks * (2 * n - k) * size // 4096) * 4096 for k in range(len(items))]
     assert made == max(k for k in range(len(items) + 1) if sum(sizes[:k]) <= left)
-    assert sum(v["nbytes"] for v in derived_listed(daemon, generation)) <= served
+    assert daemon.status()["derived"]["bytes"] <= cap
 
 
 def test_a_bomb_of_the_length_it_claims_is_refused_by_the_budget_before_it_is_inflated(daemon, client):
@@ -340,9 +347,9 @@ def test_a_refused_request_lists_no_reused_tensor(daemon, client):
     newer_generation = client.update({norm: torch.zeros_like(client.served_tensors()[norm])})
     with ExpertClient(daemon.endpoint, timeout=60) as newer:
         assert newer.index().generation == newer_generation
-        huge = sum(t.nbytes for t in newer.served_tensors().values()) // (blocks * source.element_size()) + 1
+        huge = daemon.status()["derived"]["max_bytes"] // (blocks * source.element_size()) + 1
         pad = ask(name, torch.full((huge,), -1, dtype=torch.int64), (blocks, huge))
-        refused(daemon, newer, [item, pad], repr(name), "served bytes")
+        refused(daemon, newer, [item, pad], repr(name), "max_derived_bytes")
         assert derived_listed(daemon, newer_generation) == []  # (refused checks this too: the message says why)
 
 
@@ -359,7 +366,7 @@ def test_a_gather_over_several_served_tensors_rearranges_their_concatenation(dae
     (out,) = client.derived([item])
     want = torch.where(index >= 0, flat[index.clamp(min=0)], torch.zeros((), dtype=flat.dtype)).reshape(shape)
     assert torch.equal(out, want) and in_shared_memory(out, client.index().shm_dir)
-    key = derived.Gather(item, list(served[names[0]].shape), "test", [list(served[n].shape) for n in names[1:]]).key
+    key = derivation(client, item)
     (listed,) = [v for v in derived_listed(daemon, client.generation) if v["derivation"] == key]
     assert listed["name"] == names[0] and listed["shape"] == list(shape)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import tempfile
 import threading
 import time
@@ -43,6 +44,7 @@ PUSHED = "model.norm.weight"
 
 # What varies between runs, and what it becomes in the vectors.
 NORMAL_NAMESPACE = "golden"
+RANDOM_NAME = re.compile(r"(\.[uiv]?\d+\.\d{3})\.[0-9a-f]{16}\b")
 NORMAL_PID = 4242  # every pid (the worker's in `lease`, the daemon's in `status` and in segment names)
 NORMAL_PID_NS = 4026531836
 NORMAL_START_TIME = 1000
@@ -251,7 +253,7 @@ class Normalizer:
         if isinstance(value, str):
             for a, b in self.replace:
                 value = value.replace(a, b)
-            return value
+            return RANDOM_NAME.sub(r"\1", value)  # a segment name's random part (server/arena.segment_name)
         if key == "pid" and isinstance(value, int) and not isinstance(value, bool):
             return NORMAL_PID
         if key == "pid_ns" and value is not None:

@@ -1,0 +1,243 @@
+"""Derived tensors asked by readers (`cast`, `gather`): checked whole, counted, made once per host, off the loop
+when large.
+
+A request is planned first (`variants.plan_*`: names, dtypes, shapes and sizes; nothing inflated), then checked
+whole (`variants.check`: every index inflated chunk by chunk and in range, every derivation named by its digest),
+then what no live generation has yet is counted against the reader's and the daemon's quotas (`quota`) in one
+check, then made. A request that fails anywhere makes nothing: no build-then-unlink.
+
+Small requests (few items, index entries and bytes) run on the request loop. Larger ones run as a derivation job
+on a thread of its own, in two steps (check, then make) with the quota check between them on the loop's thread, so
+only the loop ever touches the tables. Meanwhile the reply says `building` and the client asks again; other
+clients are answered as usual. A request is known again by its digest (`request_digest`: the request as sent and
+its sources' identity): the names a job found, or its refusal, answer the next ask without inflating anything.
+One job at a time; another large request is told `building` until its turn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from expertd import replies
+from expertd.derived import source_identity
+from expertd.errors import GenerationGone
+
+from .arena import unlink_segment
+from .quota import Quota, reader_of
+from .variants import Planned, Variant, check, make, plan_casts, plan_gathers, summary
+
+log = logging.getLogger("expertd.variants")
+
+INLINE_ITEMS = 64  # a request is made on the request loop when it names at most this many tensors,
+INLINE_ENTRIES = 1 << 20  # inflates at most this many index entries (4 MiB),
+INLINE_BYTES = 8 << 20  # and makes at most this many bytes; else it is a derivation job
+REMEMBERED = 256  # requests whose names (or refusal) are kept for the next ask
+
+
+def request_digest(kind: str, planned: list[Planned], items: list) -> str:
+    """What knows a request again: BLAKE2b of each item's canonical header (sources' identity included) and its
+    deflated index as sent (length-prefixed)."""
+    digest = hashlib.blake2b(digest_size=32, person=b"expertd.request")
+    for p, item in zip(planned, items):
+        sources = [source_identity(e) for e in (p.entry, *p.more)]
+        head = p.gather.header([p.entry, *p.more]) if p.gather is not None else [kind, p.dtype, sources]
+        digest.update(json.dumps(head, sort_keys=True, separators=(",", ":")).encode() + b"\0")
+        index = item.index if p.gather is not None else b""
+        digest.update(len(index).to_bytes(8, "little") + index)
+    return digest.hexdigest()
+
+
+@dataclass
+class Work:
+    """A derivation job: check `planned` (thread), count (loop), make `todo` (thread), list what it made (loop)."""
+
+    number: int
+    rid: str
+    gen: object
+    planned: list
+    reader: str
+    phase: str = "checking"  # "checking" | "making"
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    todo: list = field(default_factory=list)  # (planned, placed bytes) to make
+    made: list = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def status(self) -> dict:
+        return {"job": self.number, "generation": self.gen.number, "phase": self.phase, "reader": self.reader,
+                "tensors": len(self.planned), "made": len(self.made), "to_make": len(self.todo)}
+
+
+class Derivations:
+    def __init__(self, cfg, gens):
+        self.cfg, self.gens = cfg, gens
+        self.quota = Quota(cfg, gens)
+        self.known: OrderedDict[str, list[str]] = OrderedDict()  # request digest -> its derivations' names
+        self.refused: OrderedDict[str, BaseException] = OrderedDict()  # request digest -> a job's refusal
+        self.job: Work | None = None
+        self._numbers = itertools.count(1)
+
+    def ask(self, kind: str, gen, items: list, peer) -> dict:
+        """The reply to a `cast` or `gather` of generation `gen`: its variants, or `building` (ask again)."""
+        served = {t.name: t for t in gen.index.tensors}
+        if kind == "cast":
+            planned = plan_casts(items, served, gen.number)
+        else:
+            planned = plan_gathers(items, served, gen.number, self.quota.limits()["max_bytes"])
+        rid = request_digest(kind, planned, items)
+        if rid in self.refused:
+            raise self.refused.pop(rid)
+        names = self.known.get(rid)
+        if names is not None:
+            for p, name in zip(planned, names):
+                p.key = name
+            found = self._resolve(gen, planned)
+            if all(v is not None for v in found):
+                return self._reply(gen, self._list(gen, found))
+        if len(planned) <= INLINE_ITEMS and sum(p.entries for p in planned) <= INLINE_ENTRIES \
+                and sum(p.nbytes for p in planned) <= INLINE_BYTES:
+            for p in planned:
+                check(p)
+            return self._reply(gen, self._make_now(gen, planned, reader_of(peer), rid))
+        if self.job is None:
+            self.job = Work(next(self._numbers), rid, gen, planned, reader_of(peer))
+            self._run(self.job, self._check_all)
+        return replies.VariantReply(generation=gen.number, tensors=[], building=True).wire()
+
+    def _reply(self, gen, variants: list[Variant]) -> dict:
+        return replies.VariantReply(generation=gen.number, tensors=[v.to_wire() for v in variants]).wire()
+
+    def _resolve(self, gen, planned: list[Planned]) -> list[Variant | None]:
+        """Each checked item's variant where one exists: the served tensor itself, this generation's, or another live
+        generation's made of the same bytes (reused); None where it is to be made."""
+        others = {}
+        for other in self.gens.live.values():
+            if other is not gen:
+                others.update(other.variants)
+        out = []
+        for p in planned:
+            if not p.key:
+                out.append(Variant(p.entry, p.entry))
+                continue
+            found = gen.variants.get(p.key)
+            if found is None and p.key in others:
+                theirs = others[p.key]
+                if theirs.made_of() == Variant(p.entry, p.entry, also=p.more).made_of():
+                    found = Variant(p.entry, theirs.entry, p.key, p.more, theirs.owner, theirs.placed)
+            out.append(found)
+        return out
+
+    def _todo(self, gen, planned: list[Planned], reader: str) -> list[tuple[Planned, int]]:
+        """What is to be made (each name once), counted against the quotas at once: DerivedLimit makes nothing."""
+        todo = {}
+        for p, v in zip(planned, self._resolve(gen, planned)):
+            if v is None and p.key not in todo:
+                todo[p.key] = (p, self.quota.placed(p.nbytes))
+        names = [p.entry.name for p, _ in todo.values()]
+        what = f"{names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") if names else ""
+        self.quota.check(reader, [placed for _, placed in todo.values()], gen.number, what)
+        return list(todo.values())
+
+    def _make_now(self, gen, planned: list[Planned], reader: str, rid: str) -> list[Variant]:
+        made = []
+        try:
+            for p, placed in self._todo(gen, planned, reader):
+                made.append(make(gen, p, reader, placed, self.cfg.group))
+        except BaseException:
+            for v in made:
+                unlink_segment(v.entry.segment, gen.index.shm_dir)
+            raise
+        return self._list(gen, self._register(gen, made, planned, rid))
+
+    def _register(self, gen, made: list[Variant], planned: list[Planned], rid: str) -> list[Variant]:
+        for v in made:
+            if v.key in gen.variants:  # made meanwhile by a small request: the one listed first stays
+                unlink_segment(v.entry.segment, gen.index.shm_dir)
+            else:
+                gen.variants[v.key] = v
+        if made:
+            log.info("generation %d: %d variant(s) made once for this host (%s; %.1f MiB)", gen.number, len(made),
+                     summary(made), sum(v.entry.nbytes for v in made) / 2**20)
+        self.known[rid] = [p.key for p in planned]
+        while len(self.known) > REMEMBERED:
+            self.known.popitem(last=False)
+        return self._resolve(gen, planned)
+
+    def _list(self, gen, found: list[Variant]) -> list[Variant]:
+        """List reused variants in `gen` (they live as long as it does too)."""
+        for v in found:
+            if v.key and v.key not in gen.variants:
+                gen.variants[v.key] = v
+        return found
+
+    # --- derivation jobs: off the request loop ---------------------------------------------------------
+
+    def _run(self, job: Work, step) -> None:
+        def run() -> None:
+            try:
+                step(job)
+            except BaseException as exc:  # told to the next ask of the same request
+                job.error = exc
+
+        job.thread = threading.Thread(target=run, name=f"expertd-derive-{job.number}", daemon=True)
+        job.thread.start()
+
+    @staticmethod
+    def _check_all(job: Work) -> None:
+        for p in job.planned:
+            if job.stop.is_set():
+                raise InterruptedError("the daemon is stopping")
+            check(p)
+
+    def _make_all(self, job: Work) -> None:
+        for p, placed in job.todo:
+            job.made.append(make(job.gen, p, job.reader, placed, self.cfg.group, job.stop.is_set))
+
+    def tick(self) -> None:
+        """Between requests: move the job on once its thread has ended (count, then list what it made)."""
+        job = self.job
+        if job is None or job.thread.is_alive():
+            return
+        if job.error is None and job.number not in self.quota.reserved:  # checked: count, then make
+            try:
+                job.todo = self._todo(job.gen, job.planned, job.reader)
+            except Exception as exc:
+                job.error = exc
+            else:
+                self.quota.reserved[job.number] = (job.reader, sum(n for _, n in job.todo), len(job.todo))
+                job.phase = "making"
+                self._run(job, self._make_all)
+                return
+        self.quota.reserved.pop(job.number, None)
+        self.job = None
+        if job.error is None and job.gen.number not in self.gens.live:
+            job.error = GenerationGone(f"generation {job.gen.number} retired while its derived tensors were made: "
+                                       f"refresh() and ask again")
+        if job.error is not None:
+            for v in job.made:
+                unlink_segment(v.entry.segment, job.gen.index.shm_dir)
+            self.refused[job.rid] = job.error
+            while len(self.refused) > REMEMBERED:
+                self.refused.popitem(last=False)
+            return
+        self._register(job.gen, job.made, job.planned, job.rid)
+
+    def close(self) -> None:
+        """Stop a derivation job (it stops between index chunks) and unlink what it made but never listed."""
+        job, self.job = self.job, None
+        if job is None:
+            return
+        job.stop.set()
+        job.thread.join(self.cfg.stop_timeout_s)
+        for v in job.made:
+            unlink_segment(v.entry.segment, job.gen.index.shm_dir)
+        self.quota.reserved.clear()
+
+    def status(self) -> dict:
+        return {**self.quota.status(), "job": self.job.status() if self.job is not None else None}

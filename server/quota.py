@@ -1,0 +1,117 @@
+"""What derived tensors may take: bytes in pages and files, per reader and for the whole daemon, and never the room
+a push or a reload needs.
+
+A reader is who the transport says sent a request (`reader_of`: the uid on ipc://, the CURVE key on tcp://), never
+a process or a connection. Each derived tensor counts against the reader whose request made it, in whole pages of
+the shm_dir's unit (a one-element gather takes a page and a file). Limits (config): `max_derived_bytes` (default
+the latest generation's served bytes) and `max_derived_files` for the daemon, `max_derived_bytes_per_reader` and
+`max_derived_files_per_reader` for each reader (default the daemon's). Space is reserved apart: a derivation is
+refused when it would leave the shm_dir less free space than the latest generation's served bytes (what a reload
+writes, or a push of up to half of them with its staging), so derived tensors never make a push or a reload fail.
+Usage is computed from the live generations' variants (a segment several generations reuse counts once) plus the
+work a derivation job has reserved: there is no counter to drift.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from expertd.errors import DerivedLimit
+
+from . import shmdir
+from .arena import align_up
+
+
+def reader_of(peer) -> str:
+    """Who a request's derived tensors count against: its CURVE key (tcp://), else its uid (ipc://)."""
+    if peer.key:
+        return f"key {peer.key}"
+    if peer.uid is not None:
+        return f"uid {peer.uid}"
+    return f"address {peer.address}" if peer.address else "local"
+
+
+@dataclass
+class Usage:
+    bytes: int = 0
+    files: int = 0
+    readers: dict = field(default_factory=dict)  # reader -> [bytes, files]
+
+    def add(self, reader: str, placed: int, files: int = 1) -> None:
+        self.bytes += placed
+        self.files += files
+        mine = self.readers.setdefault(reader, [0, 0])
+        mine[0] += placed
+        mine[1] += files
+
+
+class Quota:
+    def __init__(self, cfg, gens):
+        self.cfg, self.gens = cfg, gens
+        self.unit = shmdir.inspect(cfg.shm_dir, strict=False).unit
+        self.reserved: dict[int, tuple[str, int, int]] = {}  # job -> (reader, bytes, files) being made
+
+    def placed(self, nbytes: int) -> int:
+        """The bytes a derived tensor of `nbytes` takes in shm_dir: whole pages (units) of the folder, at least one."""
+        return align_up(max(nbytes, 1), self.unit)
+
+    def limits(self) -> dict:
+        latest = self.gens.latest
+        served = sum(self.placed(t.nbytes) for t in latest.index.tensors) if latest is not None else 0
+        most = self.cfg.max_derived_bytes if self.cfg.max_derived_bytes is not None else served
+        per_bytes, per_files = self.cfg.max_derived_bytes_per_reader, self.cfg.max_derived_files_per_reader
+        return {"max_bytes": most, "max_files": self.cfg.max_derived_files,
+                "max_bytes_per_reader": most if per_bytes is None else min(per_bytes, most),
+                "max_files_per_reader": self.cfg.max_derived_files if per_files is None else per_files,
+                "shm_reserve": served}
+
+    def usage(self) -> Usage:
+        """What derived tensors take now: those of the live generations, each segment once, and those being made."""
+        usage, seen = Usage(), set()
+        for gen in self.gens.live.values():
+            for v in gen.variants.values():
+                if v.key and v.entry.segment not in seen:
+                    seen.add(v.entry.segment)
+                    usage.add(v.owner, v.placed)
+        for reader, nbytes, files in self.reserved.values():
+            usage.add(reader, nbytes, files)
+        return usage
+
+    def check(self, reader: str, sizes: list[int], generation: int, what: str = "") -> None:
+        """Refuse (DerivedLimit, naming the limit) a request of derived tensors of `sizes` placed bytes that would
+        take `reader` or the daemon past a limit, or the shm_dir's free space into what pushes and reloads need."""
+        if not sizes:
+            return
+        limits, usage = self.limits(), self.usage()
+        mine = usage.readers.get(reader, [0, 0])
+        need, files = sum(sizes), len(sizes)
+        over = [(f"max_derived_bytes_per_reader={limits['max_bytes_per_reader']}", mine[0] + need,
+                 limits["max_bytes_per_reader"]),
+                (f"max_derived_files_per_reader={limits['max_files_per_reader']}", mine[1] + files,
+                 limits["max_files_per_reader"]),
+                (f"max_derived_bytes={limits['max_bytes']}", usage.bytes + need, limits["max_bytes"]),
+                (f"max_derived_files={limits['max_files']}", usage.files + files, limits["max_files"])]
+        for name, after, most in over:
+            if after > most:
+                raise DerivedLimit(f"generation {generation}: {files} derived tensor(s) ({what}) of {need} bytes (in "
+                                   f"pages) for "
+                                   f"{reader} would take it to {after}, past {name} ({reader} holds {mine[0]} bytes "
+                                   f"in {mine[1]} file(s); the daemon {usage.bytes} in {usage.files}): nothing made")
+        pending = sum(nbytes for _, nbytes, _ in self.reserved.values())
+        free = _free(self.cfg.shm_dir) - pending
+        if free - need < limits["shm_reserve"]:
+            raise DerivedLimit(f"generation {generation}: {need} bytes of derived tensors ({what}) would leave "
+                               f"{self.cfg.shm_dir} {max(0, free - need)} bytes free, less than the "
+                               f"{limits['shm_reserve']} a reload or a push needs "
+                               "(kept apart from derived tensors): nothing made")
+
+    def status(self) -> dict:
+        usage = self.usage()
+        return {"bytes": usage.bytes, "files": usage.files, **self.limits(),
+                "readers": [{"reader": r, "bytes": b, "files": f} for r, (b, f) in sorted(usage.readers.items())]}
+
+
+def _free(folder: str) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
