@@ -11,10 +11,10 @@ import zmq
 
 from expertd import index_segment, messages
 from expertd.connection import Connection
-from expertd.errors import DaemonError, DaemonTimeout, ExpertdError, GenerationGone, LeaseExpired
+from expertd.errors import DaemonError, ExpertdError, GenerationGone, LeaseExpired, LeaseRevoked
 from expertd.index import SegmentEntry, TensorIndex, moved
-from expertd.leasing import corrupted_tensors, index_place, lease_request
-from expertd.protocol import DEFAULT_ENDPOINT
+from expertd.leasing import corrupted_tensors, index_place, lease_request, release, with_room
+from expertd.protocol import default_endpoint
 from expertd.security import Credentials
 from expertd.shm import map_segments, view
 
@@ -61,6 +61,7 @@ class ExpertClient:
         self._model_dtypes: dict[int, torch.dtype] = {}  # id(model) -> dtype it was loaded with
         self._closed = threading.Event()
         self._gone: GenerationGone | None = None  # the daemon restarted without the generation this client reads
+        self._revoked: list[str] = []  # leases revoked for a push, released once refresh() has moved off them
         try:
             self._connect()
         except BaseException:
@@ -167,29 +168,37 @@ class ExpertClient:
             self._take_lease()
         else:
             old = self.index()
-        reply = self._conn.send(messages.Refresh(client=self.lease), messages.IndexSegmentReply)
+        try:
+            reply = self._conn.send(messages.Refresh(client=self.lease), messages.IndexSegmentReply)
+        except LeaseRevoked:  # our generation made room for a push (no heartbeat thread told us yet)
+            self._move_on(self._conn, self.lease)
+            reply = self._conn.send(messages.Refresh(client=self.lease), messages.IndexSegmentReply)
         self.generation, self._index_place = reply.generation, reply.index_segment
         self._index = None
         new = self.index()
         changed = moved(old.tensors if old else [], new.tensors)
         self._remap(new)
+        done, self._revoked = self._revoked, []
+        release(self._conn, done)  # this client no longer maps their generations (views handed out may)
         if model is None:
             return changed
         dtype = self._model_dtypes.get(id(model), getattr(model, "dtype", torch.bfloat16))
         return self._bind(model, new, dtype, strict=False, only=set(changed)).names
 
-    def update(self, tensors: dict[str, torch.Tensor]) -> int:
+    def update(self, tensors: dict[str, torch.Tensor], wait_for_room: float = 120.0) -> int:
         """Publish a new generation in which `tensors` have these values and everything else is shared.
 
         Names are checkpoint names (per-expert) or served names (fused blocks); values in the served
         dtype are taken as they are; a quantized weight is pushed in the checkpoint's format (FP8 with its
         `*_scale_inv` or `*_scale`, MXFP4 `*_blocks` with `*_scales`) and dequantized as at load. The bytes
-        go through a staging segment, not the socket. Returns the new generation.
+        go through a staging segment, not the socket. Returns the new generation. While readers pin the old
+        generations (`max_generations`) it waits up to `wait_for_room` seconds for the daemon to revoke the oldest
+        one's leases (`revoke_after_s`), then proceeds; else the GenerationLimit is raised.
         """
         from .push import push
 
         self._check_gone()
-        generation = push(self._conn, self.lease, tensors, self.timeout)
+        generation = with_room(lambda: push(self._conn, self.lease, tensors, self.timeout), wait_for_room, log)
         self.latest_generation = max(self.latest_generation, generation)
         return generation
 
@@ -201,10 +210,8 @@ class ExpertClient:
         """
         if self._closed.is_set():
             raise DaemonError("this client is closed; make a new ExpertClient")
-        try:
-            self._conn.send(messages.Release(client=self.lease))
-        except (DaemonError, DaemonTimeout):
-            pass  # the daemon that granted it is gone
+        done, self._revoked = [self.lease, *self._revoked], []
+        release(self._conn, done)  # the daemon that granted them may be gone
         self._conn.close()
         self._index = None
         self._segments = None
@@ -221,10 +228,8 @@ class ExpertClient:
         if self._closed.is_set():
             return
         self._closed.set()
-        try:
-            self._conn.send(messages.Release(client=self.lease))
-        except (DaemonError, DaemonTimeout):
-            pass  # the daemon is gone or already dropped us: nothing to release
+        try:  # a daemon gone, or that dropped us already, has nothing to release
+            release(self._conn, [self.lease, *self._revoked])
         finally:
             self._conn.close()
         if self._heartbeat is not None:
@@ -262,12 +267,23 @@ class ExpertClient:
         client reads, which a successor that adopted it keeps; if that one is gone, the next call says so."""
         try:
             self._take_lease(conn, self.generation)
+            release(conn, [lost])  # its generation no longer counts twice against this client's holder
             log.info("lease %s lost (%s); resumed generation %s as lease %s", lost, self.endpoint, self.generation,
                      self.lease)
         except GenerationGone as exc:
             self._gone = exc
             self.lease_lost = True
             log.warning("lease %s lost and generation %s is gone: %s", lost, self.generation, exc)
+
+    def _move_on(self, conn, revoked: str) -> None:
+        """Our generation's leases were revoked to make room for a push: lease the latest generation; what the
+        model binds stays mapped (its pages valid) until refresh(), which releases the revoked lease."""
+        index = self._index
+        self._revoked.append(revoked)
+        self._take_lease(conn)
+        self._index = index
+        log.warning("lease on generation %s revoked for a push (%s): leased the latest; refresh() to move the model",
+                    self.generation, self.endpoint)
 
     def _check_gone(self) -> None:
         if self._gone is not None:
@@ -373,6 +389,9 @@ class ExpertClient:
                 except LeaseExpired:
                     if lease == self.lease and self._gone is None:
                         self._resume(conn, lease)
+                except LeaseRevoked:
+                    if lease == self.lease:
+                        self._move_on(conn, lease)
                 except DaemonError as exc:
                     log.warning("heartbeat refused: %s", exc)
                 except (ExpertdError, zmq.ZMQError) as exc:  # the thread must outlive any one failed beat

@@ -100,7 +100,18 @@ class LeaseExpired(DaemonError):
 
 
 class LeaseLimit(DaemonError):
-    """This client already holds `max_leases_per_client` leases: release one (or close a client) first."""
+    """This holder (a uid on ipc://, a CURVE key on tcp://) already holds `max_leases_per_client` leases, or the
+    daemon `max_leases` in all: release one (or close a client) first."""
+
+
+class MappedLimit(LeaseLimit):
+    """This holder may still map generations whose leases ended without a release (revoked, or silent while its
+    process lives): those count against `max_leases_per_client` until released or until the process is gone."""
+
+
+class LeaseRevoked(DaemonError):
+    """The lease's generation was revoked to make room for a push (`max_generations` reached and `revoke_after_s`
+    passed): take a lease on the latest generation (the Python client does so itself) and release this one."""
 
 
 class Busy(DaemonError):
@@ -112,7 +123,10 @@ class GenerationGone(DaemonError):
 
 
 class GenerationLimit(DaemonError):
-    """A new generation would exceed `max_generations` while leases pin the old ones."""
+    """A new generation would exceed `max_generations` while leases pin the old ones. `retry_after_s` (a float, or
+    None) says when the oldest generation's leases are revoked and a retry can proceed (`revoke_after_s`)."""
+
+    retry_after_s: float | None = None
 
 
 class PermissionDenied(DaemonError, PermissionError):

@@ -10,7 +10,7 @@ import os
 import time
 
 from . import index_segment, messages, procfs
-from .errors import DaemonTimeout, NotReady
+from .errors import DaemonError, DaemonTimeout, GenerationLimit, NotReady
 from .index import TensorIndex, bytes_checksum, checksum_parts
 from .protocol import PROTOCOL_VERSION
 from .segments import map_segment
@@ -22,6 +22,33 @@ def lease_request(conn, **extra) -> messages.LeaseReply:
     pid = os.getpid()
     return conn.send(messages.Lease(pid=pid, protocol=PROTOCOL_VERSION, pid_ns=procfs.pid_namespace(),
                                     start_time=procfs.process_start_time(pid), **extra), messages.LeaseReply)
+
+
+def release(conn, leases: list[str]) -> None:
+    """Release leases this client no longer reads (revoked, or lost and taken anew): until then the daemon counts
+    what their generations may still map against this client's holder. A daemon that forgot one says nothing."""
+    for lease in leases:
+        try:
+            conn.send(messages.Release(client=lease))
+        except (DaemonError, DaemonTimeout):
+            pass
+
+
+def with_room(push, wait_s: float, log=None):
+    """`push()`, tried again while the daemon refuses it with a GenerationLimit that says when there is room
+    (`retry_after_s`: the oldest generation's leases are revoked then, `revoke_after_s`), for `wait_s` seconds in
+    all; a refusal that names no time, or one past them, is raised."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return push()
+        except GenerationLimit as exc:
+            wait = exc.retry_after_s
+            if wait is None or time.monotonic() + wait > deadline:
+                raise
+            if log is not None:
+                log.info("push waits %.1fs for room: %s", wait, exc)
+            time.sleep(wait + 0.05)
 
 
 def leased_index(conn, reply: messages.LeaseReply, timeout: float) -> TensorIndex:

@@ -142,7 +142,11 @@ def unpack_reply(frame: bytes, what: str) -> dict:
     if not reply["ok"]:
         kind = str(reply.get("error"))
         cls = ERRORS.get(kind, DaemonError)
-        raise cls(errors.refusal(cls, what, kind, reply.get("message")), kind)
+        exc = cls(errors.refusal(cls, what, kind, reply.get("message")), kind)
+        retry = reply.get("retry_after_s")  # GenerationLimit: when a retry can proceed
+        if isinstance(retry, (int, float)) and not isinstance(retry, bool) and 0 <= retry < 1e9:
+            exc.retry_after_s = float(retry)
+        raise exc
     return reply
 
 
@@ -153,5 +157,8 @@ def check_version(version) -> None:
 
 
 def error_reply(exc: BaseException) -> dict:
-    return {"ok": False, "error": clip(getattr(exc, "kind", None) or type(exc).__name__),
-            "message": clip(str(exc), MESSAGE_CHARS)}
+    reply = {"ok": False, "error": clip(getattr(exc, "kind", None) or type(exc).__name__),
+             "message": clip(str(exc), MESSAGE_CHARS)}
+    if isinstance(getattr(exc, "retry_after_s", None), float):  # GenerationLimit while leases are being revoked
+        reply["retry_after_s"] = exc.retry_after_s
+    return reply

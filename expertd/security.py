@@ -86,6 +86,10 @@ class Credentials:
         public = secret = None
         if client_key is not None:
             public, secret = key_pair(client_key)
+        elif server_key is not None:  # one ephemeral key pair for every connection of this client: the daemon counts
+            import zmq                # leases and checks heartbeats per CURVE key
+
+            public, secret = zmq.curve_keypair()
         return cls(token, push_token, admin_token, server_key, public, secret)
 
     def for_op(self, op: str) -> dict:

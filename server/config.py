@@ -33,7 +33,9 @@ class DaemonConfig:
     load_threads: int | None = None  # threads reading, dequantizing and writing at once; None: every usable core
     lease_timeout_s: float = 30.0
     max_generations: int = 3  # live generations at most: a reload or update beyond it is refused
-    max_leases_per_client: int = 64  # leases one client holds at once (ipc: one process; tcp: one CURVE key)
+    max_leases_per_client: int = 64  # leases one holder holds at once (ipc: one uid; tcp: one CURVE key)
+    max_leases: int = 4096  # leases the daemon grants at once, to every holder together
+    revoke_after_s: float = 30.0  # a push refused for room: the oldest generation's leases are revoked this later
     progress: bool = True
     auth_token: str | None = None  # required in every request when set; mandatory for a non-local tcp bind
     group: str | None = None  # serve segments 0640 to this group (shared-group deployments); default 0600
@@ -137,7 +139,10 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
     if cfg.load_threads is not None and (not isinstance(cfg.load_threads, int) or isinstance(cfg.load_threads, bool)
                                          or cfg.load_threads < 1):
         raise ConfigError(f"config {source}: load_threads must be an integer >= 1 (or leave it out: every usable core)")
-    for key in ("lease_timeout_s", "stop_timeout_s"):
+    for key in ("lease_timeout_s", "stop_timeout_s", "revoke_after_s"):
+        if key == "revoke_after_s" and cfg.revoke_after_s in (0, "0", "0s") and cfg.revoke_after_s is not False:
+            cfg.revoke_after_s = 0.0  # revoke at once
+            continue
         try:
             setattr(cfg, key, parse_duration(getattr(cfg, key)))
         except ValueError as exc:

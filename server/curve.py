@@ -43,6 +43,10 @@ class Curve:
         sock.curve_secretkey, sock.curve_publickey, sock.curve_server = secret, public, True
         log.info("CURVE on: %s client key(s) may connect, %d may push, %d are admin",
                  "any" if clients is None else len(clients), len(curve.pushers), len(admins))
+        if clients is None:
+            log.warning("CURVE without curve_client_keys: anyone with this daemon's public key can connect and take "
+                        "leases (each client key at most max_leases_per_client=%d, all together max_leases=%d); set "
+                        "curve_client_keys to name who may", cfg.max_leases_per_client, cfg.max_leases)
         return curve
 
     def callback(self, domain: str, key: bytes) -> bool:

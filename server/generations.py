@@ -2,8 +2,8 @@
 
 A `Generation` is one published set of served tensors: its index, the segments its build
 created, its index packed into a read-only segment of its own (named in lease replies, see
-`expertd.index_segment`; unlinked when the generation retires) and the leases on it. Generation N+1 shares every unchanged
-tensor's bytes with N (its index points into N's segments). A generation older than the latest
+`expertd.index_segment`; unlinked when the generation retires) and the leases on it. Generation N+1 shares every
+unchanged tensor's bytes with N (its index points into N's segments). A generation older than the latest
 is retired when no lease holds it; its segments that no live generation references are then
 unlinked. Workers that still map them keep valid, unchanged pages until they drop their views:
 an unlinked segment lives until its last mapping goes.
@@ -86,9 +86,13 @@ class Generation:
 class Generations:
     """The live generations: published, held after a restart, pinned by the lease table's leases, retired."""
 
-    def __init__(self, leases: LeaseTable, max_generations: int = 3, on_retire=None):
+    def __init__(self, leases: LeaseTable, max_generations: int = 3, on_retire=None, revoke_after_s: float = 30.0,
+                 hold_s: float = 30.0):
         self.leases = leases
         self.max_generations = max_generations
+        self.revoke_after_s = revoke_after_s  # a push refused for room: the oldest generation's leases go this later
+        self.hold_s = hold_s  # how long an adopted generation is held (one lease timeout: `end_holds`)
+        self.revoking: dict[int, float] = {}  # generation -> when its leases are revoked (a push waits for room)
         self.live: dict[int, Generation] = {}
         self.latest: Generation | None = None
         self.holds: dict[int, float] = {}  # adopted generation -> since when it is held for workers re-taking leases
@@ -124,20 +128,55 @@ class Generations:
         return self.live.get(lease.generation) if lease.generation is not None else None
 
     def check_room(self) -> None:
-        """Refuse a new generation that would make more than `max_generations` live, naming the pinning leases."""
-        pinned = self.leases.pinned()
-        after = {g for g in self.live if g in pinned or g in self.holds} | {0}  # 0 stands for the new one
-        if len(after) <= self.max_generations:
-            return
-        latest = self.latest.number if self.latest else None
-        holders = ", ".join([f"pid {lease.pid} (lease {lease_tag(lease.client)}) on generation {g}"
-                             for g, leases in sorted(pinned.items()) if g != latest for lease in leases]
+        """Refuse a new generation that would make more than `max_generations` live, naming the pinning leases. Readers
+        never block a push for good: the oldest pinned generation's leases are revoked `revoke_after_s` after the
+        first refusal (at once when 0); until then GenerationLimit says when a retry proceeds (`retry_after_s`)."""
+        while True:
+            pinned = self.leases.pinned()
+            after = {g for g in self.live if g in pinned or g in self.holds} | {0}  # 0 stands for the new one
+            if len(after) <= self.max_generations:
+                return
+            latest = self.latest.number if self.latest else None
+            old = sorted(g for g in after if g not in (0, latest))
+            now = time.monotonic()
+            if old and old[0] not in self.holds:
+                due = self.revoking.setdefault(old[0], now + self.revoke_after_s)
+                if now >= due:
+                    self.revoke(old[0])
+                    continue
+                wait = due - now
+            else:  # an adopted generation's hold ends by itself (the latest one's pins nothing a push can take)
+                wait = self.holds[old[0]] + self.hold_s - now if old else None
+            raise self._limit(len(after), pinned, latest, wait)
+
+    def _limit(self, count: int, pinned: dict, latest: int | None, wait: float | None) -> GenerationLimit:
+        holders = ", ".join([f"{lease.where()} (lease {lease_tag(lease.client)}) on generation {g}"
+                             for g, leases in sorted(pinned.items()) if g != latest for lease in leases[:8]]
                             + [f"the restart's hold on adopted generation {g} (one lease timeout)"
                                for g in sorted(self.holds) if g != latest])
-        raise GenerationLimit(
-            f"a new generation would make {len(after)} live, over max_generations={self.max_generations}; "
-            f"old generations are pinned by: {holders}. Have those workers refresh() or exit, or raise max_generations"
-        )
+        when = (f"; the oldest one's leases are revoked in {max(wait, 0):.1f}s "
+                f"(revoke_after_s={self.revoke_after_s:g}): retry then" if wait is not None else "")
+        exc = GenerationLimit(
+            f"a new generation would make {count} live, over max_generations={self.max_generations}; old generations "
+            f"are pinned by: {holders}{when}. Have those workers refresh() or exit, or raise max_generations")
+        exc.retry_after_s = max(float(wait), 0.0) if wait is not None else None
+        return exc
+
+    def revoke(self, number: int) -> None:
+        """Revoke every lease on old generation `number` (a push waited `revoke_after_s` for its room): their holders
+        learn it on their next heartbeat or refresh (LeaseRevoked); the generation retires."""
+        self.revoking.pop(number, None)
+        gone = self.leases.revoke(number)
+        shown = ", ".join(f"{lease.where()} (lease {lease_tag(lease.client)})" for lease in gone[:5])
+        log.info("revoked %d lease(s) on generation %d to make room for a push: %s%s", len(gone), number, shown,
+                 ", ..." if len(gone) > 5 else "")
+        self.retire()
+
+    def revoke_due(self) -> None:
+        """Between requests: revoke the generations whose grace has passed (their readers learn it at once)."""
+        now = time.monotonic()
+        for number in [n for n, due in self.revoking.items() if now >= due]:
+            self.revoke(number)
 
     def publish(self, gen: Generation) -> None:
         self.live[gen.number] = gen
@@ -161,6 +200,7 @@ class Generations:
         gone = [g for n, g in self.live.items() if g is not self.latest and n not in pinned and n not in self.holds]
         for gen in gone:
             del self.live[gen.number]
+            self.revoking.pop(gen.number, None)
             gen.drop_index()
             if self.on_retire is not None:
                 self.on_retire(gen.number)
@@ -197,7 +237,8 @@ class Generations:
         for n, gen in sorted(self.live.items(), reverse=True):
             shared = sum(t.nbytes for t in gen.index.tensors if (t.segment, t.offset) in latest_places)
             rows.append({
-                "generation": n, "tensors": len(gen.index.tensors), "bytes": gen.nbytes, "bytes_shared_with_latest": shared,
+                "generation": n, "tensors": len(gen.index.tensors), "bytes": gen.nbytes,
+                "bytes_shared_with_latest": shared,
                 "leases": [{"client": lease_tag(lease.client), "pid": lease.pid} for lease in pinned.get(n, [])],
                 "variants": [v.status() for v in itertools.islice(gen.variants.values(), LISTED_VARIANTS)],
                 "derived": {"bytes": sum(v.placed for v in gen.variants.values()), "files": len(gen.variants)},

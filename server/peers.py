@@ -52,6 +52,16 @@ class Peer:
     frames: tuple = ()  # a `stage` request's pushed bytes, as memoryviews
 
     @property
+    def holder(self) -> str:
+        """Whom what this request takes counts against (`max_leases_per_client`, a lease's heartbeats): the uid on
+        ipc:// ("uid U": every process of a user alike), the CURVE key on tcp:// ("key K"), else the address."""
+        if self.key:
+            return f"key {self.key}"
+        if self.uid is not None:
+            return f"uid {self.uid}"
+        return f"address {self.address}" if self.address else ""
+
+    @property
     def owner(self) -> str:
         """Who holds what this request takes, in one word pair: `max_leases_per_client` counts leases per owner."""
         if self.key:

@@ -14,7 +14,7 @@ from expertd.message_types import ABSENT
 from .derivations import Derivations
 from .dispatch import handles
 from .generations import Generation, Generations
-from .leases import LeaseTable, watchable
+from .leases import LeaseTable, process_of, watchable
 from .peers import Peer
 
 
@@ -25,11 +25,14 @@ class Readers:
 
     @handles(messages.Lease)
     def op_lease(self, req: messages.Lease, peer: Peer) -> dict:
-        """A lease on the latest generation (or on live `generation`, resuming after a restart); a worker in the
-        daemon's pid namespace is watched, and its lease goes as soon as its process does."""
+        """A lease on the latest generation (or on live `generation`, resuming after a restart), counted against its
+        holder (`Peer.holder`: the uid on ipc://, the CURVE key on tcp://); on ipc:// it names the pid the kernel
+        vouches for, and a worker in the daemon's pid namespace is watched: its lease goes as soon as it does."""
         number = self.gens.leasable(req.generation)
-        lease = self.leases.take(req.pid, number, start_time=watchable(req.pid, req.pid_ns, req.start_time),
-                                 owner=peer.owner)
+        claimed = peer.pid is None or peer.pid == req.pid  # on ipc:// the process that sent it, nothing else
+        lease = self.leases.take(peer.pid or req.pid, number,
+                                 start_time=watchable(req.pid, req.pid_ns, req.start_time) if claimed else None,
+                                 owner=peer.holder, process=process_of(peer.pid))
         gen = self.gens.generation_of(lease)
         # attach in one round trip: the worker maps and decodes the index itself (none while loading)
         return replies.LeaseReply(client=lease.client, lease_timeout_s=self.cfg.lease_timeout_s,
@@ -38,11 +41,12 @@ class Readers:
 
     @handles(messages.Heartbeat)
     def op_heartbeat(self, req: messages.Heartbeat, peer: Peer) -> dict:
-        return replies.HeartbeatReply(generation=self.leases.beat(req.client).generation).wire()
+        """Keep a lease the sender holds (anyone else's is answered as unknown: LeaseExpired)."""
+        return replies.HeartbeatReply(generation=self.leases.beat(req.client, peer.holder).generation).wire()
 
     @handles(messages.Release)
     def op_release(self, req: messages.Release, peer: Peer) -> dict:
-        if self.leases.release(req.client):
+        if self.leases.release(req.client, peer.holder):
             self.gens.retire()
         return replies.Done().wire()
 
@@ -50,7 +54,7 @@ class Readers:
     def op_refresh(self, req: messages.Refresh, peer: Peer) -> dict:
         """Move the lease to the latest generation (the one it leaves may retire); the reply names its index."""
         latest = self._latest()
-        lease = self.leases.beat(req.client)
+        lease = self.leases.beat(req.client, peer.holder)
         lease.generation = latest.number
         self.gens.retire()
         return replies.IndexSegmentReply(generation=lease.generation, index_segment=latest.index_place).wire()
@@ -60,7 +64,8 @@ class Readers:
         """The index of the generation the client's lease is on (the latest for a request without a lease):
         with `segment: true` only its index segment's descriptor (what a lease taken while loading asks
         for), else the index inline (for tools that ask over the socket)."""
-        gen = self.gens.generation_of(self.leases.get(req.client) if req.client is not None else None)
+        lease = self.leases.get(req.client, peer.holder) if req.client is not None else None
+        gen = self.gens.generation_of(lease)
         if gen is None:
             raise NotReady("the daemon is still loading")
         if req.segment:

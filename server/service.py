@@ -50,9 +50,10 @@ class WeightService:
         self._device = None  # the torch device builds run on, resolved by the first one (`device`)
         self.should_stop = should_stop
         self.checkpoint = cfg.checkpoint  # what the latest generation was built from
-        self.leases = LeaseTable(cfg.max_leases_per_client)
+        self.leases = LeaseTable(cfg.max_leases_per_client, cfg.max_leases, cfg.lease_timeout_s)
         self.gens = Generations(self.leases, cfg.max_generations,
-                                on_retire=lambda n: ledger.remove(self.run_dir, cfg.namespace, n))
+                                on_retire=lambda n: ledger.remove(self.run_dir, cfg.namespace, n),
+                                revoke_after_s=cfg.revoke_after_s, hold_s=cfg.lease_timeout_s)
         self.run_dir = cfg.resolved_run_dir
         self.conditions = ledger.build_conditions(cfg.checkpoint, cfg.expert_parallel, cfg.shm_dir)
         self._recorded_leases: list[dict] = []  # the leases the manifest last recorded
@@ -150,11 +151,12 @@ class WeightService:
         ended = self.leases.expire(self.cfg.lease_timeout_s)
         if self.gens.end_holds(self.cfg.lease_timeout_s) or ended:
             self.gens.retire()
+        self.gens.revoke_due()  # a push waited revoke_after_s for room: the oldest generation's readers move on
         self._record_leases()
         self.pushes.sweep()
+        self.readers.derivations.tick()
 
     def _prepare(self, checkpoint: str):
-        self.readers.derivations.tick()
         """`loader.prepare` on a job's thread (importing torch and transformers the first time): until it returns,
         the job has made nothing, and a stop does not wait for it."""
         self._preparing = True
@@ -250,7 +252,9 @@ class WeightService:
                                      conditions=self.conditions, leases=self._recorded_leases)
 
     def _record_leases(self) -> None:
-        """Keep the manifest's leases current (at most twice a second), so that a successor re-grants them."""
+        """Keep the manifest's leases current, so that a successor re-grants them: rewritten only when they changed,
+        at most twice a second, and of at most `leases.RECORDED_LEASES` leases (heartbeats change nothing it
+        records; the caps bound how many there are)."""
         if self.gens.latest is None or time.monotonic() - self._leases_written < LEASES_EVERY_S:
             return
         if self.leases.recorded() != self._recorded_leases:
@@ -294,11 +298,11 @@ class WeightService:
         if self.abandoned:
             self._live = {name for names in self.gens.segments_by_generation().values() for name in names}
             self.sweep()
+        self.readers.derivations.close()  # a derivation job stops; what it made goes
         job = self.jobs.current
         if job is not None and job.built is not None:
             job.built.close()  # built but never published
         for number in list(self.pushes.staging):
-        self.readers.derivations.close()  # a derivation job stops; what it made goes
             self.pushes.drop(number)
         if keep and self.gens.latest is not None:
             segments = self.gens.segments_by_generation()

@@ -254,8 +254,9 @@ def test_max_generations_refusal_names_the_pinning_leases(tiny_checkpoint, chang
     assert refused.returncode != 0 and "GenerationLimit" in refused.stderr
     assert f"pid {old.hello['pid']}" in refused.stderr and f"generation {first}" in refused.stderr
     assert f"pid {new.hello['pid']}" not in refused.stderr  # on the latest: it pins nothing old
-    with ExpertClient(daemon.endpoint) as client, pytest.raises(GenerationLimit, match=f"pid {old.hello['pid']}"):
-        client.update({NORM: client.tensors()[NORM] * 2})
+    with ExpertClient(daemon.endpoint) as client, pytest.raises(GenerationLimit, match=f"pid {old.hello['pid']}") as no:
+        client.update({NORM: client.tensors()[NORM] * 2}, wait_for_room=0)  # refused at once, not waiting for room
+    assert 0 < no.value.retry_after_s <= 30  # when the old generation's leases are revoked (revoke_after_s)
     old.ask("refresh")
     assert reload(daemon, tiny_checkpoint).returncode == 0
 

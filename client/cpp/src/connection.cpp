@@ -86,6 +86,14 @@ Credentials Credentials::resolve(std::optional<std::string> token, std::optional
       throw ConfigError("client key " + *client_key + ": holds no secret key; use the NAME.key_secret file `expertd keys` wrote");
     c.client_public = pub;
     c.client_secret = sec;
+  } else if (c.server_key) {
+    // one ephemeral key pair for every connection of this client: the daemon counts leases and checks heartbeats
+    // per CURVE key
+    char p[41], q[41];
+    if (zmq_curve_keypair(p, q) == 0) {
+      c.client_public = std::string(p);
+      c.client_secret = std::string(q);
+    }
   }
   return c;
 }
