@@ -14,7 +14,7 @@ from expertd.connection import Connection
 from expertd.errors import DaemonError, ExpertdError, GenerationGone, LeaseExpired, LeaseRevoked
 from expertd.index import SegmentEntry, TensorIndex, moved
 from expertd.leasing import corrupted_tensors, index_place, lease_request, release, with_room
-from expertd.protocol import default_endpoint
+from expertd.protocol import DEFAULT_ENDPOINT
 from expertd.security import Credentials
 from expertd.shm import map_segments, view
 
