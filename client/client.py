@@ -14,7 +14,7 @@ from expertd.connection import Connection
 from expertd.errors import DaemonError, ExpertdError, GenerationGone, LeaseExpired, LeaseRevoked
 from expertd.index import SegmentEntry, TensorIndex, moved
 from expertd.leasing import corrupted_tensors, index_place, lease_request, release, with_room
-from expertd.protocol import DEFAULT_ENDPOINT
+from expertd.protocol import default_endpoint
 from expertd.security import Credentials
 from expertd.shm import map_segments, view
 
@@ -41,7 +41,7 @@ class ExpertClient:
                  copy_on_write: bool = False, token: str | None = None, on_update=None, push_token: str | None = None,
                  server_key: str | bytes | None = None, client_key: str | None = None, admin_token: str | None = None,
                  credentials=None):
-        self.endpoint = endpoint or os.environ.get("EXPERTD_ENDPOINT", DEFAULT_ENDPOINT)
+        self.endpoint = endpoint or os.environ.get("EXPERTD_ENDPOINT") or default_endpoint()
         self.timeout = timeout
         self.copy_on_write = copy_on_write
         # what this client presents (arguments, else $EXPERTD_TOKEN, _PUSH_TOKEN, _SERVER_KEY, _CLIENT_KEY,

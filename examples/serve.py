@@ -22,6 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from expertd.protocol import default_endpoint
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from worker import attach  # noqa: E402
 
@@ -81,7 +83,7 @@ def handler(served: Model):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--endpoint", default=os.environ.get("EXPERTD_ENDPOINT", "ipc:///tmp/expertd/expertd.sock"))
+    ap.add_argument("--endpoint", default=os.environ.get("EXPERTD_ENDPOINT") or default_endpoint())
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--wait", type=float, default=1800.0, help="seconds to wait for a daemon that is not running yet")

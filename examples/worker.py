@@ -1,6 +1,6 @@
 """An inference worker: attach to expertd, get the shared model, generate a few tokens.
 
-    python examples/worker.py --endpoint ipc:///tmp/expertd/expertd.sock
+    python examples/worker.py --endpoint ipc:///run/expertd/expertd.sock
     python examples/worker.py --with-daemon configs/tiny.yaml   # starts and stops the daemon itself
 """
 
@@ -16,6 +16,7 @@ import torch
 
 from expertd.client import DaemonNotRunning, ExpertClient
 from expertd.errors import DaemonTimeout, ExpertdError
+from expertd.protocol import default_endpoint
 
 
 def attach(endpoint: str, wait: float, daemon: subprocess.Popen | None = None) -> ExpertClient:
@@ -84,7 +85,7 @@ def refuse_a_running_daemon(endpoint: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--endpoint", default=os.environ.get("EXPERTD_ENDPOINT", "ipc:///tmp/expertd/expertd.sock"))
+    parser.add_argument("--endpoint", default=os.environ.get("EXPERTD_ENDPOINT") or default_endpoint())
     parser.add_argument("--with-daemon", metavar="CONFIG",
                         help="start `expertd start --config CONFIG` first, stop it after")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens to generate")

@@ -20,7 +20,9 @@ daemons publishes nowhere unless every daemon has built its share.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 
 import msgpack
 
@@ -28,7 +30,6 @@ from . import errors
 from .errors import DaemonError, ProtocolError
 
 PROTOCOL_VERSION = 4
-DEFAULT_ENDPOINT = "ipc:///tmp/expertd/expertd.sock"
 MAX_MESSAGE_BYTES = 1 << 20  # requests larger than this are refused unread
 
 ECHO_CHARS = 120  # what an error reply or a log line repeats of a value a client sent
@@ -60,6 +61,35 @@ def clip(value, limit: int = ECHO_CHARS) -> str:
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
+def _private_folder(path: str, uid: int) -> bool:
+    """Whether `path` is a folder (not a link) of `uid` that nobody else may write."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == uid and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def runtime_base() -> str:
+    """Where a daemon keeps its socket (and run folders) when its config names none: a folder no other uid can make
+    first. For root /run/expertd; for another uid $XDG_RUNTIME_DIR/expertd when that variable names a folder of the
+    uid's own that nobody else may write, else /tmp/expertd-UID (which the daemon makes 0700 and refuses when it is a
+    link or another uid's; a client refuses such a one too). The daemon, its CLI and its clients of one uid (and
+    one environment) resolve the same folder; a worker of another uid names the endpoint."""
+    uid = os.geteuid()
+    if uid == 0:
+        return "/run/expertd" if _private_folder("/run", 0) else "/tmp/expertd-0"
+    xdg = os.environ.get("XDG_RUNTIME_DIR", "")
+    if xdg.startswith("/") and _private_folder(xdg, uid):
+        return os.path.join(xdg, "expertd")
+    return f"/tmp/expertd-{uid}"
+
+
+def default_endpoint() -> str:
+    """The endpoint of a daemon whose config names none: ipc://RUNTIME_BASE/expertd.sock (see `runtime_base`)."""
+    return f"ipc://{runtime_base()}/expertd.sock"
+
+
 def ipc_path(endpoint: str) -> str | None:
     """The socket file of an `ipc://PATH` endpoint; None for any other transport."""
     return endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
@@ -75,7 +105,7 @@ def is_endpoint(text: str) -> bool:
     return text.startswith(("ipc://", "tcp://"))
 
 
-ABSOLUTE_IPC = "write it as ipc:// followed by its absolute path, e.g. ipc:///tmp/expertd/expertd.sock"
+ABSOLUTE_IPC = "write it as ipc:// followed by its absolute path, e.g. ipc:///run/expertd/expertd.sock"
 
 
 def check_endpoint(endpoint: str, where: str | None = None, *, relative: bool = False) -> str:

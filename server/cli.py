@@ -291,7 +291,8 @@ def _add_client_commands(add) -> None:
         where = p.add_mutually_exclusive_group()
         where.add_argument("--endpoint", help="the daemon's ZeroMQ endpoint, ipc://PATH or tcp://HOST:PORT "
                                               "(default: --config's endpoint, then $EXPERTD_ENDPOINT, then "
-                                              "ipc:///tmp/expertd/expertd.sock)")
+                                              "ipc:///run/expertd/expertd.sock as root, else "
+                                              "$XDG_RUNTIME_DIR/expertd/ or /tmp/expertd-UID/expertd.sock)")
         where.add_argument("--config", help="the daemon's YAML config (its endpoint and auth_token are used)")
         p.add_argument("--timeout", type=_duration, default=5.0 if name != "verify" else 60.0,
                        help="seconds to wait for each answer")

@@ -12,7 +12,7 @@ import yaml
 from expertd.errors import ConfigError
 from expertd.index import DEFAULT_SHM_DIR
 from expertd.partition import ExpertParallel, PartitionError
-from expertd.protocol import DEFAULT_ENDPOINT, check_endpoint, ipc_path, tcp_host
+from expertd.protocol import check_endpoint, default_endpoint, ipc_path, tcp_host
 from expertd.units import parse_duration
 
 from .adopt import VERIFY_MODES
@@ -26,7 +26,7 @@ _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 @dataclass
 class DaemonConfig:
     checkpoint: str
-    endpoint: str = DEFAULT_ENDPOINT
+    endpoint: str = field(default_factory=default_endpoint)  # ipc://RUNTIME_BASE/expertd.sock: see runtime_base
     namespace: str = "expertd"
     run_dir: str | None = None  # index JSON, manifest, ledger; default: the ipc socket's folder, else the uid's own
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N": where dequant runs
@@ -66,7 +66,7 @@ class DaemonConfig:
     @property
     def resolved_run_dir(self) -> str:
         """The run folder: `run_dir`, else the ipc socket's folder, else a private one of this uid
-        ($XDG_RUNTIME_DIR/expertd/NAMESPACE or /tmp/expertd-UID/NAMESPACE), never a shared guessable path."""
+        (RUNTIME_BASE/NAMESPACE, see expertd.protocol.runtime_base), never a shared guessable path."""
         if self.run_dir:
             return self.run_dir
         path = ipc_path(self.endpoint)
@@ -250,7 +250,7 @@ class Target:
 
     @property
     def daemon_endpoint(self) -> str:
-        return self.endpoint or DEFAULT_ENDPOINT
+        return self.endpoint or default_endpoint()
 
 
 def resolve_target(endpoint: str | None = None, config: str | None = None, token: str | None = None,

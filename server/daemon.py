@@ -23,7 +23,7 @@ import zmq
 
 from expertd import messages, replies
 from expertd.errors import AuthError, ExpertdError, ProtocolError
-from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, error_reply, ipc_path, pack, unpack
+from expertd.protocol import MAX_MESSAGE_BYTES, PROTOCOL_VERSION, error_reply, ipc_path, pack, runtime_base, unpack
 
 from .built import Cancelled
 from .config import DaemonConfig
@@ -200,7 +200,7 @@ class Daemon:
                 ctx.term()
 
     def _endpoint_busy(self) -> EndpointBusy:
-        folder = os.path.dirname(ipc_path(self.cfg.endpoint) or "/tmp/expertd/x")
+        folder = os.path.dirname(ipc_path(self.cfg.endpoint) or runtime_base() + "/x")
         return EndpointBusy(
             f"another expertd daemon already answers on {self.cfg.endpoint}; each daemon needs its own endpoint: "
             f"set `endpoint:` in this config (e.g. endpoint: ipc://{folder}/{self.cfg.namespace}.sock), "

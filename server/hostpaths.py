@@ -16,6 +16,7 @@ import os
 import pwd
 import stat
 
+from expertd import protocol, trust
 from expertd.errors import ExpertdError
 
 log = logging.getLogger("expertd.hostpaths")
@@ -58,8 +59,25 @@ def _ancestor_problem(path: str) -> str | None:
         parent = os.path.dirname(parent)
 
 
+def link_problem(path: str) -> str | None:
+    """Why the way to `path` may not be trusted (None if it may): a symbolic link on it that someone else owns, who
+    could point it elsewhere after the checks (a link of root's, /var/run -> /run, or of this uid is followed)."""
+    uid = os.geteuid()
+    try:
+        for entry, st in trust.walk(os.path.abspath(path)):
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (0, uid):
+                return (f"is reached through the symbolic link {entry}, {describe(st)}; expertd follows no link "
+                        f"another user may replace (only root's or {_who(uid)}'s)")
+    except OSError:
+        return None  # what cannot be followed is said by the checks that follow
+    return None
+
+
 def folder_problem(path: str) -> str | None:
     """Why `path` (an existing folder) may not be trusted by this daemon, or None."""
+    link = link_problem(path)
+    if link is not None:
+        return link
     real = os.path.realpath(path)
     try:
         st = os.stat(real)
@@ -89,8 +107,8 @@ def ensure_private_dir(path: str, what: str) -> list[str]:
     while not os.path.isdir(existing) and existing != os.path.dirname(existing):
         missing.append(existing)
         existing = os.path.dirname(existing)
-    if missing:  # never create anything under a folder someone else could swap
-        problem = _ancestor_problem(os.path.join(os.path.realpath(existing), "x"))
+    if missing:  # never create anything under a folder (or through a link) someone else could swap
+        problem = link_problem(path) or _ancestor_problem(os.path.join(os.path.realpath(existing), "x"))
         if problem is not None:
             raise UnsafePath(f"{what} {path}: {problem} ({GUIDE})")
     created = []
@@ -153,12 +171,9 @@ def check_socket(path: str) -> None:
 
 
 def runtime_base() -> str:
-    """Where a daemon keeps its run folders when the config names none: $XDG_RUNTIME_DIR/expertd when that is set
-    and passes the same checks, else /tmp/expertd-UID (made 0700 by the daemon, checked if it exists)."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isabs(xdg) and os.path.isdir(xdg) and folder_problem(xdg) is None:
-        return os.path.join(xdg, "expertd")
-    return f"/tmp/expertd-{os.geteuid()}"
+    """Where a daemon keeps its socket and run folders when its config names none (`expertd.protocol.runtime_base`:
+    /run/expertd for root, else $XDG_RUNTIME_DIR/expertd or /tmp/expertd-UID, made 0700, checked if it exists)."""
+    return protocol.runtime_base()
 
 
 def owned(path: str) -> bool | None:

@@ -1,7 +1,9 @@
 """What a daemon leaves on record so that the next one can clean up after a crash.
 
-- A lock: an abstract unix socket named after the namespace, held for the daemon's life and
-  released by the kernel whatever way the process ends. A second daemon on the namespace refuses.
+- A lock: `{run_dir}/{namespace}.lock`, flock'd for the daemon's life (the kernel releases it whatever way the
+  process ends) in the run folder, which only the daemon's uid may write: no other uid can hold a namespace (an
+  abstract socket name could be bound by anyone first). A second daemon on the run folder refuses; one of the same
+  namespace elsewhere finds the first one's live segments when it reaps (NamespaceBusy too).
 - A manifest `{run_dir}/{namespace}.manifest.json`: pid, process start time, generation, segment
   names per live generation, state, what they were built under and the leases on them. A clean
   stop removes it with everything else the daemon wrote (so generation numbers start again at 1);
@@ -16,10 +18,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import logging
 import os
 import socket
+import stat
 import time
 
 import zmq
@@ -74,29 +78,20 @@ class RunState:
         self.namespace = namespace
         self.run_dir = run_dir
         self.manifest_path = os.path.join(run_dir, f"{namespace}.manifest.json")
-        self._lock: socket.socket | None = None
+        self.lock_path = os.path.join(run_dir, f"{namespace}.lock")
+        self._lock: int | None = None  # the flock'd lock file's descriptor
+        self._manifest_failing = False  # a manifest write failed: said once, until one succeeds again
         self._made: list[str] = []  # folders this daemon, or the predecessor it follows, created (removed when empty)
         self._made_key = False  # whether this daemon created the run folder's key (see `release`)
         self.manifest_problem: str | None = None  # why the manifest there was not read, when one was
         self.handover_from: int | None = None  # the pid that handed its generations over (`stop --keep`), if one did
 
     def acquire(self) -> None:
-        """Take the namespace lock (refuse if a live daemon holds it), then make or check the run folder, the
-        records in it and its key: UnsafePath (exit 2) for any that is not the daemon's own."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(f"\0expertd.{self.namespace}")
-        except OSError as exc:
-            sock.close()
-            pid = (self.read_manifest() or {}).get("pid")
-            who = f" (pid {pid})" if isinstance(pid, int) and pid > 0 and pid_alive(pid) else ""
-            raise NamespaceBusy(
-                f"another expertd daemon{who} already serves namespace {self.namespace!r}; "
-                "stop it first or choose another namespace"
-            ) from exc
-        self._lock = sock
+        """Make or check the run folder (UnsafePath, exit 2, when it is not the daemon's own), take the namespace
+        lock in it (NamespaceBusy when a live daemon holds it), then check the records in it and its key."""
         try:
             self._made = hostpaths.ensure_private_dir(self.run_dir, "run folder")
+            self._take_lock()
             for path in [self.manifest_path] + glob.glob(os.path.join(glob.escape(self.run_dir),
                                                                       f"{glob.escape(self.namespace)}.gen*.json")):
                 hostpaths.check_file(path, "manifest" if path == self.manifest_path else "ledger record")
@@ -106,14 +101,44 @@ class RunState:
             self.release()
             raise
 
+    def _take_lock(self) -> None:
+        """flock the lock file (made O_NOFOLLOW in the checked run folder), again when the file found was unlinked
+        by a daemon that was releasing it meanwhile: the lock held is always the one on the file at its path."""
+        while True:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                hostpaths.check_file(self.lock_path, "namespace lock")
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                pid = (self.read_manifest() or {}).get("pid")
+                who = f" (pid {pid})" if isinstance(pid, int) and pid > 0 and pid_alive(pid) else ""
+                raise NamespaceBusy(f"another expertd daemon{who} already serves namespace {self.namespace!r} from "
+                                    f"{self.run_dir}; stop it first or choose another namespace") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                same = os.path.samestat(os.fstat(fd), os.lstat(self.lock_path))
+            except FileNotFoundError:
+                same = False
+            if same and stat.S_ISREG(os.fstat(fd).st_mode):
+                self._lock = fd
+                return
+            os.close(fd)
+
     def release(self) -> None:
         if self._lock is not None:
-            self._lock.close()
+            try:
+                os.unlink(self.lock_path)  # while still held: a daemon waiting on this file tries the path again
+            except FileNotFoundError:
+                pass
+            os.close(self._lock)
             self._lock = None
         if self._made_key and not os.path.exists(self.manifest_path):  # a start that failed before recording anything
             sealed.remove_key(self.run_dir, self.namespace)
             self._made_key = False
-        hostpaths.remove_created(self._made, self.run_dir)  # only when empty: a failed start leaves no folder behind either
+        hostpaths.remove_created(self._made, self.run_dir)  # only when empty: a failed start leaves no folder either
         self._made = []
 
     def remove(self) -> None:
@@ -153,7 +178,8 @@ class RunState:
         if manifest is not None:
             self.handover_from = manifest.get("pid") if manifest.get("state") == "handover" else None
             made = manifest.get("made")  # the folders it made are this daemon's to remove at a clean stop
-            self._note_made([f for f in made if isinstance(f, str) and os.path.isabs(f)] if isinstance(made, list) else [])
+            made = made if isinstance(made, list) else []
+            self._note_made([f for f in made if isinstance(f, str) and os.path.isabs(f)])
         return manifest
 
     def _note_made(self, folders: list[str]) -> None:
@@ -168,7 +194,23 @@ class RunState:
                        staging: list[str] = (), shm_dir: str = SHM_DIR, conditions: dict | None = None,
                        leases: list[dict] = ()) -> None:
         """Record the latest generation, the segments of every live generation (and of staging), what they were
-        built under and the leases on them: what a successor needs to adopt them (see `adopt`)."""
+        built under and the leases on them: what a successor needs to adopt them (see `adopt`). A write that fails
+        (the run folder gone, swapped or full) is logged once and skipped: the daemon serves on, and a successor
+        that finds no current manifest reaps and rebuilds instead of adopting."""
+        try:
+            hostpaths.check_folder(self.run_dir, "run folder")  # still the daemon's own, reached through no new link
+            self._write_manifest(generation, segments, state, endpoint, staging, shm_dir, conditions, leases)
+        except OSError as exc:
+            if not self._manifest_failing:
+                log.error("cannot write the manifest %s (%s): serving on without it; a successor will rebuild rather "
+                          "than adopt", self.manifest_path, exc)
+            self._manifest_failing = True
+            return
+        if self._manifest_failing:
+            log.info("the manifest %s is written again", self.manifest_path)
+        self._manifest_failing = False
+
+    def _write_manifest(self, generation, segments, state, endpoint, staging, shm_dir, conditions, leases) -> None:
         sealed.write(self.manifest_path, {
             "pid": os.getpid(), "start_time": process_start_time(os.getpid()), "generation": generation,
             "namespace": self.namespace, "state": state, "endpoint": endpoint, "updated": time.time(),

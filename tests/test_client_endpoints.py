@@ -21,13 +21,13 @@ REPO = Path(__file__).resolve().parent.parent
 BAD_ENDPOINTS = [
     ("/tmp/expertd-nowhere/x.sock", "looks like a socket path; write it as ipc:///tmp/expertd-nowhere/x.sock"),
     ("relative.sock", "looks like a relative socket path; write it as ipc:// followed by its absolute path, "
-                      "e.g. ipc:///tmp/expertd/expertd.sock"),
-    ("ipc:/tmp/expertd/expertd.sock", "has too few slashes; write it as ipc:///tmp/expertd/expertd.sock"),
+                      "e.g. ipc:///run/expertd/expertd.sock"),
+    ("ipc:/run/expertd/expertd.sock", "has too few slashes; write it as ipc:///run/expertd/expertd.sock"),
     ("tcp:localhost:5555", "has too few slashes; write it as tcp://localhost:5555"),
     ("ipc://tmp/x.sock", "names the relative path tmp/x.sock, which each process would look for under its own working "
                          "folder; an absolute path takes three slashes: ipc:///tmp/x.sock"),
     ("ipc://./x.sock", "names the relative path ./x.sock, which each process would look for under its own working "
-                       "folder; write it as ipc:// followed by its absolute path, e.g. ipc:///tmp/expertd/expertd.sock"),
+                       "folder; write it as ipc:// followed by its absolute path, e.g. ipc:///run/expertd/expertd.sock"),
     ("tcp://localhost", "names no port; write it as tcp://localhost:PORT"),
     ("localhost:5555", "needs its transport; write it as tcp://localhost:5555"),
     ("zmq://daemon", "must be ipc://PATH (a unix socket) or tcp://HOST:PORT"),
@@ -66,7 +66,7 @@ def test_an_environment_endpoint_is_named_in_its_error(monkeypatch):
 
 
 def test_good_endpoints_pass_unchanged():
-    for endpoint in ("ipc:///tmp/expertd/expertd.sock", "tcp://127.0.0.1:5555", "tcp://host-a:1"):
+    for endpoint in ("ipc:///run/expertd/expertd.sock", "tcp://127.0.0.1:5555", "tcp://host-a:1"):
         assert check_endpoint(endpoint) == endpoint
     assert check_endpoint("ipc://run/x.sock", relative=True) == "ipc://run/x.sock"  # a config's: its folder anchors it
 

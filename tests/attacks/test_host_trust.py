@@ -169,17 +169,17 @@ def test_key_or_ledger_not_the_daemons_own_is_refused(case, tiny_checkpoint, sta
 
 
 def test_default_run_folder_is_private_to_the_uid(monkeypatch, shared_tmp, tmp_path):
+    """root's default is /run/expertd (a folder only root may make), whatever $XDG_RUNTIME_DIR says; another uid's
+    ($XDG_RUNTIME_DIR/expertd or /tmp/expertd-UID) is tested as that uid in test_impostor.py."""
     settings = {"checkpoint": str(tmp_path), "endpoint": "tcp://127.0.0.1:5555", "namespace": "edtdefault"}
-    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    assert config_from_dict(settings).resolved_run_dir == f"/tmp/expertd-{os.geteuid()}/edtdefault"
-    ours = tmp_path / "xdg"
-    ours.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(ours))
-    assert config_from_dict(settings).resolved_run_dir == f"{ours}/expertd/edtdefault"
-    theirs = os.path.join(shared_tmp, "xdg")
-    as_nobody("mkdir", "-m", "0700", theirs)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", theirs)  # another user's: not ours to trust, the private /tmp one instead
-    assert config_from_dict(settings).resolved_run_dir == f"/tmp/expertd-{os.geteuid()}/edtdefault"
+    for xdg in (None, str(tmp_path), shared_tmp):
+        if xdg is None:
+            monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+        else:
+            monkeypatch.setenv("XDG_RUNTIME_DIR", xdg)
+        cfg = config_from_dict({k: v for k, v in settings.items() if k != "endpoint"})
+        assert config_from_dict(settings).resolved_run_dir == "/run/expertd/edtdefault"
+        assert (cfg.endpoint, cfg.resolved_run_dir) == ("ipc:///run/expertd/expertd.sock", "/run/expertd")
 
 
 # --- the control socket --------------------------------------------------------------------------

@@ -21,7 +21,7 @@ const std::pair<const char*, at::ScalarType> DTYPES[] = {
 std::string resolve_endpoint(std::string endpoint) {  // checked here so that an $EXPERTD_ENDPOINT error says so
   if (!endpoint.empty()) return check_endpoint(endpoint);
   const char* env = std::getenv("EXPERTD_ENDPOINT");
-  return env != nullptr && *env != '\0' ? check_endpoint(env, "$EXPERTD_ENDPOINT") : std::string(DEFAULT_ENDPOINT);
+  return env != nullptr && *env != '\0' ? check_endpoint(env, "$EXPERTD_ENDPOINT") : default_endpoint();
 }
 
 LeaseInfo lease_info(const Value& v) {

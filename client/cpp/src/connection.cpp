@@ -104,10 +104,30 @@ std::optional<std::string> ipc_path(const std::string& endpoint) {
   return endpoint.substr(prefix.size());
 }
 
+namespace {
+bool private_folder(const char* path, uid_t uid) {
+  struct stat st {};
+  return ::lstat(path, &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == uid && (st.st_mode & (S_IWGRP | S_IWOTH)) == 0;
+}
+}  // namespace
+
+std::string default_endpoint() {
+  uid_t uid = ::geteuid();
+  std::string base;
+  const char* xdg = std::getenv("XDG_RUNTIME_DIR");
+  if (uid == 0)
+    base = private_folder("/run", 0) ? "/run/expertd" : "/tmp/expertd-0";
+  else if (xdg != nullptr && xdg[0] == '/' && private_folder(xdg, uid))
+    base = std::string(xdg) + "/expertd";
+  else
+    base = "/tmp/expertd-" + std::to_string(uid);
+  return "ipc://" + base + "/expertd.sock";
+}
+
 std::string check_endpoint(const std::string& endpoint, const std::string& where) {
   static const std::regex tcp(R"(^tcp://[^:/]+:\d+$)"), tcp_no_port(R"(^tcp://[^:/]+$)"), host_port(R"(^[^:/]+:\d+$)"),
       short_ipc(R"(^ipc:/[^/].*$)"), short_tcp(R"(^tcp:/?[^/].*$)");
-  static const std::string absolute = "write it as ipc:// followed by its absolute path, e.g. ipc:///tmp/expertd/expertd.sock";
+  static const std::string absolute = "write it as ipc:// followed by its absolute path, e.g. ipc:///run/expertd/expertd.sock";
   const std::string lead = (where.empty() ? "" : where + ": ") + "endpoint " + quote(endpoint);
   auto starts = [&](const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; };
   if (auto path = ipc_path(endpoint)) {  // a relative path: each process would look under its own working folder

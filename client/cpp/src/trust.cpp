@@ -9,9 +9,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include "expertd/errors.h"
 
@@ -63,49 +65,112 @@ std::set<uid_t> trusted_uids() {
 
 bool others_write(const struct stat& st) { return (st.st_mode & (S_IWGRP | S_IWOTH)) != 0; }
 
-struct stat stat_of(const std::string& path, bool follow) {
-  struct stat st {};
-  if ((follow ? ::stat(path.c_str(), &st) : ::lstat(path.c_str(), &st)) != 0)
-    throw DaemonNotTrusted("refusing to talk to the daemon: cannot stat " + path + ": " + std::strerror(errno));
-  return st;
-}
-
 std::string dirname_of(const std::string& path) {
   std::size_t slash = path.find_last_of('/');
   if (slash == std::string::npos) return ".";
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
+DaemonNotTrusted refuse(const std::string& path, const std::string& why) {
+  return DaemonNotTrusted("refusing to talk to " + path + ": " + why + "; " + kFix);
+}
+
+struct Entry {
+  std::string path;
+  struct stat st;
+};
+
+// Resolve the absolute `path` one component at a time, as the kernel would, never trusting its resolution: the
+// folders met on the way (a link is followed only when a trusted uid owns it) and, last, the entry `path` names.
+std::vector<Entry> walk(const std::string& path, const std::set<uid_t>& trusted) {
+  std::vector<Entry> met;
+  std::deque<std::string> todo;
+  auto push_parts = [&todo](const std::string& text) {
+    std::deque<std::string> parts;
+    std::string part;
+    std::istringstream in(text);
+    while (std::getline(in, part, '/'))
+      if (!part.empty() && part != ".") parts.push_back(part);
+    todo.insert(todo.begin(), parts.begin(), parts.end());
+  };
+  auto lstat_of = [&path](const std::string& entry) {
+    struct stat st {};
+    if (::lstat(entry.c_str(), &st) != 0)
+      throw refuse(path, "its path cannot be followed at " + entry + " (" + std::strerror(errno) + ")");
+    return st;
+  };
+  std::string current = "/";
+  met.push_back({current, lstat_of(current)});
+  push_parts(path);
+  int links = 0;
+  while (!todo.empty()) {
+    std::string name = todo.front();
+    todo.pop_front();
+    if (name == "..") {  // `current` is resolved already: its parent is its real parent
+      current = dirname_of(current);
+      continue;
+    }
+    std::string entry = (current == "/" ? "" : current) + "/" + name;
+    struct stat st = lstat_of(entry);
+    if (S_ISLNK(st.st_mode)) {
+      if (trusted.count(st.st_uid) == 0)
+        throw refuse(path, "the symbolic link " + describe(entry, st) + " on its way belongs to a user this client "
+                     "does not trust, who could point it at a daemon of their own");
+      if (++links > 40) throw refuse(path, "its path has too many symbolic links");
+      std::vector<char> buf(4096);
+      ssize_t n = ::readlink(entry.c_str(), buf.data(), buf.size() - 1);
+      if (n < 0) throw refuse(path, "cannot read the link " + entry);
+      std::string target(buf.data(), static_cast<std::size_t>(n));
+      push_parts(target);
+      if (!target.empty() && target[0] == '/') current = "/";
+      continue;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      if (!todo.empty()) throw refuse(path, entry + " on its way is not a folder");
+      met.push_back({entry, st});
+      return met;
+    }
+    met.push_back({entry, st});
+    current = entry;
+  }
+  throw refuse(path, "it is a folder, not a socket");
+}
+
 }  // namespace
 
 uid_t check_socket(const std::string& path) {
-  char* real = ::realpath(dirname_of(path).c_str(), nullptr);
-  if (real == nullptr) throw DaemonNotTrusted("refusing to talk to " + path + ": its folder cannot be resolved");
-  std::string folder(real);
-  std::free(real);
-  std::string base = path.substr(path.find_last_of('/') + 1);
   std::set<uid_t> trusted = trusted_uids();
-  struct stat st = stat_of(folder, true);
-  struct stat sock = stat_of(folder + "/" + base, false);
-  if (!S_ISSOCK(sock.st_mode)) throw DaemonNotTrusted("refusing to talk to " + path + ": " + describe(path, sock) + " is not a socket");
-  bool ok;
-  if (others_write(st)) {
-    if ((st.st_mode & S_ISVTX) == 0)
-      throw DaemonNotTrusted("refusing to talk to " + path + ": its folder " + describe(folder, st) +
-                             " may be written by others, who could replace the socket; " + kFix);
-    ok = trusted.count(sock.st_uid) != 0;  // sticky (like /tmp): anyone may have made the socket
-  } else {
-    struct stat parent = stat_of(dirname_of(folder), true);
-    bool given = trusted.count(parent.st_uid) != 0 && !others_write(parent);
-    ok = (trusted.count(st.st_uid) != 0 || given) && (trusted.count(sock.st_uid) != 0 || sock.st_uid == st.st_uid);
+  std::vector<Entry> met = walk(path, trusted);
+  const Entry sock = met.back();
+  met.pop_back();
+  if (!S_ISSOCK(sock.st.st_mode))
+    throw DaemonNotTrusted("refusing to talk to " + path + ": " + describe(sock.path, sock.st) + " is not a socket");
+  std::set<uid_t> owners = trusted;
+  bool given = false;
+  const struct stat* parent = nullptr;
+  for (std::size_t k = 0; k < met.size(); ++k) {
+    const Entry& f = met[k];
+    bool own = k + 1 == met.size();  // the socket's own folder
+    if (others_write(f.st) && (own || (f.st.st_mode & S_ISVTX) == 0 || trusted.count(f.st.st_uid) == 0))
+      throw refuse(path, std::string(own ? "its" : "the") + " folder " + describe(f.path, f.st) +
+                   " may be written by others, who could replace " + (own ? "the socket" : "what lies below it"));
+    if (owners.count(f.st.st_uid) == 0) {
+      if (given || parent == nullptr || trusted.count(parent->st_uid) == 0 || others_write(*parent))
+        throw refuse(path, "the folder " + describe(f.path, f.st) + " belongs to a user this client does not trust "
+                     "(root, you, $EXPERTD_DAEMON_UID), not given to it in a folder only they may write");
+      given = true;  // root (or a trusted uid) made it theirs: the daemon's user
+      owners.insert(f.st.st_uid);
+    }
+    parent = &f.st;
   }
-  if (!ok)
-    throw DaemonNotTrusted("refusing to talk to " + path + ": the socket " + describe(path, sock) + " in " +
-                           describe(folder, st) + " belongs to a user this client does not trust (root, you, "
-                           "$EXPERTD_DAEMON_UID); " + kFix);
+  const Entry& folder = met.back();
+  if (sock.st.st_uid != folder.st.st_uid && !(trusted.count(sock.st.st_uid) && trusted.count(folder.st.st_uid)))
+    throw refuse(path, "the socket " + describe(sock.path, sock.st) + " in " + describe(folder.path, folder.st) +
+                 " belongs to neither the folder's owner nor a user this client trusts (root, you, "
+                 "$EXPERTD_DAEMON_UID)");
   std::lock_guard<std::mutex> lock(daemons_mutex);
-  daemons.insert(sock.st_uid);
-  return sock.st_uid;
+  daemons.insert(sock.st.st_uid);
+  return sock.st.st_uid;
 }
 
 void check_owner(const std::string& path, const struct stat& st, const std::string& what) {

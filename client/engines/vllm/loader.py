@@ -23,7 +23,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from expertd.client import ExpertClient
 from expertd.errors import DaemonError, ModelMismatch
-from expertd.protocol import DEFAULT_ENDPOINT
+from expertd.protocol import default_endpoint
 
 from ..binding import accounting, report
 from ..checks import check_daemon, check_loaded
@@ -42,7 +42,7 @@ def attach(options: LoaderOptions) -> ExpertClient:
         return ExpertClient(options.endpoint, timeout=options.timeout, token=options.token,
                             server_key=options.server_key, client_key=options.client_key)
     except DaemonError as exc:  # the daemon's refusal (a wrong token, say): name which daemon refused
-        endpoint = options.endpoint or os.environ.get("EXPERTD_ENDPOINT", DEFAULT_ENDPOINT)
+        endpoint = options.endpoint or os.environ.get("EXPERTD_ENDPOINT") or default_endpoint()
         if endpoint in str(exc):
             raise
         raise type(exc)(f"the daemon at {endpoint}: {exc}", exc.kind) from exc

@@ -1,6 +1,6 @@
 // expertd's C++ client: leases on a daemon's published weights, served tensors as zero-copy libtorch views.
 //
-//   expertd::Client c("ipc:///tmp/expertd/expertd.sock", {.token = "...", .timeout = std::chrono::seconds(10)});
+//   expertd::Client c("ipc:///run/expertd/expertd.sock", {.token = "...", .timeout = std::chrono::seconds(10)});
 //   expertd::Lease lease = c.attach();                 // pins the latest generation (a heartbeat thread keeps it)
 //   std::unordered_map<std::string, at::Tensor> t = lease.tensors();  // served names -> read-only views
 //   int64_t g = lease.generation();
@@ -103,7 +103,7 @@ class Lease {
 };
 
 // A daemon's endpoint and credentials. Constructing one sends nothing; an empty endpoint means
-// $EXPERTD_ENDPOINT, else DEFAULT_ENDPOINT. Every request fails at once with DaemonNotRunning when an
+// $EXPERTD_ENDPOINT, else default_endpoint() (connection.h). Every request fails at once with DaemonNotRunning when an
 // ipc:// endpoint has no socket file or nothing listens on it.
 class Client {
  public:

@@ -41,6 +41,10 @@ struct Credentials {
 };
 
 std::optional<std::string> ipc_path(const std::string& endpoint);
+// ipc://RUNTIME_BASE/expertd.sock, what a daemon of this uid serves when its config names no endpoint
+// (expertd/protocol.py default_endpoint, the same rule): /run/expertd for root, else $XDG_RUNTIME_DIR/expertd when
+// that is a folder (not a link) of this uid that nobody else may write, else /tmp/expertd-UID.
+std::string default_endpoint();
 // `endpoint` when it is ipc://PATH or tcp://HOST:PORT, else a ConfigError saying how to write it, worded as
 // expertd/protocol.py check_endpoint words it (`where`, when given, leads the message). Checked before any libzmq call.
 std::string check_endpoint(const std::string& endpoint, const std::string& where = "");
