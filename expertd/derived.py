@@ -34,7 +34,7 @@ from .errors import VariantRejected
 from .message_types import ABSENT
 from .messages import GatherItem
 
-CHUNK = 1 << 17  # index entries inflated, checked and gathered at a time (512 KiB of int32 differences)
+CHUNK = 1 << 16  # index entries inflated, checked and gathered at a time (256 KiB of int32 differences)
 KEY_PREFIX = "blake2b:"
 
 
