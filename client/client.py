@@ -28,7 +28,6 @@ from .views import IndexViews
 log = logging.getLogger("expertd.client")
 
 
-
 class ExpertClient:
     """A lease on a daemon's published weights.
 
@@ -40,13 +39,13 @@ class ExpertClient:
     def __init__(self, endpoint: str | None = None, *, timeout: float = 30.0, heartbeat: bool = True,
                  copy_on_write: bool = False, token: str | None = None, on_update=None, push_token: str | None = None,
                  server_key: str | bytes | None = None, client_key: str | None = None, admin_token: str | None = None,
-                 credentials=None):
+                 credentials=None, allow_plain_tcp_tokens: bool | None = None):
         self.endpoint = endpoint or os.environ.get("EXPERTD_ENDPOINT") or default_endpoint()
         self.timeout = timeout
         self.copy_on_write = copy_on_write
-        # what this client presents (arguments, else $EXPERTD_TOKEN, _PUSH_TOKEN, _SERVER_KEY, _CLIENT_KEY,
-        # _ADMIN_TOKEN)
-        self.credentials = credentials or Credentials.resolve(token, push_token, server_key, client_key, admin_token)
+        # arguments, else $EXPERTD_TOKEN, _PUSH_TOKEN, _SERVER_KEY, _CLIENT_KEY, _ADMIN_TOKEN, _ALLOW_PLAIN_TCP_TOKENS
+        self.credentials = credentials or Credentials.resolve(token, push_token, server_key, client_key, admin_token,
+                                                              allow_plain_tcp_tokens)
         self.token = self.credentials.token
         # called with the new number, on the heartbeat thread, when a newer generation appears
         self.on_update = on_update
@@ -343,6 +342,7 @@ class ExpertClient:
         new = {e.segment: e.offset + e.nbytes for e in entries if e.segment not in self._segments}
         self._segments.update(map_segments([SegmentEntry(name, nbytes) for name, nbytes in new.items()],
                                            writable=self.copy_on_write, shm_dir=index.shm_dir))
+        check_bytes([view(self._segments, e) for e in entries], entries)  # each the derivation asked for too
 
     def _remap(self, index: TensorIndex) -> None:
         """Map the segments a new index adds; forget those it no longer uses (views keep theirs alive)."""
@@ -358,7 +358,6 @@ class ExpertClient:
             index = self.index()
             self._segments = map_segments(index.segments, writable=self.copy_on_write, shm_dir=index.shm_dir)
         return self._segments
-        check_bytes([view(self._segments, e) for e in entries], entries)  # each the derivation asked for too
 
     def _announce(self) -> None:
         """Call `on_update` with each newer generation's number, in order, none skipped (on the heartbeat thread:

@@ -154,14 +154,15 @@ def share_of(index: TensorIndex, tensors: dict[str, torch.Tensor]) -> dict[str, 
 
 def push_all(endpoints: list[str], tensors: dict[str, torch.Tensor], *, token: str | None = None,
              push_token: str | None = None, server_key: str | bytes | None = None, client_key: str | None = None,
-             timeout: float = 60.0, admin_token: str | None = None) -> dict[str, int]:
+             timeout: float = 60.0, admin_token: str | None = None,
+             allow_plain_tcp_tokens: bool | None = None) -> dict[str, int]:
     """Push a state dict to every daemon of a deployment, each taking its own share; returns the generation
     each published. Nothing is published anywhere unless every daemon accepted and built its share: a name
     no daemon serves, a daemon that cannot be reached or that refuses, aborts them all. Credentials as for
     `ExpertClient` (a push needs the daemons' `push_token` or `admin_token`, or under CURVE a client key they allow to
-    push)."""
+    push; over tcp:// without CURVE no token is sent unless `allow_plain_tcp_tokens`)."""
     _check(tensors)
-    credentials = Credentials.resolve(token, push_token, server_key, client_key, admin_token)
+    credentials = Credentials.resolve(token, push_token, server_key, client_key, admin_token, allow_plain_tcp_tokens)
     if not endpoints:
         raise UpdateRejected("push_all() needs at least one endpoint")
     daemons = []  # (connection, lease, its share)

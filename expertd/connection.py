@@ -89,6 +89,7 @@ class Connection:
                 if self.token is not None:
                     message["token"] = self.token
                 message.update(self.credentials.for_op(op))  # the push or admin token, with the ops that need it
+                self.credentials.check_transport(self.endpoint, message)  # no token in clear to whoever holds the port
                 packed = pack(message)
                 if len(packed) > MAX_MESSAGE_BYTES:  # the daemon's socket would drop it unanswered
                     raise ProtocolError(f"{messages.words(op)} is a {len(packed)}-byte request; the daemon takes "

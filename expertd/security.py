@@ -5,7 +5,9 @@ both ends: a client must know the daemon's public key, and the daemon sees each 
 files are ZeroMQ's own certificate format (`expertd keys` writes them with `zmq.auth.create_certificates`):
 `NAME.key` holds the public key, `NAME.key_secret` both. Pushing weights and administering the daemon (reload,
 stop) are permissions of their own (which ops need which: `expertd.messages.PERMISSIONS`): a `push_token` /
-`admin_token` (any transport) or, under CURVE, a client key on the daemon's push / admin allow-list.
+`admin_token` (any transport) or, under CURVE, a client key on the daemon's push / admin allow-list. Over tcp://
+without CURVE nothing is encrypted and nothing says who listens (a local user may bind the port while the daemon is
+down): no token goes out there unless the caller says so (`allow_plain_tcp_tokens`, `Credentials.check_transport`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from .errors import ConfigError
 from .messages import ADMIN, PERMISSIONS, PUSH
 
 Z85_KEY_CHARS = 40
+PLAIN_TCP_ENV = "EXPERTD_ALLOW_PLAIN_TCP_TOKENS"
+TOKEN_FIELDS = {"token": "auth_token", "push_token": "push_token", "admin_token": "admin_token"}  # field: config key
 
 
 def public_key(value: str, where: str = "server key") -> bytes:
@@ -70,12 +74,16 @@ class Credentials:
     server_key: bytes | None = None  # the daemon's CURVE public key (z85): tcp:// with CURVE
     client_public: bytes | None = None  # this client's CURVE key pair; an ephemeral one when not given
     client_secret: bytes | None = None
+    allow_plain_tcp_tokens: bool = False  # send tokens over tcp:// without CURVE all the same (`check_transport`)
 
     @classmethod
     def resolve(cls, token: str | None = None, push_token: str | None = None, server_key: str | bytes | None = None,
-                client_key: str | None = None, admin_token: str | None = None) -> "Credentials":
+                client_key: str | None = None, admin_token: str | None = None,
+                allow_plain_tcp_tokens: bool | None = None) -> "Credentials":
         """Arguments first, then $EXPERTD_TOKEN, $EXPERTD_PUSH_TOKEN, $EXPERTD_ADMIN_TOKEN, $EXPERTD_SERVER_KEY (z85
-        or a key file) and $EXPERTD_CLIENT_KEY (a NAME.key_secret file)."""
+        or a key file), $EXPERTD_CLIENT_KEY (a NAME.key_secret file) and $EXPERTD_ALLOW_PLAIN_TCP_TOKENS (1)."""
+        if allow_plain_tcp_tokens is None:
+            allow_plain_tcp_tokens = os.environ.get(PLAIN_TCP_ENV, "").strip().lower() in ("1", "true", "yes")
         token = token if token is not None else os.environ.get("EXPERTD_TOKEN") or None
         push_token = push_token if push_token is not None else os.environ.get("EXPERTD_PUSH_TOKEN") or None
         admin_token = admin_token if admin_token is not None else os.environ.get("EXPERTD_ADMIN_TOKEN") or None
@@ -90,7 +98,20 @@ class Credentials:
             import zmq                # leases and checks heartbeats per CURVE key
 
             public, secret = zmq.curve_keypair()
-        return cls(token, push_token, admin_token, server_key, public, secret)
+        return cls(token, push_token, admin_token, server_key, public, secret, bool(allow_plain_tcp_tokens))
+
+    def check_transport(self, endpoint: str, message: dict) -> None:
+        """ConfigError (naming the endpoint, the option and the risk) before a request carrying a token goes to a
+        tcp:// endpoint without CURVE, unless `allow_plain_tcp_tokens`: whoever answers there gets it."""
+        carried = [TOKEN_FIELDS[k] for k in TOKEN_FIELDS if message.get(k) is not None]
+        if not carried or self.server_key is not None or self.allow_plain_tcp_tokens or not endpoint.startswith("tcp://"):
+            return
+        raise ConfigError(
+            f"not sending the {' and the '.join(carried)} to {endpoint}: tcp:// without CURVE is plain text, and any "
+            "local user who binds that port while the daemon is down (or anyone on the path) would receive it; give "
+            "the daemon's public key (--server-key, $EXPERTD_SERVER_KEY, server_key=) or, accepting that risk, set "
+            f"allow_plain_tcp_tokens: true in the config, {PLAIN_TCP_ENV}=1, or ExpertClient(..., "
+            "allow_plain_tcp_tokens=True)")
 
     def for_op(self, op: str) -> dict:
         """The permission tokens a request for `op` carries: the push_token with the push ops (the admin_token when

@@ -48,18 +48,19 @@ class DaemonConfig:
     curve_client_keys: str | None = None  # folder of client public keys that may connect (default: any with ours)
     curve_push_keys: str | None = None  # folder of client public keys that may push weights (default: none)
     insecure_tcp: bool = False  # allow a tcp bind beyond 127.0.0.1 without CURVE (token and bytes in clear)
+    allow_plain_tcp_tokens: bool = False  # the CLI sends this config's tokens over tcp:// without CURVE all the same
     adopt_verify: str = "full"  # adopting a predecessor's generations: "full" (every checksum) or "sizes"
     admin_token: str | None = None  # when set, reload and stop need it (expertd.messages.PERMISSIONS: "admin")
     curve_admin_keys: str | None = None  # folder of client public keys granted admin under CURVE (ours always is)
     checkpoint_roots: list = field(default_factory=list)  # folders a reload may name a checkpoint under
     stop_timeout_s: float = 10.0  # a stop waits this long for a build; then it is abandoned and the daemon exits
-
-    @property
     # derived tensors (casts, gathers) readers may leave, in bytes (whole pages) and files: see server/quota.py
     max_derived_bytes: int | None = None  # the whole daemon's; None: the latest generation's served bytes
     max_derived_files: int = 4096
     max_derived_bytes_per_reader: int | None = None  # one uid's (ipc://) or CURVE key's (tcp://); None: the daemon's
     max_derived_files_per_reader: int | None = None
+
+    @property
     def index_path(self) -> str:
         return os.path.join(self.resolved_run_dir, f"{self.namespace}.index.json")
 
@@ -94,7 +95,8 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
     known = {f.name for f in fields(DaemonConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ConfigError(f"config {source}: unknown key(s) {', '.join(map(str, unknown))}; known keys: {', '.join(sorted(known))}")
+        raise ConfigError(f"config {source}: unknown key(s) {', '.join(map(str, unknown))}; known keys: "
+                          f"{', '.join(sorted(known))}")
     if "checkpoint" not in raw or not isinstance(raw["checkpoint"], str):
         raise ConfigError(f"config {source}: 'checkpoint' (a folder path) is required")
     values = dict(raw)
@@ -149,7 +151,8 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
             raise ConfigError(f"config {source}: {key}: {exc}") from None
     if cfg.metrics_port is not None and (not isinstance(cfg.metrics_port, int) or isinstance(cfg.metrics_port, bool)
                                          or not 0 < cfg.metrics_port < 65536):
-        raise ConfigError(f"config {source}: metrics_port must be a TCP port number 1-65535 (or leave it out: no metrics)")
+        raise ConfigError(f"config {source}: metrics_port must be a TCP port number 1-65535 (or leave it out: no "
+                          "metrics)")
     if not isinstance(cfg.metrics_host, str) or not cfg.metrics_host:
         raise ConfigError(f"config {source}: metrics_host must be a host name or address, e.g. 127.0.0.1 or 0.0.0.0")
     if cfg.auth_token is not None and (not isinstance(cfg.auth_token, str) or len(cfg.auth_token) < 16):
@@ -167,13 +170,6 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
     return cfg
 
 
-def check_security(cfg: DaemonConfig, source: str, host: str | None) -> None:
-    """CURVE keys readable and only on tcp://; no clear-text tcp beyond this host unless asked for; a push token
-    apart from the auth token."""
-    from expertd.security import key_pair
-
-    if cfg.push_token is not None and (not isinstance(cfg.push_token, str) or len(cfg.push_token) < 16
-                                       or cfg.push_token == cfg.auth_token):
 def _check_derived(cfg: DaemonConfig, source: str) -> None:
     """The limits on derived tensors: whole numbers of bytes or files (server/quota.py)."""
     for key in ("max_derived_bytes", "max_derived_files", "max_derived_bytes_per_reader",
@@ -185,6 +181,13 @@ def _check_derived(cfg: DaemonConfig, source: str) -> None:
                 "" if key == "max_derived_files" else " (or leave it out: see README \"Config keys\")"))
 
 
+def check_security(cfg: DaemonConfig, source: str, host: str | None) -> None:
+    """CURVE keys readable and only on tcp://; no clear-text tcp beyond this host unless asked for; a push token
+    apart from the auth token."""
+    from expertd.security import key_pair
+
+    if cfg.push_token is not None and (not isinstance(cfg.push_token, str) or len(cfg.push_token) < 16
+                                       or cfg.push_token == cfg.auth_token):
         raise ConfigError(f"config {source}: push_token must be a string of at least 16 characters, not the auth_token")
     if cfg.admin_token is not None and (not isinstance(cfg.admin_token, str) or len(cfg.admin_token) < 16
                                         or cfg.admin_token in (cfg.auth_token, cfg.push_token)):
@@ -192,6 +195,8 @@ def _check_derived(cfg: DaemonConfig, source: str) -> None:
                           "auth_token nor the push_token")
     if not isinstance(cfg.insecure_tcp, bool):
         raise ConfigError(f"config {source}: insecure_tcp must be true or false")
+    if not isinstance(cfg.allow_plain_tcp_tokens, bool):
+        raise ConfigError(f"config {source}: allow_plain_tcp_tokens must be true or false")
     curve = [k for k in ("curve_secret_key", "curve_client_keys", "curve_push_keys", "curve_admin_keys")
              if getattr(cfg, k) is not None]
     if curve and host is None:
@@ -241,7 +246,8 @@ class Target:
             return Credentials(self.token, self.config.push_token, self.config.admin_token, public, public, secret)
         if self.config is not None:  # the daemon's own config: its permission tokens too (the CLI on its host is admin)
             return Credentials.resolve(token=self.token, push_token=self.config.push_token,
-                                       admin_token=self.config.admin_token, server_key=self.server_key)
+                                       admin_token=self.config.admin_token, server_key=self.server_key,
+                                       allow_plain_tcp_tokens=self.config.allow_plain_tcp_tokens or None)
         return Credentials.resolve(token=self.token, server_key=self.server_key)
 
     @property

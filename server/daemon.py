@@ -184,6 +184,11 @@ class Daemon:
             os.unlink(path)
             raise
         log.info("control socket %s", endpoint)
+        tokens = [k for k in ("auth_token", "push_token", "admin_token") if getattr(self.cfg, k) is not None]
+        if path is None and self.curve is None and tokens:
+            log.warning("%s has no CURVE: the %s travel in clear, and a local user who binds this port while the "
+                        "daemon is down receives them; set curve_secret_key (clients send no token there unless "
+                        "allow_plain_tcp_tokens)", endpoint, " and ".join(tokens))
         return sock
 
     def _check_endpoint_free(self) -> None:

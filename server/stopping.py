@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from expertd import messages
+from expertd import messages, replies
 from expertd.errors import DaemonError, DaemonNotRunning, ExpertdError
 
 
@@ -19,14 +19,16 @@ def cmd_stop(args) -> int:
 
     conn = _connection(args)
     try:
-        status = conn.request("status")
+        # read typed: whatever answers without a daemon's status fields (one that holds the port, say) is a
+        # ProtocolError, one line, and is sent nothing more
+        status = conn.send(messages.Status(), replies.StatusReply)
         conn.send(messages.Stop(keep=bool(getattr(args, "keep", False))))
     finally:
         conn.close()
-    path = ipc_path(status["endpoint"])
+    path = ipc_path(status.endpoint)
 
     def running() -> bool:  # an ipc socket file, the process (on this host), or a tcp endpoint that still answers
-        if path is not None and os.path.exists(path) or _running(status["pid"]):
+        if path is not None and os.path.exists(path) or _running(status.pid):
             return True
         return path is None and _answers(args)
 
@@ -35,8 +37,9 @@ def cmd_stop(args) -> int:
         time.sleep(0.05)  # the daemon unlinks its segments, index, manifest and socket on the way out, then exits
     gone = not running()
     kept = " (generations left for a successor)" if getattr(args, "keep", False) else ""
-    print(f"stopped expertd pid {status['pid']} (namespace {status['namespace']}, endpoint {status['endpoint']}, "
-          f"generation {status['generation']}){kept}"
+    namespace = f"namespace {status.namespace}, " if status.namespace else ""
+    print(f"stopped expertd pid {status.pid} ({namespace}endpoint {status.endpoint}, generation {status.generation})"
+          f"{kept}"
           + ("" if gone else f"; it is still cleaning up after {args.timeout:.0f}s"))
     return 0 if gone else 1
 

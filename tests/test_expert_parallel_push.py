@@ -17,9 +17,12 @@ TOKEN = "push-token-0123456789abcdef"
 
 
 @pytest.fixture
-def two_tcp_daemons(dsv3, tmp_path, namespace):
-    """Two daemons on tcp://127.0.0.1 with an auth token, serving EP ranks [0] and [1] of 2."""
+def two_tcp_daemons(dsv3, tmp_path, namespace, monkeypatch):
+    """Two daemons on tcp://127.0.0.1 with an auth token, serving EP ranks [0] and [1] of 2 (no CURVE: the test's
+    clients are told to send the token in clear)."""
     from helpers.daemon import DaemonProcess
+
+    monkeypatch.setenv("EXPERTD_ALLOW_PLAIN_TCP_TOKENS", "1")
 
     folder, _ = dsv3
     started = []

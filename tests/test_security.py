@@ -172,14 +172,16 @@ def test_a_capture_of_the_traffic_holds_the_pushed_bytes_only_without_curve(tiny
     """Without CURVE the capture holds the token and the pushed tensor's bytes (so the capture does see them);
     with CURVE it holds neither."""
     port = free_port()
-    settings = curve_settings(keys, port) if curve else {"endpoint": f"tcp://127.0.0.1:{port}"}
+    settings = curve_settings(keys, port) if curve else {"endpoint": f"tcp://127.0.0.1:{port}",
+                                                          "allow_plain_tcp_tokens": True}  # the CLI's token in clear
     d = start_daemon(tiny_checkpoint, wait=False, auth_token=TOKEN, **settings)
     done = subprocess.run(expertd_cmd("status", "--config", d.config, "--wait", "120"), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     recorder = Recorder(port)
     try:
         via = f"tcp://127.0.0.1:{recorder.port}"
-        credentials = {"server_key": keys["daemon"][0], "client_key": keys["trainer"][1]} if curve else {}
+        credentials = ({"server_key": keys["daemon"][0], "client_key": keys["trainer"][1]} if curve
+                       else {"allow_plain_tcp_tokens": True})  # what a capture then holds is the point
         with ExpertClient(via, token=TOKEN, heartbeat=False, **credentials) as client:
             norm = client.tensors()["model.norm.weight"]
         marker = torch.tensor([float(i % 97) + 0.5 for i in range(norm.numel())]).to(norm.dtype).reshape(norm.shape)

@@ -151,7 +151,8 @@ def test_verify_names_a_tensor_whose_bytes_changed(tiny_checkpoint, start_daemon
     assert f"CHANGED  {entry.name}" in out.stdout and "1 changed" in out.stdout
 
 
-def test_auth_token_is_required_when_set(tiny_checkpoint, start_daemon):
+def test_auth_token_is_required_when_set(tiny_checkpoint, start_daemon, monkeypatch):
+    monkeypatch.setenv("EXPERTD_ALLOW_PLAIN_TCP_TOKENS", "1")  # plain tcp://: clients and the CLI send tokens in clear
     with zmq.Context() as ctx:
         probe = ctx.socket(zmq.REP)
         port = probe.bind_to_random_port("tcp://127.0.0.1")
