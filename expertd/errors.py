@@ -155,6 +155,11 @@ class VariantRejected(DaemonError):
     """A dtype variant was asked for a tensor the generation does not serve, or in a dtype that is not a float type."""
 
 
+class DerivedLimit(VariantRejected):
+    """Derived tensors (casts and gathers) asked past a quota: the reader's or the daemon's bytes (in pages) or
+    files, or the shm_dir space kept for pushes and reloads. Nothing of the request was made."""
+
+
 class DaemonTimeout(ExpertdError, TimeoutError):
     """The daemon did not answer within the client's timeout."""
 
@@ -169,11 +174,6 @@ class DaemonNotTrusted(ExpertdError, PermissionError):
 
 
 class RestoreError(ExpertdError, ValueError):
-class DerivedLimit(VariantRejected):
-    """Derived tensors (casts and gathers) asked past a quota: the reader's or the daemon's bytes (in pages) or
-    files, or the shm_dir space kept for pushes and reloads. Nothing of the request was made."""
-
-
     """A view does not fit the model parameter it should be bound to."""
 
 
