@@ -60,7 +60,7 @@ class Pushes:
         """Check a push against the latest generation and hand out a staging segment to write it into."""
         from .updates import Staging, plan_update
 
-        lease = self.leases.get(req.client)
+        lease = self.leases.get(req.client, peer.holder)  # only the lease's holder pushes on it
         latest = self.builds.latest()
         self.builds.check_idle()
         self.gens.check_room()
@@ -72,8 +72,8 @@ class Pushes:
         self.builds.write_manifest("serving")
         return staging.reply().wire()
 
-    def _staging_of(self, req: messages.UpdateRequest) -> Staging:
-        lease = self.leases.get(req.client)
+    def _staging_of(self, req: messages.UpdateRequest, peer: Peer) -> Staging:
+        lease = self.leases.get(req.client, peer.holder)
         staging = self.staging.get(req.update)
         if staging is None or staging.client != lease.client:
             raise UpdateRejected(f"no staged update {req.update!r} of lease {lease_tag(lease.client)}")
@@ -82,7 +82,7 @@ class Pushes:
     @handles(messages.Stage)
     def op_stage(self, req: messages.Stage, peer: Peer) -> dict:
         """Write pushed bytes that came as frames of this request (an updater on another host) into its staging."""
-        staging = self._staging_of(req)
+        staging = self._staging_of(req, peer)
         if staging.committed:
             raise UpdateRejected(f"update {staging.number} is committed: its bytes can no longer change")
         return replies.StageReply(written=staging.write(req.tensor, req.at, list(peer.frames))).wire()
@@ -90,7 +90,7 @@ class Pushes:
     @handles(messages.Publish)
     def op_publish(self, req: messages.Publish, peer: Peer) -> dict:
         """Publish an update committed with `hold` once it is built (every daemon of a push has built its share)."""
-        lease = self.leases.get(req.client)
+        lease = self.leases.get(req.client, peer.holder)
         job = self.jobs.get(req.job)
         if job is None or not job.hold or job.client != lease.client:
             raise UpdateRejected(f"no held update job {req.job!r} of lease {lease_tag(lease.client)}")
@@ -111,7 +111,7 @@ class Pushes:
     def op_commit(self, req: messages.Commit, peer: Peer) -> dict:
         """Verify the staged bytes and build the new generation from them (a job: poll it with `job`); with
         `hold` the built generation waits for `publish` or `abort`."""
-        staging = self._staging_of(req)
+        staging = self._staging_of(req, peer)
         self.jobs.check_idle()
         previous, number = self.builds.latest().built, self.gens.latest.number + 1
         checksums, builds, group = req.checksums, self.builds, self.cfg.group
@@ -132,7 +132,7 @@ class Pushes:
         """Drop a staged update its updater will not commit (it failed after `update`), or a held one that is
         built but not published (another daemon of the same push failed): its segments go and the next
         reload or update may start."""
-        staging = self._staging_of(req)
+        staging = self._staging_of(req, peer)
         held = self.jobs.held()
         if staging.committed and held is not None and held.client == staging.client:
             self.cancel_held(held, "its updater aborted it")

@@ -77,20 +77,20 @@ class Readers:
         """Dtype variants of served tensors for a worker whose transformers loads them in another dtype: cast once
         per host into the lease's generation (or `generation`, which must be live), reused by every later ask;
         counted against the sender's quota (`derivations`)."""
-        return self.derivations.ask("cast", self._generation(req), req.tensors, peer)
+        return self.derivations.ask("cast", self._generation(req, peer), req.tensors, peer)
 
     @handles(messages.Gather)
     def op_gather(self, req: messages.Gather, peer: Peer) -> dict:
         """Served tensors rearranged into an engine's layout (`expertd.derived`), made once per host."""
-        return self.derivations.ask("gather", self._generation(req), req.tensors, peer)
+        return self.derivations.ask("gather", self._generation(req, peer), req.tensors, peer)
 
     def _latest(self) -> Generation:
         if self.gens.latest is None:
             raise NotReady("the daemon is still loading")
         return self.gens.latest
 
-    def _generation(self, req: messages.DerivedRequest) -> Generation:
-        lease = self.leases.get(req.client)
+    def _generation(self, req: messages.DerivedRequest, peer: Peer) -> Generation:
+        lease = self.leases.get(req.client, peer.holder)  # only the lease's holder may ask on it
         number = req.generation if req.generation is not None else self.gens.generation_of(lease).number
         gen = self.gens.live.get(number)
         if gen is None:
