@@ -276,11 +276,13 @@ def main() -> int:
               f"= {r['ratio']:.2f} (goal <= 1.5){versus} |", flush=True)
     if "E3" in args.only:
         r = e3_push(args.workdir, checkpoint, args.push_gib, args.reps)
-        print(f"| E3 | tcp update (CURVE) of {r['bytes'] / 2**30:.2f} GiB | bytes sent at {r['push_gbps']:.2f} GB/s "
-              f"/ raw pyzmq with CURVE {r['curve_gbps']:.2f} GB/s = {r['ratio_curve']:.2f} (goal >= 0.8); "
-              f"/ raw pyzmq in clear {r['raw_gbps']:.2f} GB/s = {r['ratio']:.2f} | publish after the last byte "
-              f"{r['publish_after_last_byte_s']:.2f}s"
-              f" | whole push {r['whole_s']:.2f}s |", flush=True)
+        cells = ["E3", f"tcp update (CURVE) of {r['bytes'] / 2**30:.2f} GiB",
+                 f"bytes sent at {r['push_gbps']:.2f} GB/s / raw pyzmq with CURVE {r['curve_gbps']:.2f} GB/s = "
+                 f"{r['ratio_curve']:.2f} (goal >= 0.8); / raw pyzmq in clear {r['raw_gbps']:.2f} GB/s = "
+                 f"{r['ratio']:.2f}",
+                 f"publish after the last byte {r['publish_after_last_byte_s']:.2f}s",
+                 f"whole push {r['whole_s']:.2f}s"]
+        print("| " + " | ".join(cells) + " |", flush=True)
     return 0
 
 

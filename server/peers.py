@@ -61,15 +61,6 @@ class Peer:
             return f"uid {self.uid}"
         return f"address {self.address}" if self.address else ""
 
-    @property
-    def owner(self) -> str:
-        """Who holds what this request takes, in one word pair: `max_leases_per_client` counts leases per owner."""
-        if self.key:
-            return f"key {self.key}"
-        if self.uid is not None:
-            return f"uid {self.uid} pid {self.pid}"
-        return f"address {self.address}" if self.address else ""
-
 
 def peer_of(frame, client_key: str | None, frames=()) -> Peer:
     """The Peer of a request whose last frame is `frame`: its CURVE key when given; on ipc:// the sending

@@ -24,12 +24,9 @@ from .arena import align_up
 
 
 def reader_of(peer) -> str:
-    """Who a request's derived tensors count against: its CURVE key (tcp://), else its uid (ipc://)."""
-    if peer.key:
-        return f"key {peer.key}"
-    if peer.uid is not None:
-        return f"uid {peer.uid}"
-    return f"address {peer.address}" if peer.address else "local"
+    """Who a request's derived tensors count against: its holder (`Peer.holder`: the CURVE key on tcp://, the uid on
+    ipc://), "local" for a request no transport names."""
+    return peer.holder or "local"
 
 
 @dataclass

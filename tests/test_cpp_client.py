@@ -26,6 +26,7 @@ from expertd.errors import ConfigError
 from expertd.index import checksum, checksum_parts, tensor_bytes, tensor_checksum
 from expertd.protocol import check_endpoint
 from expertd.server.leases import lease_tag
+from helpers.polling import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 CPP = REPO / "client" / "cpp"
@@ -261,16 +262,6 @@ def test_curve_over_tcp(cpp_build, start_daemon, tmp_path):
     assert run.returncode == EXIT["DaemonTimeout"], run.stderr
 
 
-def _wait_for(predicate, seconds: float = 30, every: float = 0.05):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every)
-    return predicate()
-
-
 def test_kill_9_of_the_cpp_process_gets_its_lease_reaped(cpp_build, start_daemon):
     # a lease timeout far longer than the test: only the daemon noticing the process is gone can drop the lease
     d = start_daemon(TINY, lease_timeout_s=600)
@@ -278,14 +269,14 @@ def test_kill_9_of_the_cpp_process_gets_its_lease_reaped(cpp_build, start_daemon
     proc = subprocess.Popen([str(cpp_build / "expertd-cpp-dump"), d.endpoint, "--hold-s", "600"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        leases = _wait_for(lambda: d.status()["leases"])
+        leases = wait_until(lambda: d.status()["leases"], "the C++ process's lease shows in status")
         assert len(leases) == 1, proc.stderr.read() if proc.poll() is not None else leases
         # the lease shows in status while held, for this process, watched (same pid namespace as the daemon)
         assert (leases[0]["pid"], leases[0]["watched"], leases[0]["generation"]) == (proc.pid, True, 1)
         proc.kill()  # SIGKILL: no release, no more heartbeats
         proc.wait()
         t0 = time.monotonic()
-        assert _wait_for(lambda: d.status()["leases"] == [], seconds=30), d.status()["leases"]
+        wait_until(lambda: d.status()["leases"] == [], "the killed C++ process's lease is dropped", 30)
         print(f"\nlease of the killed C++ process dropped {time.monotonic() - t0:.2f} s after it died "
               "(lease timeout 600 s)")
     finally:

@@ -204,7 +204,6 @@ def add_tool_commands(sub, formatter_class=argparse.HelpFormatter) -> None:
     _add_daemon_target(p, "a running daemon's endpoint")
     p.add_argument("--load-model", action="store_true", help="also restore the model from the daemon and check it")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the dtype the model is loaded with")
-    p.add_argument("--strict", action="store_true",
-                   help="warnings (casts that work but cost memory or precision) fail too")
+    p.add_argument("--strict", action="store_true", help="warnings (casts that cost memory or precision) fail too")
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.set_defaults(func=cmd_doctor)

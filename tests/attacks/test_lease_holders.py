@@ -29,6 +29,7 @@ from expertd.errors import LeaseExpired, LeaseLimit, LeaseRevoked, MappedLimit
 from expertd.protocol import PROTOCOL_VERSION
 from expertd.security import Credentials, create_keys
 from expertd.server.leases import lease_tag
+from helpers.polling import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -110,16 +111,6 @@ def finish(procs) -> None:
             proc.wait()
 
 
-def wait_for(predicate, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout:.0f}s: {what}")
-
-
 def manifest(daemon, folder) -> tuple[dict, int]:
     path = folder / "run" / f"{daemon.namespace}.manifest.json"
     text = path.read_text()
@@ -140,7 +131,7 @@ def test_twenty_processes_of_one_uid_share_its_cap_and_the_manifest_stays_small(
         rows = daemon.status()["leases"]
         assert len(rows) == 128
         assert {row["pid"] for row in rows} <= {p.pid for p in mine + theirs}  # the kernel's pids, as named
-        recorded, size = wait_for(lambda: (m := manifest(daemon, tmp_path)) and len(m[0]["leases"]) == 128 and m,
+        recorded, size = wait_until(lambda: (m := manifest(daemon, tmp_path)) and len(m[0]["leases"]) == 128 and m,
                                   "the manifest records the 128 leases")
         assert {item["owner"] for item in recorded["leases"]} == {"uid 0", f"uid {NOBODY}"}
         assert size < 48 * 1024
@@ -163,7 +154,7 @@ def test_twenty_processes_of_one_uid_share_its_cap_and_the_manifest_stays_small(
               f"{beats} heartbeats")
     finally:
         finish(mine + theirs)
-    wait_for(lambda: not daemon.status()["leases"], "the takers' leases end with their processes")
+    wait_until(lambda: not daemon.status()["leases"], "the takers' leases end with their processes")
 
 
 @needs_root
@@ -175,7 +166,7 @@ def test_heartbeats_from_another_uid_neither_renew_nor_reveal_a_lease(tiny_check
         attacker = spawn(BEATER, daemon.endpoint, lease, prefix=MEMBER)  # it knows the id, as if leaked
         try:
             # the victim stays silent: its lease ends after lease_timeout_s however often the attacker beats it
-            wait_for(lambda: lease_tag(lease) not in {r["client"] for r in daemon.status()["leases"]},
+            wait_until(lambda: lease_tag(lease) not in {r["client"] for r in daemon.status()["leases"]},
                      "the victim's lease expires under the attacker's heartbeats")
         finally:
             out, err = attacker.communicate("", timeout=60)  # stdin closes: it stops
@@ -195,7 +186,7 @@ def curve_daemon(start_daemon, checkpoint: str, folder, **extra):
                           **extra)
     conn = Connection(daemon.endpoint, timeout=2, credentials=Credentials.resolve(server_key=public))
     try:
-        wait_for(lambda: daemon.proc.poll() is None and _state(conn) == "serving", "the CURVE daemon serves", 120)
+        wait_until(lambda: daemon.proc.poll() is None and _state(conn) == "serving", "the CURVE daemon serves", 120)
     finally:
         conn.close()
     return daemon, public
@@ -247,7 +238,7 @@ def test_two_readers_pinning_old_generations_do_not_block_a_push(tiny_checkpoint
             assert trainer.update({NORM: base * 3}) == 3
             with pytest.raises(LeaseRevoked):  # what its holder is told (until it releases it)
                 raw.request("heartbeat", client=pinned)
-            wait_for(lambda: first._revoked, "the first reader's heartbeat learns of the revocation")
+            wait_until(lambda: first._revoked, "the first reader's heartbeat learns of the revocation")
             assert first.lease != pinned  # it leased the latest by itself
             first.refresh()
             assert first.generation == 3 and first.verify() == [] and first._revoked == []
@@ -256,7 +247,7 @@ def test_two_readers_pinning_old_generations_do_not_block_a_push(tiny_checkpoint
                 raw.request("heartbeat", client=pinned)
             trainer.refresh()
             assert trainer.update({NORM: base * 4}) == 4  # now generation 2 (second) is revoked alike
-            wait_for(lambda: second._revoked, "the second reader learns of it")
+            wait_until(lambda: second._revoked, "the second reader learns of it")
             second.refresh()
             assert second.generation == 4 and second.verify() == []
         finally:
@@ -290,8 +281,8 @@ def test_revoked_generations_still_mapped_count_against_their_holder(tiny_checkp
             conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)
         assert ask(taker, 1)[:2] == (0, "MappedLimit")
         finish([taker])  # its process is gone: what it could map went with it
-        wait_for(lambda: len(daemon.status()["leases"]) == 1, "the taker's live lease ends with its process")
-        lease = wait_for(lambda: _try_lease(conn), "the quota is free again")
+        wait_until(lambda: len(daemon.status()["leases"]) == 1, "the taker's live lease ends with its process")
+        lease = wait_until(lambda: _try_lease(conn), "the quota is free again")
         conn.request("release", client=lease)
     finally:
         finish([taker])

@@ -8,23 +8,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import posix_ipc
 import pytest
 
 from expertd.server.leases import lease_tag
 from helpers.daemon import expertd_cmd, write_config
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+from helpers.polling import wait_until
 
 
 # --- leases and crashed workers ------------------------------------------------------------
@@ -38,8 +28,8 @@ def test_sigkilled_worker_loses_its_lease(tiny_checkpoint, start_daemon, workers
     doomed.proc.send_signal(signal.SIGKILL)
     doomed.proc.wait()
     survivor_tag = lease_tag(survivor.hello["lease"])
-    wait_until(lambda: [lease["client"] for lease in daemon.status()["leases"]] == [survivor_tag], 10,
-               "the killed worker's lease to expire")
+    wait_until(lambda: [lease["client"] for lease in daemon.status()["leases"]] == [survivor_tag],
+               "the killed worker's lease to expire", 10)
     assert survivor.ask("digest")["digest"] == survivor.hello["digest"]
 
 
@@ -103,7 +93,7 @@ def test_segments_of_a_live_foreign_daemon_are_never_touched(namespace, tmp_path
     from expertd.server.runstate import RunState
 
     holder = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(60)", "expertd"])
-    wait_until(lambda: b"expertd" in open(f"/proc/{holder.pid}/cmdline", "rb").read(), 10, "the holder to start")
+    wait_until(lambda: b"expertd" in open(f"/proc/{holder.pid}/cmdline", "rb").read(), "the holder to start", 10)
     name = f"/{namespace}.{holder.pid}.1.000"
     posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=4096).close_fd()
     try:
