@@ -25,6 +25,7 @@ from expertd.connection import Connection
 from expertd.errors import ConfigError
 from expertd.security import PLAIN_TCP_ENV, Credentials
 from helpers.daemon import expertd_cmd
+from test_cpp_client import cpp_build  # noqa: F401  (the session's C++ build)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -144,6 +145,20 @@ def test_a_client_without_tokens_still_talks_plain_tcp(impostor, monkeypatch):
     finally:
         conn.close()
     assert fake.secrets() == []
+
+
+def test_the_cpp_client_sends_no_token_in_clear(impostor, cpp_build):  # noqa: F811
+    """The C++ client refuses as the Python one does (ConfigError, exit 2, naming the option) before any byte goes
+    out; told so by $EXPERTD_ALLOW_PLAIN_TCP_TOKENS=1 it sends the token (the impostor is a real listener)."""
+    fake = impostor()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERTD_")}
+    tool = [str(cpp_build / "expertd-cpp-dump"), fake.endpoint, "--token", TOKEN, "--timeout-ms", "2000"]
+    run = subprocess.run(tool, capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 2 and "ConfigError" in run.stderr and "EXPERTD_ALLOW_PLAIN_TCP_TOKENS" in run.stderr, \
+        run.stderr
+    assert fake.received == []
+    subprocess.run(tool, capture_output=True, text=True, timeout=60, env={**env, PLAIN_TCP_ENV: "1"})
+    assert "token" in fake.secrets()  # the control: the same listener does receive what a client sends
 
 
 def test_stop_with_a_config_sends_no_token_to_whoever_holds_the_port(impostor, tmp_path):

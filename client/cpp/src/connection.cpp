@@ -72,6 +72,7 @@ Credentials Credentials::resolve(std::optional<std::string> token, std::optional
   if (c.token && c.token->empty()) c.token.reset();
   c.admin_token = admin_token ? admin_token : env("EXPERTD_ADMIN_TOKEN");
   if (c.admin_token && c.admin_token->empty()) c.admin_token.reset();
+  c.allow_plain_tcp_tokens = env("EXPERTD_ALLOW_PLAIN_TCP_TOKENS").value_or("") == "1";
   if (!server_key) server_key = env("EXPERTD_SERVER_KEY");
   if (!client_key) client_key = env("EXPERTD_CLIENT_KEY");
   if (server_key) {
@@ -265,6 +266,19 @@ std::string Connection::silence() const {
          "EXPERTD_SERVER_KEY";
 }
 
+void Connection::check_transport(const std::string& op) const {
+  // a token to tcp:// without CURVE is plain text: refused unless allowed (expertd/security.py check_transport)
+  bool admin = credentials_.admin_token && permission(op) != "read";
+  if ((!credentials_.token && !admin) || credentials_.server_key || credentials_.allow_plain_tcp_tokens ||
+      endpoint_.rfind("tcp://", 0) != 0)
+    return;
+  throw ConfigError("not sending the " + std::string(credentials_.token ? "auth_token" : "admin_token") + " to " +
+                    endpoint_ + ": tcp:// without CURVE is plain text, and any local user who binds that port while "
+                    "the daemon is down (or anyone on the path) would receive it; give the daemon's public key "
+                    "(Options::server_key, $EXPERTD_SERVER_KEY) or, accepting that risk, set "
+                    "EXPERTD_ALLOW_PLAIN_TCP_TOKENS=1 (Credentials::allow_plain_tcp_tokens)");
+}
+
 Value Connection::request(const std::string& op, Value::Map fields) {
   std::string frame;
   {
@@ -273,6 +287,7 @@ Value Connection::request(const std::string& op, Value::Map fields) {
       check_running(endpoint_);
       if (auto path = ipc_path(endpoint_)) detail::check_socket(*path);  // before a token goes out: whose socket?
     }
+    check_transport(op);  // before a token goes out in clear
     void* s = socket();
     std::string message = encode(request_message(op, std::move(fields), credentials_.token, credentials_.admin_token));
     if (message.size() > MAX_MESSAGE_BYTES)  // the daemon's socket would drop it unanswered

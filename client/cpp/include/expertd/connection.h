@@ -33,6 +33,9 @@ struct Credentials {
   std::optional<std::string> admin_token; // the daemon's admin_token: sent with reload and stop only
   std::optional<std::string> server_key;  // CURVE: the daemon's public key, z85 (40 characters)
   std::optional<std::string> client_public, client_secret;  // CURVE: this client's pair (z85); else ephemeral
+  // send tokens to a tcp:// endpoint without CURVE (plain text: whoever binds that port receives them); else
+  // $EXPERTD_ALLOW_PLAIN_TCP_TOKENS=1, as the Python client reads it
+  bool allow_plain_tcp_tokens = false;
   // Arguments first, then $EXPERTD_TOKEN, $EXPERTD_SERVER_KEY (z85 or a key file), $EXPERTD_CLIENT_KEY
   // (a NAME.key_secret file), $EXPERTD_ADMIN_TOKEN, as the Python client resolves them.
   static Credentials resolve(std::optional<std::string> token, std::optional<std::string> server_key = std::nullopt,
@@ -71,6 +74,7 @@ class Connection {
   void* socket();
   void reset();
   std::string silence() const;
+  void check_transport(const std::string& op) const;  // ConfigError before a token goes to plain tcp://
 
   std::shared_ptr<Context> ctx_;
   std::string endpoint_;
