@@ -53,7 +53,8 @@ NORMAL_REPO = "/repo"
 VOLATILE_FLOATS = ("uptime_s", "age_s", "idle_s", "seconds")
 NORMALIZATION = (
     f"namespace -> {NORMAL_NAMESPACE!r}; every 'pid' field and the daemon pid in segment names -> {NORMAL_PID}; "
-    f"'pid_ns' -> {NORMAL_PID_NS}; 'start_time' -> {NORMAL_START_TIME}; the endpoint -> {NORMAL_ENDPOINT!r}; the "
+    f"'pid_ns' -> {NORMAL_PID_NS}; 'start_time' -> {NORMAL_START_TIME}; the lease ids granted -> c1, c2, ... in "
+    f"order; the endpoint -> {NORMAL_ENDPOINT!r}; the "
     f"repository root in paths -> {NORMAL_REPO!r}; {', '.join(VOLATILE_FLOATS)} -> 0.0; an index segment "
     "descriptor's nbytes and checksum -> those of its generation's normalized index packed by "
     "expertd.index_segment.pack. Then hex = msgpack.packb(decoded, use_bin_type=True), key order as sent."
@@ -234,9 +235,11 @@ def selected(rec: Recorder) -> dict[str, Exchange]:
 # --- normalization -------------------------------------------------------------------------------------
 
 class Normalizer:
-    def __init__(self, namespace: str, daemon_pid: int, endpoint: str, indexes: dict[int, dict]):
+    def __init__(self, namespace: str, daemon_pid: int, endpoint: str, indexes: dict[int, dict],
+                 leases: list[str] = ()):
         self.replace = [(f"{namespace}.{daemon_pid}.", f"{NORMAL_NAMESPACE}.{NORMAL_PID}."),
                         (namespace, NORMAL_NAMESPACE), (endpoint, NORMAL_ENDPOINT), (str(HERE.parent), NORMAL_REPO)]
+        self.replace += [(lease, f"c{i}") for i, lease in enumerate(leases, 1)]  # 128 random bits each
         self.segments = {}  # generation -> (blob, descriptor) of its normalized index
         for generation, data in indexes.items():
             self.segments[generation] = index_segment.pack(TensorIndex.from_dict(self(data)))
@@ -270,7 +273,8 @@ def vector(message: dict) -> dict:
 
 
 def build_golden(rec: Recorder, namespace: str, daemon_pid: int, endpoint: str) -> tuple[dict, bytes]:
-    norm = Normalizer(namespace, daemon_pid, endpoint, rec.indexes)
+    granted = [x.reply["client"] for x in rec.exchanges if x.op == "lease" and x.ok and "client" in x.reply]
+    norm = Normalizer(namespace, daemon_pid, endpoint, rec.indexes, list(dict.fromkeys(granted)))
     vectors = {}
     for name, x in selected(rec).items():
         entry = {"op": x.op, "request": vector(norm(x.request)), "reply": vector(norm(x.reply))}

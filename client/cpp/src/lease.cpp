@@ -331,6 +331,13 @@ void LeaseState::beat() {
     }
     try {
       note_latest(conn->request("heartbeat", {{"client", lease}}));
+    } catch (const LeaseRevoked& exc) {
+      // its generation made room for a push (max_generations): the next call says so, refresh() leases the latest
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (lease == lease_) {
+        gone_ = exc.what();
+        lease_lost_ = true;
+      }
     } catch (const LeaseExpired&) {
       // the daemon forgot our lease (it restarted, or we were silent too long): take one on the generation this
       // client reads, which a successor that adopted it keeps; if that one is gone, the next call says so

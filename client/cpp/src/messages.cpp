@@ -20,14 +20,17 @@ using detail::Fd;
 bool typed_kind(const std::string& kind) {
   static const std::set<std::string> typed = {"NotReady", "LeaseExpired", "LeaseLimit", "Busy", "GenerationGone",
                                               "GenerationLimit", "UpdateRejected", "PushDenied", "PermissionDenied",
-                                              "AuthError", "VersionMismatch", "DaemonNotRunning"};
+                                              "AuthError", "VersionMismatch", "DaemonNotRunning", "LeaseRevoked",
+                                              "MappedLimit"};
   return typed.count(kind) != 0;
 }
 
 void throw_daemon_error(const std::string& kind, const std::string& message) {
   if (kind == "NotReady") throw NotReady(message);
   if (kind == "LeaseExpired") throw LeaseExpired(message);
+  if (kind == "MappedLimit") throw MappedLimit(message);
   if (kind == "LeaseLimit") throw LeaseLimit(message);
+  if (kind == "LeaseRevoked") throw LeaseRevoked(message);
   if (kind == "Busy") throw Busy(message);
   if (kind == "GenerationGone") throw GenerationGone(message);
   if (kind == "GenerationLimit") throw GenerationLimit(message);

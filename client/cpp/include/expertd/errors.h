@@ -57,6 +57,7 @@ EXPERTD_DAEMON_ERROR(LeaseExpired)      // the lease is unknown: expired, releas
 EXPERTD_DAEMON_ERROR(LeaseLimit)        // this client holds max_leases_per_client leases already
 EXPERTD_DAEMON_ERROR(Busy)              // another reload or update is being built
 EXPERTD_DAEMON_ERROR(GenerationGone)    // the generation this client reads is not served any more
+EXPERTD_DAEMON_ERROR(LeaseRevoked)      // the lease's generation made room for a push: lease the latest
 EXPERTD_DAEMON_ERROR(GenerationLimit)   // max_generations reached while leases pin old ones
 EXPERTD_DAEMON_ERROR(UpdateRejected)    // a push does not fit
 EXPERTD_DAEMON_ERROR(PermissionDenied)  // the credential lacks the op's permission (read < push < admin, wire.h)
@@ -64,6 +65,11 @@ EXPERTD_DAEMON_ERROR(AuthError)         // the request lacked the daemon's auth 
 EXPERTD_DAEMON_ERROR(VersionMismatch)   // the daemon speaks another protocol version (the message names both)
 EXPERTD_DAEMON_ERROR(DaemonNotRunning)  // no daemon at the endpoint (its ipc:// socket file does not exist)
 #undef EXPERTD_DAEMON_ERROR
+class MappedLimit : public LeaseLimit {  // this holder may still map too many generations it never released
+ public:
+  explicit MappedLimit(const std::string& message, std::string kind = "MappedLimit")
+      : LeaseLimit(message, std::move(kind)) {}
+};
 class PushDenied : public PermissionDenied {  // a push op with a credential that may only read
  public:
   explicit PushDenied(const std::string& message, std::string kind = "PushDenied")
