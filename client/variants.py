@@ -12,7 +12,7 @@ import time
 
 from expertd import messages
 from expertd.derived import Gather, cast_key
-from expertd.errors import DaemonError, GenerationGone, ProtocolError, VariantRejected
+from expertd.errors import DaemonError, DaemonTimeout, GenerationGone, ProtocolError, VariantRejected
 from expertd.index import TensorEntry, TensorIndex, tensor_checksum
 
 log = logging.getLogger("expertd.client")
@@ -21,6 +21,7 @@ log = logging.getLogger("expertd.client")
 # their name (a digest of this client's own request over the served bytes' checksums) and their segment (the
 # daemon's own file, created O_EXCL, owner-checked when mapped), as served tensors are until verify().
 VERIFY_BYTES = 64 << 20
+DERIVE_TIMEOUT_S = 600.0  # the longest a cast or gather may stay `building` before the client gives up
 
 
 def fetch(conn, lease: str, index: TensorIndex, need: dict[str, tuple[str, str]]) -> list[TensorEntry]:
@@ -88,14 +89,18 @@ def derive(conn, lease: str, index: TensorIndex, items: list[messages.GatherItem
     return entries
 
 
-def _ask(conn, request):
+def _ask(conn, request, timeout_s: float = DERIVE_TIMEOUT_S):
     """Send a cast or gather until the daemon answers it: a large one is made off its request loop meanwhile (the
-    reply says `building`), and the same request asked again is answered once made."""
-    wait = 0.01
+    reply says `building`), and the same request asked again is answered once made; DaemonTimeout after
+    `timeout_s` of `building` (the daemon's derivation job serves readers in turn: a wait this long is not one)."""
+    wait, deadline = 0.01, time.monotonic() + timeout_s
     while True:
         reply = conn.send(request, messages.VariantReply)
         if not reply.building:
             return reply
+        if time.monotonic() > deadline:
+            raise DaemonTimeout(f"the daemon at {conn.endpoint} was still making {messages.words(request.op)} after "
+                                f"{timeout_s:.0f}s (see `expertd status`: derived.job)")
         time.sleep(wait)
         wait = min(wait * 2, 0.25)
 

@@ -10,8 +10,11 @@ Small requests (few items, index entries and bytes) run on the request loop. Lar
 on a thread of its own, in two steps (check, then make) with the quota check between them on the loop's thread, so
 only the loop ever touches the tables. Meanwhile the reply says `building` and the client asks again; other
 clients are answered as usual. A request is known again by its digest (`request_digest`: the request as sent and
-its sources' identity): the names a job found, or its refusal, answer the next ask without inflating anything.
-One job at a time; another large request is told `building` until its turn.
+its sources' identity): the names a job found answer the next ask of anyone without inflating anything; a job's
+refusal answers the next ask of the reader who asked (never another's: a refusal may be that reader's quota), kept
+as its type and words only (no frames, nothing of the request). One job at a time; other large requests wait in a
+queue served reader by reader in turn, at most QUEUED_PER_READER of one reader's at once, so no reader holds the
+job for others.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from dataclasses import dataclass, field
 
 from expertd import replies
 from expertd.derived import source_identity
-from expertd.errors import GenerationGone
+from expertd.errors import DerivedLimit, GenerationGone
 
 from .arena import unlink_segment
+from .jobs import forget_frames
 from .quota import Quota, reader_of
 from .variants import Planned, Variant, check, make, plan_casts, plan_gathers, summary
 
@@ -38,6 +42,7 @@ INLINE_ITEMS = 64  # a request is made on the request loop when it names at most
 INLINE_ENTRIES = 1 << 20  # inflates at most this many index entries (4 MiB),
 INLINE_BYTES = 8 << 20  # and makes at most this many bytes; else it is a derivation job
 REMEMBERED = 256  # requests whose names (or refusal) are kept for the next ask
+QUEUED_PER_READER = 4  # a reader's large requests waiting for the job at once (more: DerivedLimit, ask again later)
 
 
 def request_digest(kind: str, planned: list[Planned], items: list) -> str:
@@ -79,7 +84,9 @@ class Derivations:
         self.cfg, self.gens = cfg, gens
         self.quota = Quota(cfg, gens)
         self.known: OrderedDict[str, list[str]] = OrderedDict()  # request digest -> its derivations' names
-        self.refused: OrderedDict[str, BaseException] = OrderedDict()  # request digest -> a job's refusal
+        # (reader, request digest) -> a job's refusal, as (type, words): told to that reader's next ask
+        self.refused: OrderedDict[tuple[str, str], tuple[type, str]] = OrderedDict()
+        self.queue: OrderedDict[tuple[str, str], tuple] = OrderedDict()  # (reader, digest) -> (gen, planned)
         self.job: Work | None = None
         self._numbers = itertools.count(1)
 
@@ -90,9 +97,10 @@ class Derivations:
             planned = plan_casts(items, served, gen.number)
         else:
             planned = plan_gathers(items, served, gen.number, self.quota.limits()["max_bytes"])
-        rid = request_digest(kind, planned, items)
-        if rid in self.refused:
-            raise self.refused.pop(rid)
+        rid, reader = request_digest(kind, planned, items), reader_of(peer)
+        if (reader, rid) in self.refused:
+            cls, words = self.refused.pop((reader, rid))
+            raise cls(words)
         names = self.known.get(rid)
         if names is not None:
             for p, name in zip(planned, names):
@@ -104,11 +112,33 @@ class Derivations:
                 and sum(p.nbytes for p in planned) <= INLINE_BYTES:
             for p in planned:
                 check(p)
-            return self._reply(gen, self._make_now(gen, planned, reader_of(peer), rid))
-        if self.job is None:
-            self.job = Work(next(self._numbers), rid, gen, planned, reader_of(peer))
-            self._run(self.job, self._check_all)
+            return self._reply(gen, self._make_now(gen, planned, reader, rid))
+        self._wait(reader, rid, gen, planned)
         return replies.VariantReply(generation=gen.number, tensors=[], building=True).wire()
+
+    def _wait(self, reader: str, rid: str, gen, planned: list[Planned]) -> None:
+        """Start the job for a large request, or queue it behind the one running (once; at most QUEUED_PER_READER
+        of one reader's)."""
+        job = self.job
+        if (job is not None and (job.reader, job.rid) == (reader, rid)) or (reader, rid) in self.queue:
+            return
+        if sum(1 for r, _ in self.queue if r == reader) >= QUEUED_PER_READER:
+            raise DerivedLimit(f"{reader} has {QUEUED_PER_READER} large cast or gather requests waiting for the "
+                               "daemon's derivation job: ask again once one is made")
+        self.queue[(reader, rid)] = (gen, planned)
+        if job is None:
+            self._next()
+
+    def _next(self, after: str | None = None) -> None:
+        """Start the next queued request whose generation is live: the first of a reader other than `after` (the
+        reader served last) when there is one, so readers take turns."""
+        while self.queue:
+            key = next((k for k in self.queue if k[0] != after), next(iter(self.queue)))
+            gen, planned = self.queue.pop(key)
+            if gen.number in self.gens.live:
+                self.job = Work(next(self._numbers), key[1], gen, planned, key[0])
+                self._run(self.job, self._check_all)
+                return
 
     def _reply(self, gen, variants: list[Variant]) -> dict:
         return replies.VariantReply(generation=gen.number, tensors=[v.to_wire() for v in variants]).wire()
@@ -222,15 +252,18 @@ class Derivations:
         if job.error is not None:
             for v in job.made:
                 unlink_segment(v.entry.segment, job.gen.index.shm_dir)
-            self.refused[job.rid] = job.error
+            forget_frames(job.error)  # what the failed job held (its request, its chunks) goes with it
+            self.refused[(job.reader, job.rid)] = (type(job.error), str(job.error))
             while len(self.refused) > REMEMBERED:
                 self.refused.popitem(last=False)
-            return
-        self._register(job.gen, job.made, job.planned, job.rid)
+        else:
+            self._register(job.gen, job.made, job.planned, job.rid)
+        self._next(after=job.reader)
 
     def close(self) -> None:
         """Stop a derivation job (it stops between index chunks) and unlink what it made but never listed."""
         job, self.job = self.job, None
+        self.queue.clear()
         if job is None:
             return
         job.stop.set()

@@ -1,0 +1,163 @@
+"""The derivation job belongs to no reader: each test performs one attack a review of the issue 37 work found
+against the job that makes large casts and gathers off the request loop.
+
+A job's refusal is told only to the reader who asked (it may be that reader's quota), kept as its words alone (not
+the request's frames and indexes); large requests wait in a queue served reader by reader in turn, at most
+QUEUED_PER_READER of one reader's at once, so a reader flooding the job cannot starve another's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from expertd import derived
+from expertd.client import ExpertClient
+from expertd.connection import Connection
+from expertd.errors import DerivedLimit
+from helpers.polling import wait_until
+from test_lease_holders import MEMBER, finish, needs_root, spawn
+
+pytestmark = pytest.mark.timeout(600)
+
+BIG = "model.layers.1.mlp.experts.gate_up_proj"  # [8, 400, 320] bf16: one block of 1,024,000 elements
+SMALL = "model.layers.1.mlp.experts.down_proj"  # [8, 320, 200] bf16: 1 MB, 2 MB as float32
+ENTRIES = 1_500_000  # over the inline bound (2^20 index entries): a derivation job; 3 MB of output
+
+
+def genuine() -> torch.Tensor:
+    return torch.arange(ENTRIES) % 1_024_000
+
+
+def item_of(index: torch.Tensor):
+    return derived.request(BIG, derived.encode(index), index.numel(), (index.numel(),), whole=True)
+
+
+# A reader of another uid: takes a lease, then (mode "quota") fills its own quota with a cast and asks the victim's
+# gather once, leaving the job's refusal behind; (mode "flood") asks distinct large gathers that fail only when
+# their index is inflated, over and over, until its stdin closes.
+ATTACKER = """
+import os, sys, threading, torch
+from expertd import derived, messages
+from expertd.connection import Connection
+from expertd.errors import DerivedLimit
+from expertd.errors import DaemonError
+from expertd.protocol import PROTOCOL_VERSION
+from expertd.replies import LeaseReply, VariantReply
+endpoint, mode = sys.argv[1], sys.argv[2]
+conn = Connection(endpoint, timeout=60)
+lease = conn.send(messages.Lease(pid=os.getpid(), protocol=PROTOCOL_VERSION), LeaseReply).client
+big = "model.layers.1.mlp.experts.gate_up_proj"
+def gather(index):
+    item = derived.request(big, derived.encode(index), index.numel(), (index.numel(),), whole=True)
+    return messages.Gather(client=lease, tensors=[item])
+if mode == "quota":
+    conn.send(messages.Cast(client=lease, tensors=[messages.CastItem(name="model.layers.1.mlp.experts.down_proj",
+                                                                     dtype="torch.float32")]), VariantReply)
+    reply = conn.send(gather(torch.arange(1_500_000) % 1_024_000), VariantReply)
+    print("building" if reply.building else "made", flush=True)
+else:
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    bad = []
+    for k in range(6):
+        index = torch.arange(1_500_000) % 1_024_000
+        index[-1] = 10_000_000 + k  # out of range: found only once the whole index is inflated
+        bad.append(gather(index))
+    print("flooding", flush=True)
+    asked = 0
+    while not done.is_set():
+        for request in bad:
+            try:
+                conn.send(request, VariantReply)
+            except DaemonError:
+                pass
+            asked += 1
+    print(asked, flush=True)
+"""
+
+
+def job_running(daemon) -> bool:
+    return daemon.status()["derived"]["job"] is not None
+
+
+@needs_root
+def test_a_readers_refusal_by_its_own_quota_is_not_told_to_another_reader(tiny_checkpoint, start_daemon):
+    daemon = start_daemon(tiny_checkpoint, group="root", max_derived_bytes_per_reader=4 << 20)
+    attacker = spawn(ATTACKER, daemon.endpoint, "quota", prefix=MEMBER)
+    try:
+        assert attacker.stdout.readline().strip() == "building", attacker.stderr.read()
+        wait_until(lambda: not job_running(daemon), "the attacker's job ends (refused: past its own quota)")
+    finally:
+        finish([attacker])
+    with ExpertClient(daemon.endpoint) as victim:  # uid 0: its quota is untouched
+        (out,) = victim.derived([item_of(genuine())])
+        assert torch.equal(out, victim.served_tensors()[BIG].reshape(-1)[genuine()])
+
+
+@needs_root
+def test_a_reader_flooding_the_job_does_not_starve_another(tiny_checkpoint, start_daemon):
+    daemon = start_daemon(tiny_checkpoint, group="root")
+    attacker = spawn(ATTACKER, daemon.endpoint, "flood", prefix=MEMBER)
+    try:
+        assert attacker.stdout.readline().strip() == "flooding", attacker.stderr.read()
+        wait_until(lambda: job_running(daemon), "the attacker holds the derivation job")
+        with ExpertClient(daemon.endpoint) as victim:
+            (out,) = victim.derived([item_of(genuine())])
+            assert torch.equal(out, victim.served_tensors()[BIG].reshape(-1)[genuine()])
+        assert attacker.poll() is None  # made while the flood went on, not after it
+    finally:
+        attacker.stdin.close()
+        asked = attacker.stdout.readline().strip()
+        finish([attacker])
+    assert int(asked) > 6, asked  # the attacker kept asking all along
+
+
+def test_refused_jobs_keep_nothing_of_their_requests(tiny_checkpoint, start_daemon):
+    """64 large requests of two 500 KB indexes each, every one refused when its job inflates it, never asked again:
+    the daemon keeps their words, not their frames (each would hold ~1 MB of index)."""
+    daemon = start_daemon(tiny_checkpoint)
+    conn = Connection(daemon.endpoint, timeout=60)
+    try:
+        with ExpertClient(daemon.endpoint) as client:
+            lease = client.lease
+            before = rss(daemon.proc.pid)
+            generator = torch.Generator().manual_seed(3)
+            for _ in range(64):
+                items = [derived.request(BIG, torch.randint(0, 256, (500_000,), dtype=torch.uint8,
+                                                            generator=generator).numpy().tobytes(),
+                                         ENTRIES, (ENTRIES,), whole=True) for _ in range(2)]
+                conn.request("gather", client=lease, tensors=[i.wire() for i in items])  # `building`: not again
+                wait_until(lambda: not job_running(daemon), "the job refuses the request")
+            grown = rss(daemon.proc.pid) - before
+    finally:
+        conn.close()
+    assert grown < 24 << 20, f"the daemon grew by {grown / 2**20:.1f} MiB keeping 64 refusals"
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) << 10
+
+
+def test_a_readers_queue_is_bounded(tiny_checkpoint, start_daemon):
+    """One reader's large requests wait at most QUEUED_PER_READER at once behind the job; more are refused by name
+    (DerivedLimit), nothing made."""
+    daemon = start_daemon(tiny_checkpoint)
+    conn = Connection(daemon.endpoint, timeout=60)
+    try:
+        with ExpertClient(daemon.endpoint) as client:
+            replies = []
+            for k in range(20):  # asked one after another: each is answered long before a job inflates 6 MB
+                index = genuine()
+                index[-1] = 10_000_000 + k
+                try:
+                    replies.append(conn.request("gather", client=client.lease, tensors=[item_of(index).wire()]))
+                except DerivedLimit as exc:
+                    replies.append(exc)
+            refused = [r for r in replies if isinstance(r, Exception)]
+            assert refused and all("waiting for the daemon's derivation job" in str(r) for r in refused), replies
+            assert all(r["building"] for r in replies if isinstance(r, dict))
+            wait_until(lambda: not job_running(daemon), "the queued jobs end")
+    finally:
+        conn.close()
