@@ -123,7 +123,7 @@ def load_once(checkpoint: str, threads: int) -> tuple[float, list]:
     built = build(ckpt, plan, namespace=f"benchload{os.getpid()}", generation=1, threads=threads, device="cpu")
     elapsed = time.perf_counter() - t0
     built.close()
-    return elapsed, [(t.segment.rsplit(".", 1)[1], t.checksum) for t in built.index.tensors]
+    return elapsed, [(t.segment.split(".")[3], t.checksum) for t in built.index.tensors]  # K of NS.PID.GEN.K.RANDOM
 
 
 def read_once(opened, threads: int, mode: str) -> float:

@@ -77,7 +77,7 @@ class DaemonMetrics:
         latest = gens.latest
         self.serving.set(1 if latest is not None else 0)
         self.generation.set(latest.number if latest is not None else 0)
-        self.leases.set(len(gens.leases))
+        self.leases.set(len(service.leases.leases))
         self.live_generations.set(len(gens.live))
         if latest is not None and latest.number != self._seen_generation:
             self._seen_generation = latest.number

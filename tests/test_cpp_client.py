@@ -256,9 +256,14 @@ def test_curve_over_tcp(cpp_build, start_daemon, tmp_path):
     got = json.loads(run.stdout)
     assert len(got["tensors"]) == 47 and all(t["checksum"] == t["recorded"] for t in got["tensors"])
     assert got["leases_after_release"] == []
-    # an ephemeral client key (no --client-key) connects too; without the server key nothing answers
+    # an ephemeral client key (no --client-key) connects too; without the server key the token is not sent in clear
+    # (ConfigError, exit 2), and a client allowed to send it gets no answer from a CURVE daemon
     assert dump(cpp_build, d.endpoint, "--token", TOKEN, "--server-key", daemon_public).returncode == 0
     run = dump(cpp_build, d.endpoint, "--token", TOKEN, "--timeout-ms", "500")
+    assert run.returncode == 2 and "not sending the auth_token" in run.stderr, run.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERTD_")}
+    run = subprocess.run([str(cpp_build / "expertd-cpp-dump"), d.endpoint, "--token", TOKEN, "--timeout-ms", "500"],
+                         capture_output=True, text=True, timeout=60, env={**env, "EXPERTD_ALLOW_PLAIN_TCP_TOKENS": "1"})
     assert run.returncode == EXIT["DaemonTimeout"], run.stderr
 
 

@@ -32,7 +32,8 @@ def served(built) -> dict[str, torch.Tensor]:
 
 
 def layout(built) -> list[tuple]:
-    return [(t.name, t.segment.rsplit(".", 2)[-1], t.offset, t.nbytes, t.checksum, tuple(t.sources))
+    """Where each tensor lies, by its segment's number in the build (NS.PID.GEN.K.RANDOM: K), not its random name."""
+    return [(t.name, t.segment.split(".")[3], t.offset, t.nbytes, t.checksum, tuple(t.sources))
             for t in built.index.tensors]
 
 

@@ -146,7 +146,8 @@ def served_from_huge_pages(tmp_path, tiny_checkpoint, namespace, kind):
     # the daemon serves from the huge-page folder: segments 0600, whole 2 MiB huge pages, none in /dev/shm
     assert seen["status"]["shm_dir"] == huge and seen["status"]["state"] == "serving"
     files = seen["files"]
-    tensor_files = {name: f for name, f in files.items() if not name.split(".")[-2].startswith("i")}
+    # NS.PID.TAG.K.RANDOM: the index segment's TAG is i<generation>
+    tensor_files = {name: f for name, f in files.items() if not name.split(".")[2].startswith("i")}
     assert len(tensor_files) == len(seen["status"]["segments"]) > 0
     assert len(files) == len(tensor_files) + 1  # the generation's index segment lives there too
     assert {f["mode"] for f in files.values()} == {"0o600"}
