@@ -278,8 +278,8 @@ class ExpertClient:
         """Our generation's leases were revoked to make room for a push: lease the latest generation; what the
         model binds stays mapped (its pages valid) until refresh(), which releases the revoked lease."""
         index = self._index
-        self._revoked.append(revoked)
         self._take_lease(conn)
+        self._revoked.append(revoked)  # once the new lease is ours: whoever sees it revoked sees the new lease
         self._index = index
         log.warning("lease on generation %s revoked for a push (%s): leased the latest; refresh() to move the model",
                     self.generation, self.endpoint)
