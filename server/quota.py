@@ -48,14 +48,24 @@ class Quota:
         self.cfg, self.gens = cfg, gens
         self.unit = shmdir.inspect(cfg.shm_dir, strict=False).unit
         self.reserved: dict[int, tuple[str, int, int]] = {}  # job -> (reader, bytes, files) being made
+        self._served: tuple[int, int] = (0, 0)  # (latest generation's number, its served bytes in pages)
 
     def placed(self, nbytes: int) -> int:
         """The bytes a derived tensor of `nbytes` takes in shm_dir: whole pages (units) of the folder, at least one."""
         return align_up(max(nbytes, 1), self.unit)
 
-    def limits(self) -> dict:
+    def served(self) -> int:
+        """The latest generation's served bytes in pages, summed once per generation (limits are read on every
+        cast, gather and metrics refresh: a DeepSeek-V3 index has tens of thousands of tensors)."""
         latest = self.gens.latest
-        served = sum(self.placed(t.nbytes) for t in latest.index.tensors) if latest is not None else 0
+        if latest is None:
+            return 0
+        if self._served[0] != latest.number:
+            self._served = (latest.number, sum(self.placed(t.nbytes) for t in latest.index.tensors))
+        return self._served[1]
+
+    def limits(self) -> dict:
+        served = self.served()
         most = self.cfg.max_derived_bytes if self.cfg.max_derived_bytes is not None else served
         per_bytes, per_files = self.cfg.max_derived_bytes_per_reader, self.cfg.max_derived_files_per_reader
         return {"max_bytes": most, "max_files": self.cfg.max_derived_files,
