@@ -16,7 +16,7 @@ import logging
 import time
 
 from expertd import index_segment
-from expertd.errors import GenerationGone, GenerationLimit
+from expertd.errors import GenerationGone, GenerationLimit, NotReady
 from expertd.index import TensorIndex
 from expertd.protocol import pack
 
@@ -105,6 +105,12 @@ class Generations:
             raise GenerationGone(f"generation {generation} is not served any more (live: "
                                  f"{sorted(self.live) or 'none'}); reconnect() or refresh() to read the latest")
         return generation if generation is not None else self.latest.number if self.latest else None
+
+    def serving(self) -> Generation:
+        """The latest generation; NotReady while the first one is still loading."""
+        if self.latest is None:
+            raise NotReady("the daemon is still loading")
+        return self.latest
 
     def hold(self, generation: int) -> None:
         """Keep an adopted generation live for one lease timeout (no lease of anyone's, no client in status): a

@@ -53,7 +53,7 @@ class Readers:
     @handles(messages.Refresh)
     def op_refresh(self, req: messages.Refresh, peer: Peer) -> dict:
         """Move the lease to the latest generation (the one it leaves may retire); the reply names its index."""
-        latest = self._latest()
+        latest = self.gens.serving()
         lease = self.leases.beat(req.client, peer.holder)
         lease.generation = latest.number
         self.gens.retire()
@@ -83,11 +83,6 @@ class Readers:
     def op_gather(self, req: messages.Gather, peer: Peer) -> dict:
         """Served tensors rearranged into an engine's layout (`expertd.derived`), made once per host."""
         return self.derivations.ask("gather", self._generation(req, peer), req.tensors, peer)
-
-    def _latest(self) -> Generation:
-        if self.gens.latest is None:
-            raise NotReady("the daemon is still loading")
-        return self.gens.latest
 
     def _generation(self, req: messages.DerivedRequest, peer: Peer) -> Generation:
         lease = self.leases.get(req.client, peer.holder)  # only the lease's holder may ask on it

@@ -14,7 +14,7 @@ import os
 import time
 
 from expertd import messages, replies
-from expertd.errors import ExpertdError, NotReady, ProtocolError
+from expertd.errors import ExpertdError, ProtocolError
 from expertd.procfs import default_threads
 
 from . import adopt, ledger
@@ -78,9 +78,7 @@ class WeightService:
         return self._device
 
     def latest(self) -> Generation:
-        if self.gens.latest is None:
-            raise NotReady("the daemon is still loading")
-        return self.gens.latest
+        return self.gens.serving()
 
     def start_load(self, ckpt, plan) -> None:
         """Build the first generation from a validated checkpoint (its number continues the namespace's count)."""
