@@ -101,6 +101,7 @@ def share_experts(model: nn.Module, state: EngineState, sources: dict, loaded: d
         else:
             state.log.warning("expertd: the daemon's layout of %s differs from the engine's: kept private",
                               item.name)
+            state.refused.append(f"{names[id(module)]}.{leaf}")
     return bound
 
 

@@ -96,4 +96,5 @@ def share_fused(model: nn.Module, state: EngineState, only: set[str] | None = No
             remember[name] = item
         else:
             state.log.warning("expertd: the daemon's fused %s differs from the engine's: kept private", name)
+            state.refused.append(name)
     return bound

@@ -36,6 +36,10 @@ class Engine:
     def post_load(self, module: nn.Module) -> None:
         """Run the post-load step of `module` again, as at a first load (after a reload of its parameters)."""
 
+    def finish(self, model: nn.Module, done: list[nn.Module]) -> None:
+        """The engine's post-load step for every module of `model` but `done`, whose parameters are bound already
+        in the engine's runtime layout (mapped, not loaded): only what the engine keeps beside the weights is made."""
+
 
 @dataclass(eq=False)
 class EngineState:
@@ -48,6 +52,7 @@ class EngineState:
     params: dict[str, tuple[nn.Parameter, tuple, torch.dtype]] = field(default_factory=dict)  # as loaded
     derived: dict[str, GatherItem] = field(default_factory=dict)  # parameter -> the request of its derived layout
     memory: dict[str, int] = field(default_factory=dict)  # the engine's weight bytes by where they lie (binding)
+    refused: list[str] = field(default_factory=list)  # parameters whose daemon-derived bytes differ from the engine's
     follow: bool = False  # refresh before a forward pass once the daemon published a newer generation
 
     @property

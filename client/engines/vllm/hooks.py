@@ -27,6 +27,10 @@ def fused_experts(module: nn.Module):
 class VllmEngine(Engine):
     """vLLM's kernels: the fused MoE's post-load packing, each quant method's post-load step."""
 
+    def __init__(self, log, model_config=None, device=None):
+        super().__init__(log)
+        self.model_config, self.device = model_config, device
+
     def probe(self, module: nn.Module, shapes: dict[str, tuple[int, ...]], loaded: dict[str, tuple]
               ) -> dict[str, torch.Tensor]:
         experts = fused_experts(module)
@@ -55,3 +59,20 @@ class VllmEngine(Engine):
         if getattr(method, "moe_kernel", None) is not None:
             method.moe_kernel = None  # vLLM's MoE post-load step packs for its kernel at a first load only
         method.process_weights_after_loading(module)
+
+    def finish(self, model: nn.Module, done: list[nn.Module]) -> None:
+        """vLLM's post-load step for the model under `weights_already_processed()` (its quant methods then only
+        build their kernels' state: the MoE kernel is made for the bound, packed experts; dense layers still pack
+        for oneDNN from what is bound), with the modules `done` (post-processed as at a first load) left out."""
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from vllm.model_executor.utils import weights_already_processed
+
+        hidden = [(module, module.__dict__["quant_method"]) for module in done if "quant_method" in module.__dict__]
+        for module, _ in hidden:
+            module.__dict__["quant_method"] = None
+        try:
+            with weights_already_processed():
+                process_weights_after_loading(model, self.model_config, self.device)
+        finally:
+            for module, method in hidden:
+                module.__dict__["quant_method"] = method

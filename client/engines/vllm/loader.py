@@ -26,10 +26,12 @@ from expertd.errors import DaemonError, ModelMismatch
 from expertd.protocol import default_endpoint
 
 from ..binding import accounting, report
+from .. import mapping
 from ..checks import check_daemon, check_loaded
 from ..experts import expert_sources
 from ..following import follow_hook, recording, release_replaced, share
 from ..state import EngineState, keep
+from .errors import engine_words
 from .hooks import VllmEngine
 from .options import LoaderOptions
 
@@ -38,14 +40,15 @@ log = logging.getLogger("vllm.expertd")  # under vLLM's logger: its handlers pri
 
 def attach(options: LoaderOptions) -> ExpertClient:
     """A lease on the daemon the options name (credentials as `ExpertClient` takes them, else from the environment)."""
-    try:
-        return ExpertClient(options.endpoint, timeout=options.timeout, token=options.token,
-                            server_key=options.server_key, client_key=options.client_key)
-    except DaemonError as exc:  # the daemon's refusal (a wrong token, say): name which daemon refused
-        endpoint = options.endpoint or os.environ.get("EXPERTD_ENDPOINT") or default_endpoint()
-        if endpoint in str(exc):
-            raise
-        raise type(exc)(f"the daemon at {endpoint}: {exc}", exc.kind) from exc
+    with engine_words():  # the client's hints name CLI options: here they are model_loader_extra_config's keys
+        try:
+            return ExpertClient(options.endpoint, timeout=options.timeout, token=options.token,
+                                server_key=options.server_key, client_key=options.client_key)
+        except DaemonError as exc:  # the daemon's refusal (a wrong token, say): name which daemon refused
+            endpoint = options.endpoint or os.environ.get("EXPERTD_ENDPOINT") or default_endpoint()
+            if endpoint in str(exc):
+                raise
+            raise type(exc)(f"the daemon at {endpoint}: {exc}", exc.kind) from exc
 
 
 def unquantized(vllm_config: VllmConfig, model_config: ModelConfig) -> None:
@@ -97,23 +100,18 @@ class ExpertdModelLoader(BaseModelLoader):
             load_config = vllm_config.load_config
             device = torch.device(load_config.device or vllm_config.device_config.device)
             sharing = self.options.zero_copy and device.type == "cpu"
-            state = EngineState(client, VllmEngine(log), follow=self.options.follow)
             t1 = time.perf_counter()
             with set_default_torch_dtype(model_config.dtype):
                 with device:
                     model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
                 t2 = time.perf_counter()
-                with recording(model, state) as tagged:
-                    self.load_weights(model, model_config, client, tagged)
-                sources = expert_sources(model, client.served_tensors(), state.feeds) if sharing else {}
-                t3 = time.perf_counter()
-                process_weights_after_loading(model, model_config, device)
-            t4 = time.perf_counter()
-            if sharing:
-                bind(model, state, sources)
-            log.info("expertd: attached and checked %.2f s, model built %.2f s, weights copied in %.2f s, vLLM's "
-                     "post-load processing %.2f s, binding %.2f s", t1 - t0, t2 - t1, t3 - t2, t4 - t3,
-                     time.perf_counter() - t4)
+                state = self._mapped(model, model_config, client, device) if sharing and self.options.map else None
+                how = "mapped"
+                if state is None:
+                    state, how = self._loaded(model, model_config, client, device, sharing), "loaded"
+            t3 = time.perf_counter()
+            log.info("expertd: attached and checked %.2f s, model built %.2f s, weights %s in %.2f s", t1 - t0,
+                     t2 - t1, how, t3 - t2)
         except BaseException:
             client.close()
             raise
@@ -125,14 +123,40 @@ class ExpertdModelLoader(BaseModelLoader):
             client.close()
         return model.eval()
 
+    def _loaded(self, model: nn.Module, model_config: ModelConfig, client: ExpertClient, device: torch.device,
+                sharing: bool) -> EngineState:
+        """Every weight loaded privately, post-processed by vLLM, then bound where it equals the daemon's bytes."""
+        state = EngineState(client, VllmEngine(log, model_config, device), follow=self.options.follow)
+        with recording(model, state) as tagged:
+            self.load_weights(model, model_config, client, tagged)
+        sources = expert_sources(model, client.served_tensors(), state.feeds) if sharing else {}
+        process_weights_after_loading(model, model_config, device)
+        if sharing:
+            shapes = {owner: {leaf: state.params[f"{owner}.{leaf}"][1:] for leaf in leaves}
+                      for owner, leaves in state.owners(sources).items()}
+            served, derived = share(model, state, sources, shapes)
+            finish(model, state, served, derived)
+        return state
 
-def bind(model: nn.Module, state: EngineState, sources: dict) -> None:
-    """After vLLM's post-load step: bind the model's parameters to the daemon's shared views (as served or
-    derived), empty what the post-load step replaced, and log where the engine's weight bytes lie."""
-    shapes = {owner: {leaf: state.params[f"{owner}.{leaf}"][1:] for leaf in leaves}
-              for owner, leaves in state.owners(sources).items()}
-    bound, packed = share(model, state, sources, shapes)
+    def _mapped(self, model: nn.Module, model_config: ModelConfig, client: ExpertClient, device: torch.device
+                ) -> EngineState | None:
+        """The model mapped (`expertd.client.engines.mapping`), or None where it cannot be (said in one line)."""
+        state = EngineState(client, VllmEngine(log, model_config, device), follow=self.options.follow)
+        tensors = client.tensors()
+        try:
+            loaded = mapping.dry_feeds(model, state, tensors, client.endpoint, model_config.model)
+        except mapping.NotMappable as exc:
+            log.info("expertd: %s cannot be mapped, loading it: %s", type(model).__name__, exc)
+            return None
+        check_loaded({name for name, _ in model.named_parameters()}, loaded, client.endpoint, model_config.model)
+        mapping.map_model(model, state, tensors)
+        finish(model, state, *mapping.bound(model, state))
+        return state
+
+
+def finish(model: nn.Module, state: EngineState, served: list[str], derived: list[str]) -> None:
+    """Empty what the post-load step replaced, and log where the engine's weight bytes lie."""
     release_replaced(model, state)
-    state.memory = accounting(model, state.params, bound, packed)
-    log.info("%s", report(state.memory, len(bound) + len(packed),
+    state.memory = accounting(model, state.params, served, derived)
+    log.info("%s", report(state.memory, len(served) + len(derived),
                           sum(t.nbytes for t in state.client.index().tensors)))

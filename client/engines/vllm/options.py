@@ -22,6 +22,7 @@ class LoaderOptions:
     client_key: str | None = None
     timeout: float = 30.0
     zero_copy: bool = True  # bind the parameters vLLM uses as they are served to the shared views
+    map: bool = True  # map the layers another engine's kind already checked (`expertd.client.engines.mapping`)
     follow: bool = False  # refresh on its own before the first forward pass after the daemon publishes a generation
 
     @classmethod
@@ -37,7 +38,7 @@ class LoaderOptions:
                 raise ConfigError(f"{where}[{key!r}] must be a string, not {type(extra[key]).__name__}")
         if not isinstance(extra.get("timeout", 30.0), (int, float)) or isinstance(extra.get("timeout"), bool):
             raise ConfigError(f"{where}['timeout'] must be a number of seconds, not {extra['timeout']!r}")
-        for key in ("zero_copy", "follow"):
+        for key in ("zero_copy", "follow", "map"):
             if not isinstance(extra.get(key, False), bool):
                 raise ConfigError(f"{where}[{key!r}] must be true or false, not {extra[key]!r}")
         if extra.get("follow") and extra.get("zero_copy") is False:
