@@ -14,6 +14,7 @@ import glob
 import importlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -154,6 +155,11 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
                 {"name": f"vllm-{family}", "model": ckpt[family]},
                 {"name": f"expertd-{family}", "model": model_folder(ckpt[family], str(root / f"no-weights-{family}")),
                  "load_format": "expertd", "extra": ep[family], "residency": True})],
+            {"name": "expertd-bf16-loaded", "model": bf16_config("loaded"), "load_format": "expertd",
+             "extra": {**ep["bf16"], "map": False}, "residency": True},
+            {"name": "vllm-altered", "model": ckpt["bf16"], "alter": True},
+            {"name": "expertd-altered", "model": bf16_config("altered"), "load_format": "expertd",
+             "extra": ep["bf16"], "residency": True, "alter": True},
             {"name": "no-daemon", "model": bf16_config("no-daemon"), "load_format": "expertd",
              "extra": {"endpoint": f"ipc://{root}/nothing/expertd.sock"}},
             {"name": "nobody-listening", "model": bf16_config("nobody-listening"), "load_format": "expertd",
@@ -218,6 +224,46 @@ def test_every_expert_byte_of_every_family_lies_in_shared_memory(runs, engine):
     where = runs[engine]["residency"]
     experts = {name: shared for name, (size, shared) in where.items() if is_expert(name) and size}
     assert experts and all(experts.values()), experts
+
+
+MAPPED = re.compile(r"expertd: (\d+) of (\d+) layer\(s\) mapped on (\d+) checked")
+
+
+@pytest.mark.parametrize("engine", [f"expertd-{name}" for name in ("bf16", *QUANTIZED, *FAMILIES, "padded")])
+def test_an_engine_maps_every_layer_but_one_checked_layer_of_each_kind(runs, engine):
+    """The engine loads privately only one layer of each kind (checked against the daemon's derived bytes) and what
+    lies outside layers; every other layer binds its checked layer's bindings, renamed: shared memory, not a load.
+    Tokens as vLLM's own load (the tests above)."""
+    lines = runs[engine]["log"]
+    assert any("weights mapped in" in line for line in lines), lines
+    mapped, layers, checked = next(map(int, m.groups()) for m in map(MAPPED.search, lines) if m)
+    assert layers == 2 and mapped == layers - checked, lines
+    if engine != "expertd-deepseek_v3":  # its first layer is dense (first_k_dense_replace): two kinds of layer
+        assert checked == 1 and mapped == 1, lines
+
+
+def test_without_map_the_engine_loads_every_weight_and_binds_the_same(runs):
+    """`map: false`: every weight loaded privately, post-processed by vLLM, then bound where it equals the daemon's
+    bytes (the first engines' path before maps): the same tokens, the same parameters in shared memory."""
+    run, mapped = runs["expertd-bf16-loaded"], runs["expertd-bf16"]
+    assert any("weights loaded in" in line for line in run["log"]) and not any(map(MAPPED.search, run["log"]))
+    assert run["tokens"] == runs["vllm-bf16"]["tokens"]
+    assert run["residency"] == mapped["residency"]
+
+
+def test_a_post_load_step_that_is_not_a_rearrangement_falls_back_to_the_private_load(runs):
+    """vLLM's MoE packing altered to scale every value the probes do not carry: the probes find the usual layout,
+    the checked layer's result differs from the daemon's derived bytes, and the engine loads the model privately
+    (one line names the parameter); its tokens are those of vLLM's own load under the same packing, no expert of it
+    maps the daemon's (unaltered) layout."""
+    run = runs["expertd-altered"]
+    assert "error" not in run, run
+    assert run["tokens"] == runs["vllm-altered"]["tokens"] != runs["vllm-bf16"]["tokens"]
+    named = [line for line in run["log"] if "differs from the daemon's derived bytes" in line]
+    assert len(named) == 1 and "model.layers.0.mlp.experts.w" in named[0] and "loaded privately" in named[0], \
+        run["log"]
+    experts = {name: shared for name, (size, shared) in run["residency"].items() if is_expert(name) and size}
+    assert experts and not any(experts.values()), experts
 
 
 def test_credentials_go_as_in_the_python_client(runs):

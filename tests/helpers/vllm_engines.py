@@ -151,16 +151,62 @@ def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None
     gc.collect()
 
 
+class Lines:
+    """The expertd loader's log lines (logger `vllm.expertd`) while an engine is built."""
+
+    def __init__(self):
+        import logging
+
+        self.lines, self.handler = [], logging.Handler()
+        self.handler.emit = lambda record: self.lines.append(record.getMessage())
+        self.logger = logging.getLogger("vllm.expertd")
+
+    def __enter__(self):
+        self.logger.addHandler(self.handler)
+        return self.lines
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+
+def altered(enabled: bool):
+    """With `enabled`, vLLM's CPU MoE packing made value-dependent: the probes' integers stay where it puts them,
+    every other value is scaled (a post-load step that is not a pure rearrangement). Undone afterwards."""
+    import contextlib
+
+    if not enabled:
+        return contextlib.nullcontext()
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    original = cpu_moe.cpu_prepack_moe_weight
+
+    def prepack(weight, isa):
+        out = original(weight, isa)
+        return out.where(out == out.round(), out * 1.5)
+
+    @contextlib.contextmanager
+    def patched():
+        cpu_moe.cpu_prepack_moe_weight = prepack
+        try:
+            yield
+        finally:
+            cpu_moe.cpu_prepack_moe_weight = original
+
+    return patched()
+
+
 def run(engine: dict, prompts: list, max_tokens: int) -> dict:
     out = {"name": engine["name"]}
     try:
-        llm = engine_for(engine)
+        with Lines() as out["log"], altered(engine.get("alter", False)):
+            llm = engine_for(engine)
+            out["tokens"] = generate(llm, prompts, max_tokens)
     except Exception as exc:  # the error the loader raised, maybe wrapped by the engine
         while exc.__cause__ is not None and not type(exc).__module__.startswith("expertd"):
             exc = exc.__cause__
         out["error"] = {"types": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
+        out.pop("tokens", None)
         return out
-    out["tokens"] = generate(llm, prompts, max_tokens)
     if engine.get("peers"):  # engines of one host side by side: measured while all of them map the experts
         barrier(engine["barrier"], engine["name"], "loaded", engine["peers"])
         out["experts"] = llm.apply_model(expert_memory)[0]
