@@ -11,6 +11,11 @@ xxh3 checksum, on `load_threads` threads. A tensor that fails is rebuilt from th
 and only if the rebuilt bytes hash to the recorded checksum (a tensor an `update()` wrote exists nowhere
 else: its generation is dropped instead, with a log line naming it). Nothing is published and no segment
 is touched before the verdict; what is not adopted is reaped as after any crash.
+
+An adopted generation's variants (dtype casts and derived layouts, `variant_records`) are adopted with it: their
+sealed record read, each segment checked as the generation's are (ours, its size) and, with `full`, each checksum.
+A variant that fails is dropped with a log line (never served, never repaired: a reader asks for it again) and its
+segment unlinked.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ from dataclasses import dataclass, field
 from expertd.index import TensorEntry, TensorIndex, bytes_checksum, checksum_parts, tensor_bytes
 from expertd.segments import OPEN_FLAGS, segment_path
 
-from . import ledger
-from .arena import Arena, segment_pattern
+from . import ledger, variant_records
+from .arena import Arena, segment_pattern, unlink_segment
 
 log = logging.getLogger("expertd.adopt")
 
@@ -42,6 +47,8 @@ class Adopted:
     leases: list[dict] = field(default_factory=list)  # the predecessor's leases, re-granted for their generations
     segments: set[str] = field(default_factory=set)  # every segment the adopted generations use (never reaped)
     repaired: list[str] = field(default_factory=list)  # tensors rebuilt from the checkpoint
+    variants: dict[int, dict] = field(default_factory=dict)  # generation -> its variants that passed (name -> Variant)
+    rerecord: set[int] = field(default_factory=set)  # generations whose variants record lists more than passed
     seconds: float = 0.0
 
 
@@ -206,7 +213,9 @@ def adopt(manifest: dict | None, *, namespace: str, run_dir: str, conditions: di
     numbers = {r.number for r in out.records}
     out.leases = [lease for lease in manifest.get("leases") or []
                   if isinstance(lease, dict) and lease.get("generation") in numbers]
-    out.segments = {s.name for r in out.records for s in r.index.segments}
+    out.variants, out.rerecord = _variants(out.records, run_dir, mode, threads, gid)
+    out.segments = {s.name for r in out.records for s in r.index.segments} | {
+        v.entry.segment for variants in out.variants.values() for v in variants.values()}
     out.seconds = time.perf_counter() - started
     return out
 
@@ -229,6 +238,87 @@ def _repair(records: list[ledger.Record], damage: dict[int, list[str]], rebuilt:
             if done[place]:
                 fixed.add((record.number, name))
     return fixed
+
+
+def _variants(records: list[ledger.Record], run_dir: str, mode: str, threads: int,
+              gid: int | None) -> tuple[dict[int, dict], set[int]]:
+    """Each adopted generation's recorded variants that pass, and the generations whose record lists more than
+    passed (rewritten once serving). The segments of those dropped that are ours (a wrong size or checksum) are
+    unlinked; one another user owns is left alone, as the reaper leaves it."""
+    found: dict[int, dict] = {}
+    rerecord: set[int] = set()
+    for record in records:
+        try:
+            found[record.number] = variant_records.read(run_dir, record.index)
+        except ValueError as exc:  # Unsealed too: a record planted or rewritten without the key is never read
+            log.warning("not adopting the variants of generation %d: %s; their segments are reaped", record.number,
+                        exc)
+            found[record.number] = {}
+            rerecord.add(record.number)
+    verdict = _verify_variants([(v, r.index) for r in records for v in found[r.number].values()], mode, threads, gid)
+    kept: dict[int, dict] = {}
+    dropped: dict[str, str] = {}  # segment -> its shm_dir
+    for record in records:
+        mine = kept[record.number] = {}
+        bad = []
+        for key, v in found[record.number].items():
+            problem = verdict[_place(v)]
+            if problem is None:
+                mine[key] = v
+                continue
+            bad.append(f"{v.of.name} as {v.entry.dtype} {list(v.entry.shape)} in {v.entry.segment} "
+                       f"({VARIANT_PROBLEMS.get(problem, problem)})")
+            if problem in ("size", "checksum"):
+                dropped[v.entry.segment] = record.index.shm_dir
+        if bad:
+            rerecord.add(record.number)
+            log.warning("generation %d: %d variant(s) dropped (made again when a reader asks): %s", record.number,
+                        len(bad), "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
+    in_use = {v.entry.segment for mine in kept.values() for v in mine.values()} | {
+        s.name for r in records for s in r.index.segments}
+    for name, shm_dir in dropped.items():
+        if name not in in_use:
+            unlink_segment(name, shm_dir)
+    return kept, rerecord
+
+
+VARIANT_PROBLEMS = {"missing": "its segment is missing", "size": "its segment is not the size recorded",
+                    "checksum": "its bytes fail their checksum", "unsummed": "it records no checksum"}
+
+
+def _place(variant) -> tuple:
+    """What verifying a variant checks: variants shared by generations (same bytes) are checked once."""
+    e = variant.entry
+    return e.segment, e.offset, e.nbytes, e.checksum, variant.placed
+
+
+def _verify_variants(todo: list, mode: str, threads: int, gid: int | None) -> dict[tuple, str | None]:
+    """Each (variant, its generation's index)'s place -> why it may not be adopted (`segment_problem`'s words,
+    "checksum" or "unsummed"), or None."""
+    verdict: dict[tuple, str | None] = {}
+    summed = []
+    for variant, index in todo:
+        place = _place(variant)
+        if place in verdict:
+            continue
+        problem = segment_problem(variant.entry.segment, variant.placed, index.namespace, index.shm_dir, gid)
+        if problem is None and mode == "full":
+            if variant.entry.checksum is None:
+                problem = "unsummed"
+            else:
+                summed.append((place, variant.entry, variant.placed, index.shm_dir))
+        verdict[place] = problem
+
+    def check(item) -> tuple[tuple, str | None]:
+        place, entry, size, shm_dir = item
+        try:
+            return place, None if _checksum(entry, size, shm_dir) == entry.checksum else "checksum"
+        except OSError:  # gone or truncated since it was checked
+            return place, "missing"
+
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="expertd-adopt") as pool:
+        verdict.update(pool.map(check, summed))
+    return verdict
 
 
 def matches(ckpt, plan, built) -> bool:

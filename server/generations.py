@@ -20,7 +20,7 @@ from expertd.errors import GenerationGone, GenerationLimit, NotReady
 from expertd.index import TensorIndex
 from expertd.protocol import pack
 
-from .arena import Arena, unlink_segment
+from .arena import Arena, segment_pattern, unlink_segment
 from .built import Built
 from .leases import Lease, LeaseTable, lease_tag
 
@@ -55,6 +55,16 @@ class Generation:
     def next_variant(self) -> int:
         """The number of this generation's next variant segment (`/{namespace}.{pid}.v{N}.{k}`)."""
         return next(self._variant_numbers)
+
+    def adopt_variants(self, variants: dict, segments) -> None:
+        """Serve a predecessor's variants of this generation again (`adopt`: verified), and number this generation's
+        next variant segments after every adopted segment of its tag (`segments`: those of all adopted generations,
+        a newer one's record may name one of this generation's that its own record had not listed yet)."""
+        self.variants.update(variants)
+        pattern, tag = segment_pattern(self.index.namespace), f"v{self.number}"
+        taken = [int(m.group(3)) for m in (pattern.match(name.lstrip("/")) for name in segments)
+                 if m is not None and m.group(2) == tag]
+        self._variant_numbers = itertools.count(max(taken, default=-1) + 1)
 
     def drop_variant(self, variant) -> None:
         """Unlink a variant's segment that no request got (its request failed after it was cast)."""

@@ -7,6 +7,8 @@ expertd's version). It is written atomically when the generation is published an
 retires or the daemon stops cleanly; a crash or a planned handover (`stop --keep`) leaves it. The
 bytes themselves stay in their segments: the ledger is how a successor knows what they should be, so
 each record is sealed (`sealed`: an HMAC under the run folder's key) and one that fails is never read.
+A generation's variants (dtype casts and derived layouts, made after it was published) are recorded beside it,
+in `{namespace}.gen{N}.variants.json` (`variant_records`), and go with its record.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ class Record:
 
 def record_path(run_dir: str, namespace: str, number: int) -> str:
     return os.path.join(run_dir, f"{namespace}.gen{number}.json")
+
+
+def variants_path(run_dir: str, namespace: str, number: int) -> str:
+    """Where generation `number`'s variants are recorded (`variant_records`): small, rewritten as they are made."""
+    return os.path.join(run_dir, f"{namespace}.gen{number}.variants.json")
 
 
 def build_conditions(checkpoint: str, expert_parallel, shm_dir: str) -> dict:
@@ -99,16 +106,18 @@ def unpack_known(groups: list) -> dict[tuple, str]:
 
 
 def remove(run_dir: str, namespace: str, number: int) -> None:
-    try:
-        os.unlink(record_path(run_dir, namespace, number))
-    except FileNotFoundError:
-        pass
+    """Remove generation `number`'s record and its variants' record."""
+    for path in (record_path(run_dir, namespace, number), variants_path(run_dir, namespace, number)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def remove_all(run_dir: str, namespace: str, keep=frozenset()) -> None:
-    """Remove this namespace's records but those of generations `keep`."""
+    """Remove this namespace's records (variants' records too) but those of generations `keep`."""
     for path in glob.glob(os.path.join(glob.escape(run_dir), f"{glob.escape(namespace)}.gen*.json")):
-        m = re.fullmatch(rf"{re.escape(namespace)}\.gen(\d+)\.json", os.path.basename(path))
+        m = re.fullmatch(rf"{re.escape(namespace)}\.gen(\d+)(?:\.variants)?\.json", os.path.basename(path))
         if m and int(m.group(1)) not in keep:
             os.unlink(path)
 

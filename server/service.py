@@ -30,6 +30,7 @@ from .permissions import allowed_checkpoint
 from .pushes import Pushes
 from .readers import Readers
 from .runstate import RunState, namespace_segments
+from .variant_records import Recorder
 
 # What builds (torch, transformers, the checkpoint reader, the kernels) is imported by the methods that start one,
 # so that serving adopted generations waits for none of it: `loader` and `updates` (see `built`); a variant
@@ -56,6 +57,7 @@ class WeightService:
                                 revoke_after_s=cfg.revoke_after_s, hold_s=cfg.lease_timeout_s)
         self.run_dir = cfg.resolved_run_dir
         self.conditions = ledger.build_conditions(cfg.checkpoint, cfg.expert_parallel, cfg.shm_dir)
+        self.variant_records = Recorder(self.run_dir, cfg.namespace)  # each generation's variants, for a successor
         self._recorded_leases: list[dict] = []  # the leases the manifest last recorded
         self._leases_written = 0.0
         self.jobs = Jobs()
@@ -114,15 +116,22 @@ class WeightService:
     def serve_adopted(self, adopted: adopt.Adopted) -> None:
         """Serve the adopted generations under their numbers, re-grant the predecessor's leases, hold every adopted
         generation a lease timeout for workers that re-take theirs, then check the checkpoint in the background:
-        a changed one becomes the next generation (incrementally)."""
-        self.gens.adopt([Generation(Built(adopt.arena_of(r, self.cfg.group), r.index, r.parts, r.known),
-                                    place_index(r.index, self.cfg.group)) for r in adopted.records], adopted.leases)
+        a changed one becomes the next generation (incrementally). Their variants are served again too."""
+        gens = [Generation(Built(adopt.arena_of(r, self.cfg.group), r.index, r.parts, r.known),
+                           place_index(r.index, self.cfg.group)) for r in adopted.records]
+        variant_segments = {v.entry.segment for mine in adopted.variants.values() for v in mine.values()}
+        for gen in gens:
+            mine = adopted.variants.get(gen.number, {})
+            gen.adopt_variants(mine, variant_segments)
+            self.variant_records.adopted(gen.number, -1 if gen.number in adopted.rerecord else len(mine))
+        self.gens.adopt(gens, adopted.leases)
         latest = self.gens.latest
         publish(latest.index, self.cfg.index_path)
         self.first_generation = latest.number
-        log.info("adopted generation(s) %s (%d lease(s) re-granted, %d tensor(s) rebuilt from the checkpoint) in "
-                 "%.2fs: serving generation %d", ", ".join(str(r.number) for r in adopted.records), len(adopted.leases),
-                 len(adopted.repaired), adopted.seconds, latest.number)
+        log.info("adopted generation(s) %s (%d lease(s) re-granted, %d tensor(s) rebuilt from the checkpoint, %d "
+                 "variant segment(s) kept) in %.2fs: serving generation %d",
+                 ", ".join(str(r.number) for r in adopted.records), len(adopted.leases), len(adopted.repaired),
+                 len(variant_segments), adopted.seconds, latest.number)
         self.write_manifest("serving")
         number = latest.number + 1
 
@@ -153,6 +162,7 @@ class WeightService:
         self._record_leases()
         self.pushes.sweep()
         self.readers.derivations.tick()
+        self.variant_records.flush(self.gens.live.values())  # what the loop's requests made, for a successor
 
     def _prepare(self, checkpoint: str):
         """`loader.prepare` on a job's thread (importing torch and transformers the first time): until it returns,
@@ -303,6 +313,7 @@ class WeightService:
         for number in list(self.pushes.staging):
             self.pushes.drop(number)
         if keep and self.gens.latest is not None:
+            self.variant_records.flush(self.gens.live.values(), force=True)
             segments = self.gens.segments_by_generation()
             self.runstate.write_manifest(self.gens.latest.number, segments, "handover", self.cfg.endpoint,
                                          shm_dir=self.cfg.shm_dir, conditions=self.conditions,
