@@ -56,13 +56,17 @@ def in_layer(name: str, number: int) -> str:
 def on_meta(model: nn.Module):
     """Every parameter of `model` replaced by a twin on the meta device (same class, shape, dtype and attributes:
     its weight loader): loaders write nowhere. The real parameters are back in their modules afterwards."""
-    swapped = []
+    swapped, twins = [], {}
     for module in model.modules():
         for leaf, param in list(module._parameters.items()):
             if param is None:
                 continue
-            twin = nn.Parameter.__new__(type(param), torch.empty(param.shape, dtype=param.dtype, device="meta"), False)
-            twin.__dict__.update(param.__dict__)
+            twin = twins.get(id(param))  # a parameter two modules hold (gpt-oss's sinks) gets one twin
+            if twin is None:
+                twin = nn.Parameter.__new__(type(param), torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                            False)
+                twin.__dict__.update(param.__dict__)
+                twins[id(param)] = twin
             module._parameters[leaf] = twin
             swapped.append((module, leaf, param))
     try:
