@@ -260,8 +260,8 @@ def test_a_post_load_step_that_is_not_a_rearrangement_falls_back_to_the_private_
     assert "error" not in run, run
     assert run["tokens"] == runs["vllm-altered"]["tokens"] != runs["vllm-bf16"]["tokens"]
     named = [line for line in run["log"] if "differs from the daemon's derived bytes" in line]
-    assert len(named) == 1 and "model.layers.0.mlp.experts.w" in named[0] and "loaded privately" in named[0], \
-        run["log"]
+    assert len(named) == 1 and "loaded privately" in named[0], run["log"]
+    assert re.search(r"model\.layers\.0\.mlp\.experts\.(routed_experts\.)?w(13|2)_weight", named[0]), named
     experts = {name: shared for name, (size, shared) in run["residency"].items() if is_expert(name) and size}
     assert experts and not any(experts.values()), experts
 

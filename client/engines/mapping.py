@@ -135,13 +135,39 @@ def plan(state: EngineState) -> Plan:
 
 
 def load_private(model: nn.Module, state: EngineState, names: list[str], tensors: dict) -> dict:
-    """Load the parameters `names` for real through the model's own `load_weights` (their feeds only), before the
-    post-load step; the experts' sources (`expert_sources`) among them."""
+    """Load the parameters `names` for real through the model's own `load_weights` (their feeds only; for a
+    parameter whose loader wrote past the recording, every served tensor of its layer), before the post-load step;
+    the experts' sources (`expert_sources`) among them."""
     from .following import _Only
 
-    feeding = sorted(set().union(*(state.feeds.get(name, set()) for name in names))) if names else []
-    model.load_weights(iter([(f, tensors[f]) for f in feeding]))
+    feeding = set()
+    for name in names:
+        fed = state.feeds.get(name, set()) & tensors.keys()
+        feeding |= fed or {f for f in tensors if layer_of(f) == layer_of(name)}
+    model.load_weights(iter([(f, tensors[f]) for f in sorted(feeding)]))
+    found = discover(model, state, names, tensors)
+    for name, feed in found.items():  # the same tensor feeds the same parameter of every other layer of its kind
+        for other in state.params:
+            if LAYER.sub("layers.#.", other) == LAYER.sub("layers.#.", name) and other != name and \
+                    not state.feeds.get(other, set()) & tensors.keys():
+                state.feeds[other] = {in_layer(feed, layer_of(other))} if layer_of(other) is not None else {feed}
     return expert_sources(_Only(model, names), state.client.served_tensors(), state.feeds)
+
+
+def discover(model: nn.Module, state: EngineState, names: list[str], tensors: dict) -> dict[str, str]:
+    """For each loaded parameter of `names` whose loader wrote it past the recording (`param.data.copy_`: gpt-oss's
+    sinks), the one served tensor of its layer holding the same bytes, recorded as what feeds it."""
+    params, found = dict(model.named_parameters()), {}
+    for name in names:
+        if state.feeds.get(name, set()) & tensors.keys():
+            continue
+        param = params[name]
+        same = [f for f, t in tensors.items() if layer_of(f) == layer_of(name) and t.dtype == param.dtype
+                and t.numel() == param.numel() and torch.equal(t.reshape(-1), param.data.reshape(-1))]
+        if len(same) == 1:
+            state.feeds[name] = {same[0]}
+            found[name] = same[0]
+    return found
 
 
 def post_load(model: nn.Module, state: EngineState, names: list[str]) -> list[nn.Module]:
@@ -228,10 +254,11 @@ def map_model(model: nn.Module, state: EngineState, tensors: dict) -> None:
         if what == "served":
             params[name].data = served[source]
     state.engine.finish(model, done)
-    state.log.info("expertd: %d of %d layer(s) mapped on %d checked one(s) (%d parameter(s) bound as the checked "
-                   "layer's, %d loaded privately: the checked layers, what is outside layers, kernel-packed modules)",
-                   len({layer_of(n) for n in moved}), len(layout.layers), len(layout.layers) - len(layout.of),
-                   len(moved), len(layout.private) + len(rest))
+    kept = sorted({LAYER.sub("layers.#.", owner) for owner in state.owners(rest)})
+    state.log.info("expertd: %d of %d layer(s) mapped on %d checked one(s): %d parameter(s) bound as the checked "
+                   "layer's; loaded privately: the checked layers, what lies outside layers%s", len({layer_of(n) for n
+                   in moved}), len(layout.layers), len(layout.layers) - len(layout.of), len(moved),
+                   f" and in every layer {', '.join(kept)} (vLLM keeps its own copy)" if kept else "")
 
 
 def bound(model: nn.Module, state: EngineState) -> tuple[list[str], list[str]]:
