@@ -22,7 +22,7 @@ class LoaderOptions:
     client_key: str | None = None
     timeout: float = 30.0
     zero_copy: bool = True  # bind the parameters vLLM uses as they are served to the shared views
-    map: bool = True  # map the layers another engine's kind already checked (`expertd.client.engines.mapping`)
+    map: bool = True  # bind each layer to its checked kind's bindings, not a load (`expertd.client.engines.mapping`)
     follow: bool = False  # refresh on its own before the first forward pass after the daemon publishes a generation
 
     @classmethod
