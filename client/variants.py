@@ -102,7 +102,7 @@ def _ask(conn, request, timeout_s: float = DERIVE_TIMEOUT_S):
             raise DaemonTimeout(f"the daemon at {conn.endpoint} was still making {messages.words(request.op)} after "
                                 f"{timeout_s:.0f}s (see `expertd status`: derived.job)")
         time.sleep(wait)
-        wait = min(wait * 2, 0.25)
+        wait = min(wait * 2, 0.05)
 
 
 def _entries(reply, names: list, index: TensorIndex) -> list[TensorEntry]:

@@ -62,3 +62,14 @@ def view(segments: dict[str, torch.Tensor], entry: TensorEntry) -> torch.Tensor:
     if count == 0:
         return torch.empty(entry.shape, dtype=dtype)
     return seg[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` hold the same bytes (same shape and dtype): compared as 8-byte words where they allow it
+    (several times faster than comparing bf16 values, and exact where values are not: -0 and +0, NaNs)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    a, b = a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    if a.numel() % 8 == 0 and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0:
+        return torch.equal(a.view(torch.int64), b.view(torch.int64))
+    return torch.equal(a, b)

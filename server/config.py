@@ -55,7 +55,7 @@ class DaemonConfig:
     checkpoint_roots: list = field(default_factory=list)  # folders a reload may name a checkpoint under
     stop_timeout_s: float = 10.0  # a stop waits this long for a build; then it is abandoned and the daemon exits
     # derived tensors (casts, gathers) readers may leave, in bytes (whole pages) and files: see server/quota.py
-    max_derived_bytes: int | None = None  # the whole daemon's; None: the latest generation's served bytes
+    max_derived_bytes: int | None = None  # the whole daemon's; None: the live generations' served bytes
     max_derived_files: int = 4096
     max_derived_bytes_per_reader: int | None = None  # one uid's (ipc://) or CURVE key's (tcp://); None: the daemon's
     max_derived_files_per_reader: int | None = None

@@ -106,7 +106,8 @@ class Daemon:
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
             while not self._stop.is_set() and self.weights.load_error is None:
-                if dict(poller.poll(100)).get(sock):
+                busy = self.weights.readers.derivations.job is not None  # its next step waits for a tick
+                if dict(poller.poll(10 if busy else 100)).get(sock):
                     for _ in range(BURST):  # drain what is queued before the next poll
                         if not self._serve_one(sock):
                             break

@@ -23,8 +23,10 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from expertd import replies
@@ -226,8 +228,16 @@ class Derivations:
             check(p)
 
     def _make_all(self, job: Work) -> None:
-        for p, placed in job.todo:
+        """Make the job's variants on as many threads as the load uses (each its own segment; torch's gathers
+        release the GIL): every one made or failed before this returns, the first error raised."""
+        def one(p: Planned, placed: int) -> None:
             job.made.append(make(job.gen, p, job.reader, placed, self.cfg.group, job.stop.is_set))
+
+        workers = max(1, min(len(job.todo), self.cfg.load_threads or len(os.sched_getaffinity(0))))
+        with ThreadPoolExecutor(workers, thread_name_prefix=f"expertd-derive-{job.number}") as pool:
+            done = [pool.submit(one, p, placed) for p, placed in job.todo]
+        for future in done:
+            future.result()
 
     def tick(self) -> None:
         """Between requests: move the job on once its thread has ended (count, then list what it made)."""

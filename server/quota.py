@@ -4,10 +4,12 @@ a push or a reload needs.
 A reader is who the transport says sent a request (`reader_of`: the uid on ipc://, the CURVE key on tcp://), never
 a process or a connection. Each derived tensor counts against the reader whose request made it, in whole pages of
 the shm_dir's unit (a one-element gather takes a page and a file). Limits (config): `max_derived_bytes` (default
-the latest generation's served bytes) and `max_derived_files` for the daemon, `max_derived_bytes_per_reader` and
-`max_derived_files_per_reader` for each reader (default the daemon's). Space is reserved apart: a derivation is
-refused when it would leave the shm_dir less free space than the latest generation's served bytes (what a reload
-writes, or a push of up to half of them with its staging), so derived tensors never make a push or a reload fail.
+the served bytes of every live generation, summed: each generation may derive up to its own, so engines refreshing
+onto a new generation while the old one lives get its layouts too) and `max_derived_files` for the daemon,
+`max_derived_bytes_per_reader` and `max_derived_files_per_reader` for each reader (default the daemon's). Space is
+reserved apart: a derivation is refused when it would leave the shm_dir less free space than the latest generation's
+served bytes (what a reload writes, or a push of up to half of them with its staging), so derived tensors never make
+a push or a reload fail.
 Usage is computed from the live generations' variants (a segment several generations reuse counts once) plus the
 work a derivation job has reserved: there is no counter to drift.
 """
@@ -49,6 +51,7 @@ class Quota:
         self.unit = shmdir.inspect(cfg.shm_dir, strict=False).unit
         self.reserved: dict[int, tuple[str, int, int]] = {}  # job -> (reader, bytes, files) being made
         self._served: tuple[int, int] = (0, 0)  # (latest generation's number, its served bytes in pages)
+        self._each: dict[int, int] = {}  # live generation -> its served bytes in pages
 
     def placed(self, nbytes: int) -> int:
         """The bytes a derived tensor of `nbytes` takes in shm_dir: whole pages (units) of the folder, at least one."""
@@ -64,9 +67,18 @@ class Quota:
             self._served = (latest.number, sum(self.placed(t.nbytes) for t in latest.index.tensors))
         return self._served[1]
 
+    def live_served(self) -> int:
+        """The served bytes in pages of every live generation, summed (each generation's once)."""
+        for number, gen in self.gens.live.items():
+            if number not in self._each:
+                self._each[number] = sum(self.placed(t.nbytes) for t in gen.index.tensors)
+        for number in set(self._each) - set(self.gens.live):
+            del self._each[number]
+        return sum(self._each.values())
+
     def limits(self) -> dict:
         served = self.served()
-        most = self.cfg.max_derived_bytes if self.cfg.max_derived_bytes is not None else served
+        most = self.cfg.max_derived_bytes if self.cfg.max_derived_bytes is not None else self.live_served()
         per_bytes, per_files = self.cfg.max_derived_bytes_per_reader, self.cfg.max_derived_files_per_reader
         return {"max_bytes": most, "max_files": self.cfg.max_derived_files,
                 "max_bytes_per_reader": most if per_bytes is None else min(per_bytes, most),

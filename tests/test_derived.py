@@ -275,8 +275,8 @@ def test_bad_requests_are_refused_by_name_and_make_nothing(daemon, client):
 
 
 def test_derived_bytes_are_capped_at_the_served_bytes(daemon, client):
-    """max_derived_bytes by default: the served bytes, in whole pages, whatever generations the derived tensors are
-    of; a request over it is refused whole (DerivedLimit names the limit), nothing of it made."""
+    """max_derived_bytes by default: the served bytes of the live generation (one here), in whole pages; a request
+    over it is refused whole (DerivedLimit names the limit), nothing of it made."""
     generation = client.index().generation
     derived_now = daemon.status()["derived"]
     pages = sum(-(-max(t.nbytes, 1) // 4096) * 4096 for t in client.served_tensors().values() if t.nbytes)
@@ -313,6 +313,32 @@ def test_derived_bytes_are_capped_at_the_served_bytes(daemon, client):
     sizes = [-(-blocks * (2 * n - k) * size // 4096) * 4096 for k in range(len(items))]
     assert made == max(k for k in range(len(items) + 1) if sum(sizes[:k]) <= left)
     assert daemon.status()["derived"]["bytes"] <= cap
+
+
+def test_a_new_generation_gets_its_own_layouts_while_the_old_one_lives_at_its_cap(daemon, client):
+    """The default cap sums the live generations' served bytes: with the generation a reader still leases derived up
+    to its cap (an engine's expert layouts take about the served bytes), a newer generation an engine refreshes onto
+    still gets a layout of its own; one that fits under no single generation's cap."""
+    name, source = expert_stack(client, layer=1)
+    blocks, n, size = source.shape[0], source[0].numel(), source.element_size()
+    one = daemon.status()["derived"]["max_bytes"]
+    for k in range(1000):  # padding gathers of distinct lengths until the leased generation's cap refuses one
+        try:
+            client.derived([ask(name, torch.full((2 * n - k,), -1, dtype=torch.int64), (blocks, 2 * n - k))])
+        except DerivedLimit:
+            break
+    else:
+        raise AssertionError("the cap never refused a gather")
+    index = torch.cat([permutation(n, seed=7), torch.full((n - PAD,), -1, dtype=torch.int64)])  # the longest
+    assert blocks * index.numel() * size > one - daemon.status()["derived"]["bytes"]  # over one generation's cap
+    norm = "model.norm.weight"
+    newer_generation = client.update({norm: torch.full_like(client.served_tensors()[norm], 0.5)})
+    with ExpertClient(daemon.endpoint, timeout=60) as newer:
+        assert newer.index().generation == newer_generation and client.index().generation < newer_generation
+        assert daemon.status()["derived"]["max_bytes"] == 2 * one  # both generations serve the same sizes
+        (out,) = newer.derived([ask(name, index, (blocks, index.numel()))])
+        assert torch.equal(out, reference(newer.served_tensors()[name], index, (blocks, index.numel())))
+        assert daemon.status()["derived"]["bytes"] <= 2 * one
 
 
 def test_a_bomb_of_the_length_it_claims_is_refused_by_the_budget_before_it_is_inflated(daemon, client):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from expertd.client.residency import shared_ranges
+from expertd.shm import same_bytes
 
 
 def bind_shared(model: nn.Module, served: dict[str, torch.Tensor], feeds: dict[str, set[str]] | None = None
@@ -28,7 +29,7 @@ def bind_shared(model: nn.Module, served: dict[str, torch.Tensor], feeds: dict[s
         view = served.get(name) if name in served else served.get(next(iter(fed))) if len(fed) == 1 else None
         if view is None or view.shape != param.shape or view.dtype != param.dtype or view.device != param.device:
             continue
-        if param.data_ptr() != view.data_ptr() and torch.equal(param.data, view):
+        if param.data_ptr() != view.data_ptr() and same_bytes(param.data, view):
             param.data = view
             bound.append(name)
     return bound

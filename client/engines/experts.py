@@ -19,6 +19,7 @@ from torch import nn
 
 from expertd import derived
 from expertd.messages import GatherItem
+from expertd.shm import same_bytes
 
 from .probes import Positions, digit_count, digits
 from .state import EngineState
@@ -47,7 +48,7 @@ def expert_sources(model: nn.Module, served: dict[str, torch.Tensor], feeds: dic
         if param.dim() < 3 or param.device.type != "cpu":
             continue
         for candidate in by_layer.get((_layer(name), tuple(param.shape), param.dtype), []):
-            if torch.equal(param.data, served[candidate]):
+            if same_bytes(param.data, served[candidate]):
                 out[name] = (candidate, None)
                 break
         else:
@@ -92,9 +93,9 @@ def share_experts(model: nn.Module, state: EngineState, sources: dict, loaded: d
     names = {id(m): name for name, m in modules.items()}
     wanted = _expert_requests(modules, state, sources, loaded)
     bound = []
-    for (module, leaf, item), view in zip(wanted, fetch(state.client, [item for _, _, item in wanted])):
+    for (module, leaf, item), view in zip(wanted, fetch_ahead(state, [item for _, _, item in wanted])):
         param = getattr(module, leaf)
-        if param.shape == view.shape and param.dtype == view.dtype and torch.equal(param.data, view):
+        if same_bytes(param.data, view):
             param.data = view
             bound.append(f"{names[id(module)]}.{leaf}")
             state.derived[bound[-1]] = item
@@ -139,6 +140,19 @@ def _expert_requests(modules: dict[str, nn.Module], state: EngineState, sources:
             wanted.append((module, leaf, derived.request(served_name, deflated, length,
                                                          tuple(getattr(module, leaf).shape))))
     return wanted
+
+
+def fetch_ahead(state: EngineState, items: list[GatherItem]) -> list[torch.Tensor]:
+    """The daemon's derived tensors `items` asks for, and with them what `state.ahead` names for each (kept in
+    `state.fetched`, not bound: see `mapping`): one derivation job on the daemon for a model's experts."""
+    extra = [more for item in items for more in state.ahead(item)] if state.ahead else []
+    views = fetch(state.client, items + extra)
+    state.fetched.update((item_key(item), view) for item, view in zip(extra, views[len(items):]))
+    return views[:len(items)]
+
+
+def item_key(item: GatherItem) -> tuple:
+    return item.name, tuple(item.also or ()), tuple(item.shape), item.blocks, item.length, item.index
 
 
 def fetch(client, items: list[GatherItem]) -> list[torch.Tensor]:

@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from expertd import derived
+from expertd.shm import same_bytes
 
-from .experts import fetch
+from .experts import fetch_ahead
 from .probes import Positions, digit_count, digits
 from .state import EngineState
 
@@ -88,9 +89,9 @@ def share_fused(model: nn.Module, state: EngineState, only: set[str] | None = No
         wanted.append((name, derived.request(order[0], derived.encode(index), index.numel(),
                                              tuple(params[name].shape), also=order[1:], whole=True)))
     bound = []
-    for (name, item), view in zip(wanted, fetch(client, [item for _, item in wanted])):
+    for (name, item), view in zip(wanted, fetch_ahead(state, [item for _, item in wanted])):
         param = params[name]
-        if param.shape == view.shape and param.dtype == view.dtype and torch.equal(param.data, view):
+        if same_bytes(param.data, view):
             param.data = view
             bound.append(name)
             remember[name] = item

@@ -30,8 +30,9 @@ import torch
 from torch import nn
 
 from expertd.errors import ModelMismatch
+from expertd.shm import same_bytes
 
-from .experts import expert_sources, fetch
+from .experts import expert_sources, fetch, item_key
 from .following import recording, share
 from .state import EngineState
 
@@ -163,7 +164,7 @@ def discover(model: nn.Module, state: EngineState, names: list[str], tensors: di
             continue
         param = params[name]
         same = [f for f, t in tensors.items() if layer_of(f) == layer_of(name) and t.dtype == param.dtype
-                and t.numel() == param.numel() and torch.equal(t.reshape(-1), param.data.reshape(-1))]
+                and t.numel() == param.numel() and same_bytes(t.reshape(-1), param.data.reshape(-1))]
         if len(same) == 1:
             state.feeds[name] = {same[0]}
             found[name] = same[0]
@@ -235,7 +236,9 @@ def map_model(model: nn.Module, state: EngineState, tensors: dict) -> None:
     the engine's own post-load result, every layer is loaded privately as without a map (one log line names the
     parameter)."""
     layout = plan(state)
+    state.ahead = lambda item: _ahead(layout, item)  # the other layers' derivations made with the checked ones'
     done = _private_round(model, state, layout.private, tensors)
+    state.ahead = None
     wrong = [name for name in layout.private if name in state.refused]
     moved = {}
     if wrong:
@@ -247,9 +250,13 @@ def map_model(model: nn.Module, state: EngineState, tensors: dict) -> None:
     done += _private_round(model, state, rest, tensors)
     params, served = dict(model.named_parameters()), state.client.tensors()
     derived = [(name, item) for name, (what, item) in moved.items() if what == "derived"]
-    for (name, item), view in zip(derived, fetch(state.client, [item for _, item in derived])):
-        params[name].data = view  # its shape is the request's (checked by the client)
+    asked = [(name, item) for name, item in derived if item_key(item) not in state.fetched]
+    state.fetched.update((item_key(item), view) for (_, item), view in
+                         zip(asked, fetch(state.client, [item for _, item in asked])))
+    for name, item in derived:
+        params[name].data = state.fetched[item_key(item)]  # its shape is the request's (checked by the client)
         state.derived[name] = item
+    state.fetched = {}
     for name, (what, source) in moved.items():
         if what == "served":
             params[name].data = served[source]
@@ -259,6 +266,12 @@ def map_model(model: nn.Module, state: EngineState, tensors: dict) -> None:
                    "layer's; loaded privately: the checked layers, what lies outside layers%s", len({layer_of(n) for n
                    in moved}), len(layout.layers), len(layout.layers) - len(layout.of), len(moved),
                    f" and in every layer {', '.join(kept)} (vLLM keeps its own copy)" if kept else "")
+
+
+def _ahead(layout: Plan, item) -> list:
+    """The derivation request `item` (of a checked layer) for every other layer of its kind."""
+    number = layer_of(item.name)
+    return [translate(("derived", item), other)[1] for other, rep in layout.of.items() if rep == number]
 
 
 def bound(model: nn.Module, state: EngineState) -> tuple[list[str], list[str]]:

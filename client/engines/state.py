@@ -54,6 +54,10 @@ class EngineState:
     memory: dict[str, int] = field(default_factory=dict)  # the engine's weight bytes by where they lie (binding)
     refused: list[str] = field(default_factory=list)  # parameters whose daemon-derived bytes differ from the engine's
     follow: bool = False  # refresh before a forward pass once the daemon published a newer generation
+    # while mapping: a request -> the same request for the other layers of its kind, asked with it (one derivation
+    # job on the daemon), and their views, bound only once the checked layer's bytes are found equal
+    ahead: object = None
+    fetched: dict = field(default_factory=dict)
 
     @property
     def log(self) -> logging.Logger:
