@@ -19,13 +19,29 @@ BROKEN = ("torchvision", "torchaudio", "torchcodec")
 
 def vllm_leftovers(before: set[str]) -> None:
     """Remove the shared-memory segments vLLM's processes left since `before` (`psm_*`: its message queues, which
-    a stopped multi-process engine or `vllm serve` leaves behind). Its sockets and files go to the TMPDIR the tests
-    give it, inside their folder."""
-    for path in set(glob.glob("/dev/shm/psm_*")) - before:
+    a stopped multi-process engine or `vllm serve` leaves behind) that no process maps or holds open: another run's
+    live engine keeps its own. Its sockets and files go to the TMPDIR the tests give it, inside their folder."""
+    for path in set(glob.glob("/dev/shm/psm_*")) - before - in_use():
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def in_use() -> set[str]:
+    """The /dev/shm paths some process of this host maps or holds open."""
+    used = set()
+    for proc in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(f"{proc}/maps") as f:
+                used.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line)
+            for fd in os.listdir(f"{proc}/fd"):
+                target = os.readlink(f"{proc}/fd/{fd}")
+                if target.startswith("/dev/shm/"):
+                    used.add(target)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return {path.removesuffix(" (deleted)") for path in used}
 
 
 def psm_segments() -> set[str]:
