@@ -92,7 +92,7 @@ def share(model: nn.Module, state: EngineState, sources: dict, shapes: dict, onl
     """Bind what the engine uses as served to the shared views, its repacked experts and what it fused or padded to
     the daemon's derived tensors (of the parameters `only` names, if given); (bound as served, bound derived)."""
     view = model if only is None else _Only(model, only)
-    bound = bind_shared(view, state.client.tensors(), state.feeds)
+    bound = bind_shared(view, state.tensors(), state.feeds)
     packed = share_experts(view, state, sources, shapes)
     fused = share_fused(model, state, only)
     return bound, packed + fused
@@ -131,11 +131,11 @@ def reload_modules(model: nn.Module, state: EngineState, owners: dict[str, list[
         owner, _, leaf = name.rpartition(".")
         param.data = torch.empty(shape, dtype=dtype, device=param.device)
         modules[owner]._parameters[leaf] = param
-    tensors = state.client.tensors()
+    tensors = state.tensors()
     feeding = sorted(set().union(*(state.feeds[name] for name in fed))) if fed else []
     with default_dtype(next(iter(state.params.values()))[2]):
         model.load_weights(iter([(name, tensors[name]) for name in feeding]))
-    sources = expert_sources(_Only(model, fed), state.client.served_tensors(), state.feeds)
+    sources = expert_sources(_Only(model, fed), state.served(), state.feeds)
     for owner in owners:
         state.engine.post_load(modules[owner])
     shapes = {owner: {leaf: state.params[f"{owner}.{leaf}"][1:] for leaf in leaves} for owner, leaves in

@@ -74,8 +74,8 @@ def share_fused(model: nn.Module, state: EngineState, only: set[str] | None = No
     """Map each fused or padded parameter the engine uses as loaded (of `only`, if given) onto the daemon's derived
     tensor of it (checked equal first); returns the names bound, `state.derived` gets the request of each (a
     refresh asks again)."""
-    client, feeds, remember = state.client, state.feeds, state.derived
-    served = client.served_tensors()
+    feeds, remember = state.feeds, state.derived
+    served = state.served()
     params = dict(model.named_parameters())
     wanted = []
     for name, order in candidates(model, served, feeds, state.params, set(remember)).items():

@@ -152,7 +152,7 @@ def load_private(model: nn.Module, state: EngineState, names: list[str], tensors
             if LAYER.sub("layers.#.", other) == LAYER.sub("layers.#.", name) and other != name and \
                     not state.feeds.get(other, set()) & tensors.keys():
                 state.feeds[other] = {in_layer(feed, layer_of(other))} if layer_of(other) is not None else {feed}
-    return expert_sources(_Only(model, names), state.client.served_tensors(), state.feeds)
+    return expert_sources(_Only(model, names), state.served(), state.feeds)
 
 
 def discover(model: nn.Module, state: EngineState, names: list[str], tensors: dict) -> dict[str, str]:
@@ -184,7 +184,7 @@ def post_load(model: nn.Module, state: EngineState, names: list[str]) -> list[nn
 def bindings(model: nn.Module, state: EngineState, names: list[str]) -> dict[str, tuple[str, object]]:
     """How each parameter of `names` ended up after `share`: ("served", served name), ("derived", its request),
     ("kernel", None) where a kernel emptied it for its own packed copy, ("private", None) otherwise."""
-    params, served = dict(model.named_parameters()), state.client.tensors()
+    params, served = dict(model.named_parameters()), state.tensors()
     out = {}
     for name in names:
         param = params[name]
@@ -245,10 +245,10 @@ def map_model(model: nn.Module, state: EngineState, tensors: dict) -> None:
         state.log.warning("expertd: %s: vLLM's post-load result differs from the daemon's derived bytes of it: this "
                           "model is loaded privately (not mapped)", wrong[0])
     else:
-        moved = mapped_modules(state, layout, bindings(model, state, layout.private), state.client.tensors())
+        moved = mapped_modules(state, layout, bindings(model, state, layout.private), state.tensors())
     rest = [name for number in layout.of for name in layout.layers[number] if name not in moved]
     done += _private_round(model, state, rest, tensors)
-    params, served = dict(model.named_parameters()), state.client.tensors()
+    params, served = dict(model.named_parameters()), state.tensors()
     derived = [(name, item) for name, (what, item) in moved.items() if what == "derived"]
     asked = [(name, item) for name, item in derived if item_key(item) not in state.fetched]
     state.fetched.update((item_key(item), view) for (_, item), view in

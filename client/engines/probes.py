@@ -23,7 +23,11 @@ def digit_count(n: int) -> int:
 
 def digits(positions: torch.Tensor, digit: int, dtype: torch.dtype) -> torch.Tensor:
     """Digit `digit` of each position, + 1: 1..255, exact in bf16 (0 is left for padding)."""
-    return ((positions // BASE ** digit) % BASE + 1).to(dtype)
+    if positions.numel() and int(positions.max()) < 2**31:  # int32 arithmetic: ~10x int64's on a CPU core
+        positions = positions.to(torch.int32)
+    if digit:
+        positions = torch.div(positions, BASE ** digit, rounding_mode="floor")
+    return positions.remainder(BASE).add_(1).to(dtype)
 
 
 class Positions:
@@ -37,16 +41,17 @@ class Positions:
 
     def add(self, out: torch.Tensor, digit: int) -> str | None:
         """Take the result of the probe of `digit`; why it is not a rearrangement of the probe, or None."""
-        out = out.detach().float().flatten()
+        out = out.detach().flatten()
+        ints = out.to(torch.int32)  # a value that is no whole number (or NaN, inf) does not convert back to itself
         lowest = 0 if self.padding else 1
-        if (out.numel() == 0 or not torch.equal(out, out.round()) or float(out.min()) < lowest
-                or float(out.max()) > BASE):
+        if (out.numel() == 0 or not torch.equal(ints.to(out.dtype), out) or int(ints.min()) < lowest
+                or int(ints.max()) > BASE):
             return "changed the probe's values, not only their places"
-        pad = out == 0
+        pad = ints == 0
         if self.pad is not None and not torch.equal(self.pad, pad):
             return "padded differently from one probe to the next"
         self.pad = pad
-        part = (out.to(torch.int64) - 1).clamp(min=0) * BASE ** digit
+        part = (ints - 1).clamp_(min=0).to(torch.int64).mul_(BASE ** digit)
         self.index = part if self.index is None else self.index + part
         return None
 

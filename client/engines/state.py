@@ -59,6 +59,24 @@ class EngineState:
     ahead: object = None
     fetched: dict = field(default_factory=dict)
 
+    _views: dict = field(default_factory=dict, repr=False)  # the views of the generation the client reads
+
+    def tensors(self) -> dict:
+        """The client's checkpoint views (`ExpertClient.tensors`), made once per generation it reads."""
+        return self._cached("tensors")
+
+    def served(self) -> dict:
+        """The client's served views (`ExpertClient.served_tensors`), made once per generation it reads."""
+        return self._cached("served_tensors")
+
+    def _cached(self, what: str) -> dict:
+        index = self.client.index()
+        if self._views.get("index") is not index:
+            self._views = {"index": index}
+        if what not in self._views:
+            self._views[what] = getattr(self.client, what)()
+        return self._views[what]
+
     @property
     def log(self) -> logging.Logger:
         return self.engine.log

@@ -129,7 +129,7 @@ class ExpertdModelLoader(BaseModelLoader):
         state = EngineState(client, VllmEngine(log, model_config, device), follow=self.options.follow)
         with recording(model, state) as tagged:
             self.load_weights(model, model_config, client, tagged)
-        sources = expert_sources(model, client.served_tensors(), state.feeds) if sharing else {}
+        sources = expert_sources(model, state.served(), state.feeds) if sharing else {}
         process_weights_after_loading(model, model_config, device)
         if sharing:
             shapes = {owner: {leaf: state.params[f"{owner}.{leaf}"][1:] for leaf in leaves}
@@ -142,7 +142,7 @@ class ExpertdModelLoader(BaseModelLoader):
                 ) -> EngineState | None:
         """The model mapped (`expertd.client.engines.mapping`), or None where it cannot be (said in one line)."""
         state = EngineState(client, VllmEngine(log, model_config, device), follow=self.options.follow)
-        tensors = client.tensors()
+        tensors = state.tensors()
         try:
             loaded = mapping.dry_feeds(model, state, tensors, client.endpoint, model_config.model)
         except mapping.NotMappable as exc:
