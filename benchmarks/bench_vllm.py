@@ -8,9 +8,9 @@ Three modes, each engine in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `import
 in a fresh process, runs alternated (vLLM's own, first, second) after one uncounted warm-up run of vLLM's own (page
 cache and vLLM's caches warm), medians of --reps:
 vLLM's own load of the bf16 folder; a first engine (`load_format="expertd"` from a folder holding config files only,
-on a daemon started for this rep that has derived nothing yet: the engine waits for the daemon's derived expert
-layout); a second engine (the same daemon, after the first: it maps what exists). The daemon serves the FP8 (128x128
-blocks) checkpoint of the same model, dequantized.
+the FP8 checkpoint's without its `quantization_config`, on a daemon started for this rep that has derived nothing yet:
+the engine waits for the daemon's derived expert layout); a second engine (the same daemon, after the first: it maps
+what exists). The daemon serves the FP8 (128x128 blocks) checkpoint of the same model, dequantized.
 V1  model loading: vLLM's `get_model` as the CPU model runner calls it, timed around it in the engine (build,
     weights, post-load step: the same span for every mode), beside what vLLM logs ("Loading weights took": weights
     only) and what expertd's loader logs ("weights mapped in"); `LLM()` start-to-ready; both as ratios to vLLM's own.
@@ -175,9 +175,11 @@ class Bench:
         self.fp8 = checkpoint(os.path.join(args.workdir, name + "-fp8"), args, fp8=True)
         self.weightless = os.path.join(args.workdir, name + "-config-only")
         os.makedirs(self.weightless, exist_ok=True)
-        for file in ("config.json", "generation_config.json"):
+        for file in ("config.json", "generation_config.json"):  # the served config, minus its quantization_config
             with open(os.path.join(self.fp8, file)) as src, open(os.path.join(self.weightless, file), "w") as dst:
-                dst.write(src.read())
+                config = json.load(src)
+                config.pop("quantization_config", None)  # else vLLM imports its FP8 modules to check it (README)
+                json.dump(config, dst, indent=2)
         self.env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
         self.env.update(VLLM_CACHE_ROOT=os.path.join(args.workdir, "vllm-cache"), VLLM_NO_USAGE_STATS="1")
         self.weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(self.ckpt, "*.safetensors")))
