@@ -24,8 +24,8 @@ V3  (`side`) 4 engine processes side by side on one host, measured while all 4 m
     vLLM's own load (each holds its own copy: 4).
 V4  (`refresh`) `expertd.client.engines.vllm.refresh(llm)` after an update that changes one expert stack (gate_up of
     layer 0): in the first engine (the daemon derives the new layout) and in a second one (maps it), / a fresh
-    `LLM()` on the new generation; on a daemon with `max_derived_bytes` at 4x the weights (the default, the served
-    bytes, refuses the new generation's gather while the engines still map the previous generation's layouts).
+    `LLM()` on the new generation; on a daemon of default limits (`max_derived_bytes`: the live generations' served
+    bytes, so the new generation's gather is made while the engines still map the previous generation's layouts).
 V5  (`serve`) 4 `vllm serve` replicas (the CLI, multi-process) started one after another on a fresh daemon (the
     first replica is a first engine): each one's start until /health answers 200, and with all 4 up the sum of the
     Pss of all their processes (the daemon's and its segments' apart); the same for vLLM's own load of the bf16
@@ -270,8 +270,8 @@ def extras(bench: Bench, measures: set[str]) -> dict:
     out: dict = {}
     if "fp8" in measures:
         out["fp8"] = bench.result(bench.start(bench.fp8, ""), "vllm-fp8", fail=False)
-    if measures & {"side", "refresh"}:  # the default max_derived_bytes (the served bytes) refuses V4's new gather
-        daemon = bench.daemon(max_derived_bytes=4 * bench.weights)  # while the engines map the previous layouts
+    if measures & {"side", "refresh"}:  # default limits: V4's new gather fits while the engines map the old layouts
+        daemon = bench.daemon()
         try:
             if "side" in measures:
                 out["four"] = {"expertd": bench.side_by_side(4, bench.weightless, daemon.endpoint, "v3-expertd"),

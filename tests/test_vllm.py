@@ -131,7 +131,8 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
         for name, checkpoint, extra in (*served, ("ep", ckpt["bf16"], {"expert_parallel": {"size": 2, "ranks": [0]}}),
                                         ("refresh", ckpt["bf16"], {}), ("pair", ckpt["bf16"], {}),
                                         ("follow", ckpt["bf16"], {"lease_timeout_s": 3}),
-                                        ("token", ckpt["bf16"], {"auth_token": TOKEN})):
+                                        ("token", ckpt["bf16"], {"auth_token": TOKEN}),
+                                        ("limited", ckpt["bf16"], {"max_derived_bytes_per_reader": 64 << 10})):
             daemons[name] = DaemonProcess.launch(root / f"daemon-{name}", checkpoint, f"{namespace}{name}", **extra)
         for d in daemons.values():
             d.wait_serving()
@@ -160,6 +161,8 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
             {"name": "vllm-altered", "model": ckpt["bf16"], "alter": True},
             {"name": "expertd-altered", "model": bf16_config("altered"), "load_format": "expertd",
              "extra": ep["bf16"], "residency": True, "alter": True},
+            {"name": "expertd-limited", "model": bf16_config("limited"), "load_format": "expertd",
+             "extra": ep["limited"], "residency": True},
             {"name": "no-daemon", "model": bf16_config("no-daemon"), "load_format": "expertd",
              "extra": {"endpoint": f"ipc://{root}/nothing/expertd.sock"}},
             {"name": "nobody-listening", "model": bf16_config("nobody-listening"), "load_format": "expertd",
@@ -264,6 +267,21 @@ def test_a_post_load_step_that_is_not_a_rearrangement_falls_back_to_the_private_
     assert re.search(r"model\.layers\.0\.mlp\.experts\.(routed_experts\.)?w(13|2)_weight", named[0]), named
     experts = {name: shared for name, (size, shared) in run["residency"].items() if is_expert(name) and size}
     assert experts and not any(experts.values()), experts
+
+
+def test_an_engine_whose_derived_layouts_the_daemon_refuses_keeps_its_own_copy(runs):
+    """A daemon whose `max_derived_bytes_per_reader` (64 KiB) refuses the engine's expert layouts: the engine starts
+    all the same, its experts private (a line names the limit), what vLLM uses as served still shared, the tokens
+    vLLM's own."""
+    run = runs["expertd-limited"]
+    assert "error" not in run, run
+    assert run["tokens"] == runs["vllm-bf16"]["tokens"]
+    said = [line for line in run["log"] if "makes no derived layout" in line]
+    assert said and all("max_derived_bytes_per_reader" in line for line in said), run["log"]
+    sizes = {name: (size, shared) for name, (size, shared) in run["residency"].items() if size}
+    experts = [shared for name, (_, shared) in sizes.items() if is_expert(name)]
+    assert experts and not any(experts), run["residency"]
+    assert any(shared for name, (_, shared) in sizes.items() if not is_expert(name)), run["residency"]
 
 
 def test_credentials_go_as_in_the_python_client(runs):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from expertd import derived
+from expertd.errors import DerivedLimit
 from expertd.messages import GatherItem
 from expertd.shm import same_bytes
 
@@ -92,8 +93,9 @@ def share_experts(model: nn.Module, state: EngineState, sources: dict, loaded: d
     modules = dict(model.named_modules())
     names = {id(m): name for name, m in modules.items()}
     wanted = _expert_requests(modules, state, sources, loaded)
+    views = fetch_refusable(state, [item for _, _, item in wanted], "expert")
     bound = []
-    for (module, leaf, item), view in zip(wanted, fetch_ahead(state, [item for _, _, item in wanted])):
+    for (module, leaf, item), view in zip(wanted, views):
         param = getattr(module, leaf)
         if same_bytes(param.data, view):
             param.data = view
@@ -142,11 +144,28 @@ def _expert_requests(modules: dict[str, nn.Module], state: EngineState, sources:
     return wanted
 
 
+def fetch_refusable(state: EngineState, items: list[GatherItem], what: str) -> list[torch.Tensor]:
+    """`fetch_ahead`, or [] where the daemon refuses to make them (DerivedLimit: a reader's share of derived bytes
+    is the host's policy), said in one line: the parameters keep the engine's private copy."""
+    try:
+        return fetch_ahead(state, items)
+    except DerivedLimit as exc:
+        state.log.warning("expertd: the daemon makes no derived layout of %d %s parameter(s) for this engine, they "
+                          "keep its private copy: %s", len(items), what, exc)
+        return []
+
+
 def fetch_ahead(state: EngineState, items: list[GatherItem]) -> list[torch.Tensor]:
     """The daemon's derived tensors `items` asks for, and with them what `state.ahead` names for each (kept in
-    `state.fetched`, not bound: see `mapping`): one derivation job on the daemon for a model's experts."""
+    `state.fetched`, not bound: see `mapping`): one derivation job on the daemon for a model's experts. Where the
+    daemon's limits refuse them together, `items` alone."""
     extra = [more for item in items for more in state.ahead(item)] if state.ahead else []
-    views = fetch(state.client, items + extra)
+    try:
+        views = fetch(state.client, items + extra)
+    except DerivedLimit:
+        if not extra:
+            raise
+        views, extra = fetch(state.client, items), []
     state.fetched.update((item_key(item), view) for item, view in zip(extra, views[len(items):]))
     return views[:len(items)]
 

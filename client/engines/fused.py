@@ -17,7 +17,7 @@ from torch import nn
 from expertd import derived
 from expertd.shm import same_bytes
 
-from .experts import fetch_ahead
+from .experts import fetch_refusable
 from .probes import Positions, digit_count, digits
 from .state import EngineState
 
@@ -89,7 +89,7 @@ def share_fused(model: nn.Module, state: EngineState, only: set[str] | None = No
         wanted.append((name, derived.request(order[0], derived.encode(index), index.numel(),
                                              tuple(params[name].shape), also=order[1:], whole=True)))
     bound = []
-    for (name, item), view in zip(wanted, fetch_ahead(state, [item for _, item in wanted])):
+    for (name, item), view in zip(wanted, fetch_refusable(state, [item for _, item in wanted], "fused or padded")):
         param = params[name]
         if same_bytes(param.data, view):
             param.data = view

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from expertd.errors import ModelMismatch
+from expertd.errors import DerivedLimit, ModelMismatch
 from expertd.shm import same_bytes
 
 from .experts import expert_sources, fetch, item_key
@@ -246,26 +246,40 @@ def map_model(model: nn.Module, state: EngineState, tensors: dict) -> None:
                           "model is loaded privately (not mapped)", wrong[0])
     else:
         moved = mapped_modules(state, layout, bindings(model, state, layout.private), state.tensors())
+    moved = _fetch_moved(state, moved)
     rest = [name for number in layout.of for name in layout.layers[number] if name not in moved]
     done += _private_round(model, state, rest, tensors)
     params, served = dict(model.named_parameters()), state.tensors()
-    derived = [(name, item) for name, (what, item) in moved.items() if what == "derived"]
-    asked = [(name, item) for name, item in derived if item_key(item) not in state.fetched]
-    state.fetched.update((item_key(item), view) for (_, item), view in
-                         zip(asked, fetch(state.client, [item for _, item in asked])))
-    for name, item in derived:
-        params[name].data = state.fetched[item_key(item)]  # its shape is the request's (checked by the client)
-        state.derived[name] = item
+    for name, (what, item) in moved.items():
+        if what == "derived":
+            params[name].data = state.fetched[item_key(item)]  # its shape is the request's (checked by the client)
+            state.derived[name] = item
+        else:
+            params[name].data = served[item]
     state.fetched = {}
-    for name, (what, source) in moved.items():
-        if what == "served":
-            params[name].data = served[source]
     state.engine.finish(model, done)
     kept = sorted({LAYER.sub("layers.#.", owner) for owner in state.owners(rest)})
     state.log.info("expertd: %d of %d layer(s) mapped on %d checked one(s): %d parameter(s) bound as the checked "
                    "layer's; loaded privately: the checked layers, what lies outside layers%s", len({layer_of(n) for n
                    in moved}), len(layout.layers), len(layout.layers) - len(layout.of), len(moved),
                    f" and in every layer {', '.join(kept)} (vLLM keeps its own copy)" if kept else "")
+
+
+def _fetch_moved(state: EngineState, moved: dict[str, tuple]) -> dict[str, tuple]:
+    """`moved` once the derived tensors it binds are fetched (those the checked layers' requests did not bring
+    already); where the daemon refuses to make them (DerivedLimit), without the modules they belong to, which are
+    then loaded privately (said in one line)."""
+    asked = [(name, item) for name, (what, item) in moved.items()
+             if what == "derived" and item_key(item) not in state.fetched]
+    try:
+        views = fetch(state.client, [item for _, item in asked])
+    except DerivedLimit as exc:
+        dropped = set(state.owners([name for name, _ in asked]))
+        state.log.warning("expertd: the daemon makes no derived layout of %d module(s) for this engine, they are "
+                          "loaded privately: %s", len(dropped), exc)
+        return {name: how for name, how in moved.items() if name.rpartition(".")[0] not in dropped}
+    state.fetched.update((item_key(item), view) for (_, item), view in zip(asked, views))
+    return moved
 
 
 def _ahead(layout: Plan, item) -> list:
