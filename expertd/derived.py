@@ -101,6 +101,7 @@ class Gather:
         self.name, self.length, self.shape, self.blocks = name, length, tuple(shape), blocks
         self.source_block = (math.prod(source_shape) + sum(math.prod(s) for s in also)) // blocks
         self.deflated = item.index
+        self.form = None  # (sizes, strides, offset) where the checked index is a strided view (`checked_key`)
 
     def differences(self, chunk: int = CHUNK):
         """The inflated int32 differences, `chunk` at a time (bytes of 4 * chunk at most), exactly `length` of them:
@@ -157,10 +158,14 @@ class Gather:
             at += index.numel()
 
     def checked_key(self, sources: list) -> str:
-        """Check every entry of the index (chunk by chunk) and return the name: the one pass before anything is made."""
-        digest = _digest(self.header(sources))
-        for _ in self.chunks(check=True, digest=digest):
-            pass
+        """Check every entry of the index (chunk by chunk) and return the name: the one pass before anything is made
+        (which also finds whether the index is a strided view of its source block: `strided`)."""
+        from .strided import Strides
+
+        digest, form = _digest(self.header(sources)), Strides(self.length)
+        for at, index in self.chunks(check=True, digest=digest):
+            form.feed(at, index)
+        self.form = form.form() if len(sources) == 1 else None
         return KEY_PREFIX + digest.hexdigest()
 
 
@@ -169,6 +174,11 @@ def gather_into(out, sources: list, gather: Gather, should_stop=None) -> None:
     lie, never concatenated) by `gather`, one index chunk at a time; `should_stop()` is asked between chunks."""
     import torch
 
+    if gather.form is not None and len(sources) == 1:  # proven entry by entry when the index was checked
+        from .strided import copy_strided
+
+        copy_strided(out, sources[0], gather.blocks, gather.form, should_stop)
+        return
     m, flat = gather.length, out.view(-1)
     if gather.blocks > 1:
         pieces, starts = [sources[0].reshape(gather.blocks, -1)], [0]

@@ -135,6 +135,45 @@ def test_gather_of_an_expert_stack_is_the_reference_in_read_only_shared_memory(d
     assert oct(os.stat(path).st_mode & 0o777) == "0o600"
 
 
+def tile_transpose(rows: int, cols: int, tile: int) -> torch.Tensor:
+    """vLLM's CPU MoE "vec" packing of a [rows, cols] block: each `tile`-row tile stored column by column."""
+    return torch.arange(rows * cols).reshape(rows // tile, tile, cols).permute(0, 2, 1).reshape(-1)
+
+
+@pytest.mark.parametrize("tile", [2, 4])
+def test_a_strided_index_and_one_strided_but_for_its_last_pair_gather_the_same_as_the_reference(daemon, client, tile):
+    """An index that is a strided view of the block (a tile transpose) is copied as one (`expertd.strided`); one that
+    is such a view up to its last two entries, swapped, is gathered entry by entry: both equal the reference."""
+    name, source = expert_stack(client, layer=1, which="down_proj")
+    strided = tile_transpose(4 * tile, source.shape[2], tile)  # the first rows of each block (a small budget)
+    almost = strided.clone()
+    almost[-2:] = strided[-2:].flip(0)
+    for index in (strided, almost):
+        (out,) = client.derived([ask(name, index, (source.shape[0], index.numel()))])
+        assert torch.equal(out, reference(source, index, (source.shape[0], index.numel())))
+
+
+def test_the_strided_form_is_found_only_where_every_entry_has_it():
+    from expertd.strided import Strides
+
+    def form(index: torch.Tensor, chunk: int = 1000):
+        found = Strides(index.numel())
+        for at in range(0, index.numel(), chunk):
+            found.feed(at, index[at:at + chunk])
+        return found.form()
+
+    vec = tile_transpose(64, 48, 16)
+    assert form(vec) == ((4, 48, 16), (16 * 48, 1, 48), 0)
+    assert form(torch.arange(10, 3082)) == ((3072,), (1,), 10)
+    assert form(torch.arange(64 * 48).reshape(64, 48).t().reshape(-1)) == ((48, 64), (1, 48), 0)
+    for k in (0, 1500, vec.numel() - 2):  # one pair swapped anywhere: no form
+        bad = vec.clone()
+        bad[k:k + 2] = vec[k:k + 2].flip(0)
+        assert form(bad) is None, k
+    assert form(torch.cat([vec, torch.full((16,), -1)])) is None  # padding
+    assert form(torch.randperm(vec.numel(), generator=torch.Generator().manual_seed(1))) is None
+
+
 def test_asked_again_and_from_another_client_is_the_same_segment(daemon, client):
     name, source = expert_stack(client)
     blocks, n = source.shape[0], source[0].numel()
