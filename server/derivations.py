@@ -220,22 +220,27 @@ class Derivations:
         job.thread = threading.Thread(target=run, name=f"expertd-derive-{job.number}", daemon=True)
         job.thread.start()
 
-    @staticmethod
-    def _check_all(job: Work) -> None:
-        for p in job.planned:
+    def _check_all(self, job: Work) -> None:
+        def one(p: Planned) -> None:
             if job.stop.is_set():
                 raise InterruptedError("the daemon is stopping")
             check(p)
 
+        self._on_threads(job, one, [(p,) for p in job.planned])
+
     def _make_all(self, job: Work) -> None:
-        """Make the job's variants on as many threads as the load uses (each its own segment; torch's gathers
-        release the GIL): every one made or failed before this returns, the first error raised."""
         def one(p: Planned, placed: int) -> None:
             job.made.append(make(job.gen, p, job.reader, placed, self.cfg.group, job.stop.is_set))
 
-        workers = max(1, min(len(job.todo), self.cfg.load_threads or len(os.sched_getaffinity(0))))
+        self._on_threads(job, one, job.todo)
+
+    def _on_threads(self, job: Work, step, items: list[tuple]) -> None:
+        """`step(*item)` for each of `items` on as many threads as the load uses (each item on its own: inflating,
+        hashing and torch's copies release the GIL): every one done or failed before this returns, the first error
+        raised."""
+        workers = max(1, min(len(items), self.cfg.load_threads or len(os.sched_getaffinity(0))))
         with ThreadPoolExecutor(workers, thread_name_prefix=f"expertd-derive-{job.number}") as pool:
-            done = [pool.submit(one, p, placed) for p, placed in job.todo]
+            done = [pool.submit(step, *item) for item in items]
         for future in done:
             future.result()
 

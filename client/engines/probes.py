@@ -44,18 +44,22 @@ class Positions:
         out = out.detach().flatten()
         ints = out.to(torch.int32)  # a value that is no whole number (or NaN, inf) does not convert back to itself
         lowest = 0 if self.padding else 1
-        if (out.numel() == 0 or not torch.equal(ints.to(out.dtype), out) or int(ints.min()) < lowest
-                or int(ints.max()) > BASE):
+        if out.numel() == 0 or not torch.equal(ints.to(out.dtype), out):
+            return "changed the probe's values, not only their places"
+        low, high = torch.aminmax(ints)
+        if int(low) < lowest or int(high) > BASE:
             return "changed the probe's values, not only their places"
         pad = ints == 0
         if self.pad is not None and not torch.equal(self.pad, pad):
             return "padded differently from one probe to the next"
         self.pad = pad
-        part = (ints - 1).clamp_(min=0).to(torch.int64).mul_(BASE ** digit)
-        self.index = part if self.index is None else self.index + part
+        wide = self.index is not None and self.index.dtype == torch.int64 or BASE ** (digit + 1) >= 2**31
+        part = (ints - 1).clamp_(min=0).to(torch.int64 if wide else torch.int32).mul_(BASE ** digit)
+        self.index = part if self.index is None else self.index.to(part.dtype).add_(part)
         return None
 
     def result(self) -> torch.Tensor:
         """The index: source positions, -1 for padding."""
+        self.index = self.index.to(torch.int64)
         self.index[self.pad] = -1
         return self.index

@@ -38,11 +38,13 @@ class VllmEngine(Engine):
             raise ValueError(f"{type(module).__name__} has no fused experts kernel with a post-load step")
         blocks = next(iter(shapes.values()))[0]
         found = {leaf: Positions() for leaf in shapes}
+        ones = {leaf: (1, *shape[1:]) if shape and shape[0] == blocks else shape for leaf, (shape, _) in loaded.items()}
+        positions = {leaf: torch.arange(math.prod(ones[leaf]), dtype=torch.int32) for leaf in shapes}
         for digit in range(digit_count(max(math.prod(s[1:]) for s in shapes.values()))):
             standin = nn.Module()
             for leaf, (shape, dtype) in loaded.items():
-                one = (1, *shape[1:]) if shape and shape[0] == blocks else shape
-                value = digits(torch.arange(math.prod(one)), digit, dtype).reshape(one) if leaf in shapes else \
+                one = ones[leaf]
+                value = digits(positions[leaf], digit, dtype).reshape(one) if leaf in shapes else \
                     torch.zeros(one, dtype=dtype)
                 standin.register_parameter(leaf, nn.Parameter(value, requires_grad=False))
             copy.copy(experts).process_weights_after_loading(standin)  # a copy: nothing of the real kernel changes
