@@ -23,13 +23,13 @@ import hashlib
 import itertools
 import json
 import logging
-import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from expertd import replies
+from expertd.procfs import default_threads
 from expertd.derived import source_identity
 from expertd.errors import DerivedLimit, GenerationGone
 
@@ -238,7 +238,7 @@ class Derivations:
         """`step(*item)` for each of `items` on as many threads as the load uses (each item on its own: inflating,
         hashing and torch's copies release the GIL): every one done or failed before this returns, the first error
         raised."""
-        workers = max(1, min(len(items), self.cfg.load_threads or len(os.sched_getaffinity(0))))
+        workers = max(1, min(len(items), self.cfg.load_threads or default_threads()))
         with ThreadPoolExecutor(workers, thread_name_prefix=f"expertd-derive-{job.number}") as pool:
             done = [pool.submit(step, *item) for item in items]
         for future in done:

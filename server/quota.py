@@ -50,31 +50,29 @@ class Quota:
         self.cfg, self.gens = cfg, gens
         self.unit = shmdir.inspect(cfg.shm_dir, strict=False).unit
         self.reserved: dict[int, tuple[str, int, int]] = {}  # job -> (reader, bytes, files) being made
-        self._served: tuple[int, int] = (0, 0)  # (latest generation's number, its served bytes in pages)
-        self._each: dict[int, int] = {}  # live generation -> its served bytes in pages
+        self._pages_of: dict[int, int] = {}  # generation -> its served bytes in pages (live ones and the latest)
 
     def placed(self, nbytes: int) -> int:
         """The bytes a derived tensor of `nbytes` takes in shm_dir: whole pages (units) of the folder, at least one."""
         return align_up(max(nbytes, 1), self.unit)
 
     def served(self) -> int:
-        """The latest generation's served bytes in pages, summed once per generation (limits are read on every
-        cast, gather and metrics refresh: a DeepSeek-V3 index has tens of thousands of tensors)."""
+        """The latest generation's served bytes in pages (limits are read on every cast, gather and metrics refresh:
+        a DeepSeek-V3 index has tens of thousands of tensors, so each generation's are summed once)."""
         latest = self.gens.latest
-        if latest is None:
-            return 0
-        if self._served[0] != latest.number:
-            self._served = (latest.number, sum(self.placed(t.nbytes) for t in latest.index.tensors))
-        return self._served[1]
+        return 0 if latest is None else self._pages(latest)
 
     def live_served(self) -> int:
-        """The served bytes in pages of every live generation, summed (each generation's once)."""
-        for number, gen in self.gens.live.items():
-            if number not in self._each:
-                self._each[number] = sum(self.placed(t.nbytes) for t in gen.index.tensors)
-        for number in set(self._each) - set(self.gens.live):
-            del self._each[number]
-        return sum(self._each.values())
+        """The served bytes in pages of every live generation, summed."""
+        return sum(self._pages(gen) for gen in self.gens.live.values())
+
+    def _pages(self, gen) -> int:
+        """`gen`'s served bytes in pages, summed once (a retired generation's sum is dropped at the next new one)."""
+        if gen.number not in self._pages_of:
+            for number in set(self._pages_of) - set(self.gens.live):
+                del self._pages_of[number]
+            self._pages_of[gen.number] = sum(self.placed(t.nbytes) for t in gen.index.tensors)
+        return self._pages_of[gen.number]
 
     def limits(self) -> dict:
         served = self.served()

