@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from expertd import messages
-from expertd.derived import Gather, cast_key
+from expertd.derived import Gather, cast_key, key
 from expertd.errors import DaemonError, DaemonTimeout, GenerationGone, ProtocolError, VariantRejected
 from expertd.index import TensorEntry, TensorIndex, tensor_checksum
+from expertd.procfs import default_threads
 
 log = logging.getLogger("expertd.client")
 
@@ -73,20 +75,51 @@ def log_casts(model, dtype, index: TensorIndex, views, need: dict) -> None:
 
 def derive(conn, lease: str, index: TensorIndex, items: list[messages.GatherItem]) -> list[TensorEntry]:
     """The derived tensors `items` asks for (`expertd.derived.request`), of the index's generation, in order: made by
-    the daemon once per host (VariantRejected names what it refused), each checked to be the derivation asked for."""
-    reply = _ask(conn, messages.Gather(client=lease, generation=index.generation, tensors=items))
-    served, names = {t.name: t for t in index.tensors}, []
+    the daemon once per host (VariantRejected names what it refused), each checked to be the derivation asked for.
+    The names this client expects are computed on its threads while the daemon answers."""
+    served = {t.name: t for t in index.tensors}
+    asked = []
     for item in items:  # what each answer must be: computed from this client's own request and index
         sources = [served.get(n) for n in (item.name, *(item.also or ()))]
-        if any(s is None for s in sources):
+        known = all(s is not None for s in sources)
+        asked.append((Gather(item, list(sources[0].shape), "", [list(s.shape) for s in sources[1:]]), sources)
+                     if known else None)
+    with ThreadPoolExecutor(max(1, min(default_threads(), len(items)))) as pool, ThreadPoolExecutor(1) as lead:
+        expected = lead.submit(_names, pool, asked)
+        reply = _ask(conn, messages.Gather(client=lease, generation=index.generation, tensors=items))
+        names = expected.result()
+    for item, name in zip(items, names):
+        if name is None:
             raise ProtocolError(f"the daemon answered a derivation of {item.name!r}, which this index does not serve")
-        gather = Gather(item, list(sources[0].shape), "", [list(s.shape) for s in sources[1:]])
-        names.append(gather.key(sources))
     entries = _entries(reply, names, index)
     if [(e.name, list(e.shape)) for e in entries] != [(i.name, list(i.shape)) for i in items]:
         raise ProtocolError(f"the daemon's derived tensors {[(e.name, e.shape) for e in entries][:4]} do not answer "
                             f"the request {[i.name for i in items][:4]}")
     return entries
+
+
+def _names(pool: ThreadPoolExecutor, asked: list) -> list[str | None]:
+    """Each gather's name (None where its sources are not served), on `pool`'s threads (hashing and inflating
+    release the GIL); an index several items share (a model's layers of one kind) is inflated once."""
+    uses: dict[tuple, int] = {}
+    for one in filter(None, asked):
+        uses[_index_key(one[0])] = uses.get(_index_key(one[0]), 0) + 1
+    shared = [g for g, _ in {_index_key(g): (g, s) for g, s in filter(None, asked) if uses[_index_key(g)] > 1}.values()]
+    inflated = dict(zip(map(_index_key, shared), pool.map(lambda g: list(g.differences()), shared)))
+
+    def name(one) -> str | None:
+        if one is None:
+            return None
+        gather, sources = one
+        chunks = inflated.get(_index_key(gather))
+        return gather.key(sources) if chunks is None else key(gather.header(sources), chunks)
+
+    return list(pool.map(name, asked))
+
+
+def _index_key(gather: Gather) -> tuple:
+    """What decides an index's inflated entries and their checks: its bytes as sent, length and source block."""
+    return gather.deflated, gather.length, gather.source_block
 
 
 def _ask(conn, request, timeout_s: float = DERIVE_TIMEOUT_S):
@@ -127,8 +160,12 @@ def _entries(reply, names: list, index: TensorIndex) -> list[TensorEntry]:
 
 
 def check_bytes(tensors, entries: list[TensorEntry]) -> None:
-    """Each mapped derived tensor of at most VERIFY_BYTES checked against the reply's checksum (see VERIFY_BYTES)."""
-    for t, e in zip(tensors, entries):
-        if e.checksum and e.nbytes <= VERIFY_BYTES and tensor_checksum(t) != e.checksum:
+    """Each mapped derived tensor of at most VERIFY_BYTES checked against the reply's checksum (see VERIFY_BYTES), on
+    the process's threads (xxh3 releases the GIL)."""
+    todo = [(t, e) for t, e in zip(tensors, entries) if e.checksum and e.nbytes <= VERIFY_BYTES]
+    with ThreadPoolExecutor(max(1, min(default_threads(), len(todo)))) as pool:
+        sums = list(pool.map(lambda pair: tensor_checksum(pair[0]), todo))
+    for (_, e), got in zip(todo, sums):
+        if got != e.checksum:
             raise ProtocolError(f"the derived tensor {e.name!r} in {e.segment} does not match its checksum "
                                 f"{e.checksum}: refused")
