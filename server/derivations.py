@@ -24,6 +24,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -45,6 +46,12 @@ INLINE_ENTRIES = 1 << 20  # inflates at most this many index entries (4 MiB),
 INLINE_BYTES = 8 << 20  # and makes at most this many bytes; else it is a derivation job
 REMEMBERED = 256  # requests whose names (or refusal) are kept for the next ask
 QUEUED_PER_READER = 4  # a reader's large requests waiting for the job at once (more: DerivedLimit, ask again later)
+
+
+def _alike(p: Planned) -> tuple:
+    """What decides a gather's inflated index, its checks and its strided form: the index as sent, its length, the
+    source block and whether it reads several sources."""
+    return p.gather.deflated, p.gather.length, p.gather.source_block, bool(p.more)
 
 
 def request_digest(kind: str, planned: list[Planned], items: list) -> str:
@@ -75,6 +82,8 @@ class Work:
     todo: list = field(default_factory=list)  # (planned, placed bytes) to make
     made: list = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
+    started: float = field(default_factory=time.monotonic)
+    checked_s: float = 0.0  # how long its check took
 
     def status(self) -> dict:
         return {"job": self.number, "generation": self.gen.number, "phase": self.phase, "reader": self.reader,
@@ -187,15 +196,17 @@ class Derivations:
             raise
         return self._list(gen, self._register(gen, made, planned, rid))
 
-    def _register(self, gen, made: list[Variant], planned: list[Planned], rid: str) -> list[Variant]:
+    def _register(self, gen, made: list[Variant], planned: list[Planned], rid: str, job: Work | None = None
+                  ) -> list[Variant]:
         for v in made:
             if v.key in gen.variants:  # made meanwhile by a small request: the one listed first stays
                 unlink_segment(v.entry.segment, gen.index.shm_dir)
             else:
                 gen.variants[v.key] = v
         if made:
-            log.info("generation %d: %d variant(s) made once for this host (%s; %.1f MiB)", gen.number, len(made),
-                     summary(made), sum(v.entry.nbytes for v in made) / 2**20)
+            log.info("generation %d: %d variant(s) made once for this host (%s; %.1f MiB)%s", gen.number, len(made),
+                     summary(made), sum(v.entry.nbytes for v in made) / 2**20, "" if job is None else
+                     f" in {time.monotonic() - job.started:.2f} s (checked in {job.checked_s:.2f} s)")
         self.known[rid] = [p.key for p in planned]
         while len(self.known) > REMEMBERED:
             self.known.popitem(last=False)
@@ -221,12 +232,27 @@ class Derivations:
         job.thread.start()
 
     def _check_all(self, job: Work) -> None:
-        def one(p: Planned) -> None:
+        """Check every item: an index several items send alike (a model's layers of one kind) is checked, and its
+        strided form found, by the first of them; the others only name themselves (their digest over the same
+        inflated entries)."""
+        def one(p: Planned, first: Planned | None) -> None:
             if job.stop.is_set():
                 raise InterruptedError("the daemon is stopping")
-            check(p)
+            if first is None:
+                check(p)
+            else:
+                p.key = p.gather.key([p.entry, *p.more])
+                p.gather.form = first.gather.form if not p.more else None
 
-        self._on_threads(job, one, [(p,) for p in job.planned])
+        firsts: dict[tuple, Planned] = {}
+        for p in job.planned:
+            if p.gather is not None:
+                firsts.setdefault(_alike(p), p)
+        leads = {id(p) for p in firsts.values()}
+        self._on_threads(job, one, [(p, None) for p in job.planned if p.gather is None or id(p) in leads])
+        self._on_threads(job, one, [(p, firsts[_alike(p)]) for p in job.planned
+                                    if p.gather is not None and id(p) not in leads])
+        job.checked_s = time.monotonic() - job.started
 
     def _make_all(self, job: Work) -> None:
         def one(p: Planned, placed: int) -> None:
@@ -238,9 +264,16 @@ class Derivations:
         """`step(*item)` for each of `items` on as many threads as the load uses (each item on its own: inflating,
         hashing and torch's copies release the GIL): every one done or failed before this returns, the first error
         raised."""
+        import torch
+
         workers = max(1, min(len(items), self.cfg.load_threads or default_threads()))
-        with ThreadPoolExecutor(workers, thread_name_prefix=f"expertd-derive-{job.number}") as pool:
-            done = [pool.submit(step, *item) for item in items]
+        threads = torch.get_num_threads()  # the pool is the parallelism (as the load's): each thread runs torch's
+        torch.set_num_threads(1)  # ops on itself, taking this count at its first op
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix=f"expertd-derive-{job.number}") as pool:
+                done = [pool.submit(step, *item) for item in items]
+        finally:
+            torch.set_num_threads(threads)
         for future in done:
             future.result()
 
@@ -272,7 +305,7 @@ class Derivations:
             while len(self.refused) > REMEMBERED:
                 self.refused.popitem(last=False)
         else:
-            self._register(job.gen, job.made, job.planned, job.rid)
+            self._register(job.gen, job.made, job.planned, job.rid, job)
         self._next(after=job.reader)
 
     def close(self) -> None:

@@ -174,6 +174,30 @@ def test_the_strided_form_is_found_only_where_every_entry_has_it():
     assert form(torch.randperm(vec.numel(), generator=torch.Generator().manual_seed(1))) is None
 
 
+def test_a_job_whose_items_share_an_index_checks_it_once_and_gathers_each_item_right(daemon, client):
+    """A derivation job (over the inline bound) whose items send one index alike on several sources (a model's layers
+    of one kind): the index is checked and its strided form found once, every item still gathers its own source, and
+    an index out of range refuses the whole request however many items share it."""
+    (l0, s0), (l1, s1) = expert_stack(client, layer=0), expert_stack(client, layer=1)
+    assert s0.shape == s1.shape
+    rows, cols = s0.numel() // s0.shape[-1], s0.shape[-1]
+    strided = tile_transpose(rows, cols, 16 if rows % 16 == 0 else 4)  # the whole tensor as one block
+    scrambled = strided.clone()  # strided but for one pair: gathered entry by entry
+    scrambled[1000:1002] = strided[1000:1002].flip(0)
+    asked = [(l0, s0, strided), (l1, s1, strided), (l1, s1, scrambled)]
+    assert sum(index.numel() for *_, index in asked) > 1 << 20  # a job, not an inline request
+    whole = [derived.request(name, derived.encode(index), index.numel(), (index.numel(),), whole=True)
+             for name, _, index in asked]
+    outs = client.derived(whole)
+    for out, (_, source, index) in zip(outs, asked):
+        assert torch.equal(out, source.reshape(-1)[index])
+    assert not torch.equal(outs[0], outs[1])  # each item its own source's bytes, not its index-mate's
+    bad = strided.clone()
+    bad[-1] = s0.numel()  # past the block, in the last chunk: found only by a check of the whole index
+    refused(daemon, client, [derived.request(name, derived.encode(bad), bad.numel(), (bad.numel(),), whole=True)
+                             for name in (l0, l1)] + whole[2:], "holds", f"outside [-1, {s0.numel()})")
+
+
 def test_asked_again_and_from_another_client_is_the_same_segment(daemon, client):
     name, source = expert_stack(client)
     blocks, n = source.shape[0], source[0].numel()
