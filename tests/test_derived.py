@@ -175,27 +175,27 @@ def test_the_strided_form_is_found_only_where_every_entry_has_it():
 
 
 def test_a_job_whose_items_share_an_index_checks_it_once_and_gathers_each_item_right(daemon, client):
-    """A derivation job (over the inline bound) whose items send one index alike on several sources (a model's layers
-    of one kind): the index is checked and its strided form found once, every item still gathers its own source, and
-    an index out of range refuses the whole request however many items share it."""
+    """A derivation job (over the inline bound of items) whose items send one index alike on several sources (a
+    model's layers of one kind): the index is checked and its strided form found once, every item still gathers its
+    own source, and an index out of range refuses the whole request however many items share it."""
     (l0, s0), (l1, s1) = expert_stack(client, layer=0), expert_stack(client, layer=1)
     assert s0.shape == s1.shape
-    rows, cols = s0.numel() // s0.shape[-1], s0.shape[-1]
-    strided = tile_transpose(rows, cols, 16 if rows % 16 == 0 else 4)  # the whole tensor as one block
+    strided = tile_transpose(64, s0.shape[2], 16)  # each block's first rows, packed as vLLM's CPU kernel does
     scrambled = strided.clone()  # strided but for one pair: gathered entry by entry
     scrambled[1000:1002] = strided[1000:1002].flip(0)
-    asked = [(l0, s0, strided), (l1, s1, strided), (l1, s1, scrambled)]
-    assert sum(index.numel() for *_, index in asked) > 1 << 20  # a job, not an inline request
-    whole = [derived.request(name, derived.encode(index), index.numel(), (index.numel(),), whole=True)
-             for name, _, index in asked]
-    outs = client.derived(whole)
+    asked = [(l0, s0, strided), (l1, s1, strided), (l1, s1, scrambled)] * 22
+    assert len(asked) > 64  # a job, not an inline request
+
+    def items(which):
+        return [ask(name, index, (source.shape[0], index.numel())) for name, source, index in which]
+
+    outs = client.derived(items(asked))
     for out, (_, source, index) in zip(outs, asked):
-        assert torch.equal(out, source.reshape(-1)[index])
+        assert torch.equal(out, reference(source, index, (source.shape[0], index.numel())))
     assert not torch.equal(outs[0], outs[1])  # each item its own source's bytes, not its index-mate's
     bad = strided.clone()
-    bad[-1] = s0.numel()  # past the block, in the last chunk: found only by a check of the whole index
-    refused(daemon, client, [derived.request(name, derived.encode(bad), bad.numel(), (bad.numel(),), whole=True)
-                             for name in (l0, l1)] + whole[2:], "holds", f"outside [-1, {s0.numel()})")
+    bad[-1] = s0[0].numel()  # past the block, in the last entry: found only by a check of the whole index
+    refused(daemon, client, items([(l0, s0, bad), (l1, s1, bad)] * 33), "holds", f"outside [-1, {s0[0].numel()})")
 
 
 def test_asked_again_and_from_another_client_is_the_same_segment(daemon, client):
