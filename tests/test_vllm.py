@@ -12,11 +12,9 @@ from __future__ import annotations
 import concurrent.futures
 import glob
 import importlib
-import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -24,11 +22,10 @@ import uuid
 import pytest
 
 from helpers.daemon import DaemonProcess
+from helpers.vllm_folders import (MAX_TOKENS, PROMPTS, dequantized_folder, free_port, model_folder,
+                                  room_for_one_generation, run_engines)
 from helpers.vllm_venv import psm_segments, vllm_leftovers
 
-ENGINES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "vllm_engines.py")
-PROMPTS = [[1, 2, 3, 4, 5], [7, 100, 200], [300, 5, 9, 11, 12, 13], [42]]
-MAX_TOKENS = 8
 FAMILIES = ("mixtral", "gpt_oss")  # bf16 checkpoints of other MoE families vLLM's CPU path runs
 # quantized checkpoints the daemon serves dequantized: Qwen3-MoE in DeepSeek's FP8 blocks and in compressed-tensors
 # FP8 (per channel), gpt-oss in its MXFP4 release format
@@ -48,62 +45,6 @@ def is_expert(name: str) -> bool:
     """A stacked expert weight of vLLM's fused MoE (`...experts.w13_weight`, `...routed_experts.w2_weight`)."""
     return name.endswith(("experts.w13_weight", "experts.w2_weight"))
 
-
-def model_folder(src: str, dst: str, **changes) -> str:
-    """A model folder holding only `src`'s config.json (with `changes`; None removes a key) and
-    generation_config.json: no weights."""
-    os.makedirs(dst)
-    with open(os.path.join(src, "config.json")) as f:
-        config = json.load(f)
-    config.update(changes)
-    config = {key: value for key, value in config.items() if not (key in changes and value is None)}
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f)
-    shutil.copy(os.path.join(src, "generation_config.json"), dst)
-    return dst
-
-
-def dequantized_folder(endpoint: str, src: str, dst: str, **changes) -> str:
-    """A bf16 checkpoint of what the daemon at `endpoint` serves (the reference vLLM loads by itself)."""
-    from safetensors.torch import save_file
-
-    from expertd.client import ExpertClient
-
-    model_folder(src, dst, quantization_config=None, **changes)
-    with ExpertClient(endpoint, heartbeat=False) as client:
-        save_file({name: t.clone() for name, t in client.tensors().items()}, os.path.join(dst, "model.safetensors"))
-    return dst
-
-
-def run_engines(python: str, folder: str, engines: list[dict], multiprocess: bool = False,
-                tag: str = "") -> dict[str, dict]:
-    """Run `engines` (helpers/vllm_engines.py) in `python`, from `folder`; name -> what each reported. With
-    `multiprocess`, each engine runs as `vllm serve` does: its core and its worker in processes of their own."""
-    spec = os.path.join(folder, f"engines{tag}-multiprocess.json" if multiprocess else f"engines{tag}.json")
-    with open(spec, "w") as f:
-        json.dump({"prompts": PROMPTS, "max_tokens": MAX_TOKENS, "engines": engines}, f)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    env.update(PYTHONNOUSERSITE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
-               VLLM_CACHE_ROOT=os.path.join(folder, "vllm-cache"), VLLM_CONFIG_ROOT=os.path.join(folder, "vllm-config"),
-               VLLM_NO_USAGE_STATS="1", TMPDIR=os.path.join(folder, "tmp"))  # vLLM's sockets and files: in `folder`
-    os.makedirs(env["TMPDIR"], exist_ok=True)
-    done = subprocess.run([python, ENGINES, spec], cwd=folder, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-    out = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("ENGINE "):
-            report = json.loads(line[len("ENGINE "):])
-            out[report["name"]] = report
-    assert sorted(out) == sorted(e["name"] for e in engines), done.stderr[-6000:]
-    return out
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +73,9 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
                                         ("refresh", ckpt["bf16"], {}), ("pair", ckpt["bf16"], {}),
                                         ("follow", ckpt["bf16"], {"lease_timeout_s": 3}),
                                         ("token", ckpt["bf16"], {"auth_token": TOKEN}),
-                                        ("limited", ckpt["bf16"], {"max_derived_bytes_per_reader": 64 << 10})):
+                                        ("limited", ckpt["bf16"], {"max_derived_bytes_per_reader": 64 << 10}),
+                                        ("refresh-limited", ckpt["bf16"],
+                                         {"max_derived_bytes_per_reader": room_for_one_generation(ckpt["bf16"])})):
             daemons[name] = DaemonProcess.launch(root / f"daemon-{name}", checkpoint, f"{namespace}{name}", **extra)
         for d in daemons.values():
             d.wait_serving()
@@ -186,6 +129,9 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
              "refresh": {"tensors": REFRESHED, "seed": 3}},
             {"name": "follow", "model": bf16_config("follow"), "load_format": "expertd",
              "extra": {**ep["follow"], "follow": True}, "refresh": {"tensors": REFRESHED, "seed": 3}},
+            {"name": "refresh-limited", "model": bf16_config("refresh-limited"), "load_format": "expertd",
+             "extra": {**ep["refresh-limited"], "follow": True}, "refresh": {"tensors": REFRESHED, "seed": 3},
+             "residency": True},
         ]
         pair = [{"name": f"pair-{k}", "model": bf16_config(f"pair-{k}"), "load_format": "expertd", "extra": ep["pair"],
                  "barrier": str(root), "peers": ["pair-0", "pair-1"]} for k in range(2)]
@@ -282,6 +228,24 @@ def test_an_engine_whose_derived_layouts_the_daemon_refuses_keeps_its_own_copy(r
     experts = [shared for name, (_, shared) in sizes.items() if is_expert(name)]
     assert experts and not any(experts), run["residency"]
     assert any(shared for name, (_, shared) in sizes.items() if not is_expert(name)), run["residency"]
+
+
+def test_a_following_engine_whose_new_layouts_the_daemon_refuses_loads_them_privately(runs):
+    """`follow`, on a daemon whose `max_derived_bytes_per_reader` holds one generation's expert layouts: after an
+    update the new layout of the changed stack is refused while the engine still maps generation 1's, so the
+    engine's next step reloads that module privately (one line names the limit) instead of failing in its forward
+    hook, and generates what a fresh engine on the new generation does."""
+    run = runs["refresh-limited"]
+    assert "error" not in run, run
+    assert run["tokens"] == runs["vllm-bf16"]["tokens"]
+    assert run["tokens_after"] == run["fresh_tokens"] == runs["refresh"]["fresh_tokens"]
+    assert run["live_after"] == [2]
+    said = [line for line in run["log"] if "makes no derived layout" in line]
+    assert said and all("max_derived_bytes_per_reader" in line for line in said), run["log"]
+    where = run["residency_after"]
+    changed = [name for name in where if is_expert(name) and ".layers.1." in name and "w13" in name]
+    assert changed and not any(where[name][1] for name in changed), where  # its own copy of the new bytes
+    assert all(where[name][1] for name in where if is_expert(name) and ".layers.0." in name), where
 
 
 def test_credentials_go_as_in_the_python_client(runs):

@@ -26,7 +26,7 @@ import pytest
 
 from helpers.daemon import DaemonProcess
 from helpers.vllm_venv import psm_segments, vllm_leftovers
-from test_vllm import MAX_TOKENS, PROMPTS, free_port, model_folder, run_engines
+from helpers.vllm_folders import MAX_TOKENS, PROMPTS, free_port, model_folder, run_engines
 
 pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
 SHARED = "parameter(s) map shared memory"  # the loader's line (client/engines/binding.py `report`)

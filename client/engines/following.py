@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from expertd.errors import DerivedLimit
 from expertd.index import moved
 
 from .binding import bind_shared
@@ -155,7 +156,15 @@ def refresh_model(model: nn.Module) -> dict:
     hit = {name for name, fed in state.feeds.items() if fed & changed}
     params = dict(model.named_parameters())
     again = sorted(name for name in hit if name in state.derived)  # the daemon's layout of the new bytes
-    for name, view in zip(again, fetch(state.client, [state.derived[name] for name in again])):
+    try:
+        views = fetch(state.client, [state.derived[name] for name in again])
+    except DerivedLimit as exc:  # the host's policy: those modules are loaded privately below, as at a first load
+        state.log.warning("expertd: the daemon makes no derived layout of generation %d for %d parameter(s) of this "
+                          "engine, their modules are loaded privately: %s", new, len(again), exc)
+        for name in again:
+            del state.derived[name]
+        views, again = [], []
+    for name, view in zip(again, views):
         params[name].data = view
     owners = state.owners(hit - set(again))
     bound, packed = reload_modules(model, state, owners) if owners else ([], [])
