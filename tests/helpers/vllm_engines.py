@@ -212,7 +212,8 @@ def run(engine: dict, prompts: list, max_tokens: int) -> dict:
         out["experts"] = llm.apply_model(expert_memory)[0]
         barrier(engine["barrier"], engine["name"], "measured", engine["peers"])
     if engine.get("refresh"):
-        follow(llm, engine, prompts, max_tokens, out)
+        with Lines() as out["refresh_log"]:
+            follow(llm, engine, prompts, max_tokens, out)
     out["residency"] = llm.apply_model(residency)[0] if engine.get("residency") else {}
     if engine.get("residency"):
         out["leases"] = [leases(engine["extra"]["endpoint"])]
