@@ -130,7 +130,8 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
             {"name": "follow", "model": bf16_config("follow"), "load_format": "expertd",
              "extra": {**ep["follow"], "follow": True}, "refresh": {"tensors": REFRESHED, "seed": 3}},
             {"name": "refresh-limited", "model": bf16_config("refresh-limited"), "load_format": "expertd",
-             "extra": {**ep["refresh-limited"], "follow": True}, "refresh": {"tensors": REFRESHED, "seed": 3},
+             "extra": {**ep["refresh-limited"], "follow": True},
+             "refresh": {"tensors": REFRESHED, "seed": 3, "hold": True},
              "residency": True},
         ]
         pair = [{"name": f"pair-{k}", "model": bf16_config(f"pair-{k}"), "load_format": "expertd", "extra": ep["pair"],
@@ -232,14 +233,14 @@ def test_an_engine_whose_derived_layouts_the_daemon_refuses_keeps_its_own_copy(r
 
 def test_a_following_engine_whose_new_layouts_the_daemon_refuses_loads_them_privately(runs):
     """`follow`, on a daemon whose `max_derived_bytes_per_reader` holds one generation's expert layouts: after an
-    update the new layout of the changed stack is refused while the engine still maps generation 1's, so the
-    engine's next step reloads that module privately (one line names the limit) instead of failing in its forward
-    hook, and generates what a fresh engine on the new generation does."""
+    update the new layout of the changed stack is refused while another reader keeps generation 1 (and its layouts)
+    live, so the engine's next step reloads that module privately (one line names the limit) instead of failing in
+    its forward hook, and generates what a fresh engine on the new generation does."""
     run = runs["refresh-limited"]
     assert "error" not in run, run
     assert run["tokens"] == runs["vllm-bf16"]["tokens"]
     assert run["tokens_after"] == run["fresh_tokens"] == runs["refresh"]["fresh_tokens"]
-    assert run["live_after"] == [2]
+    assert run["live_after"] == [1, 2]  # the other reader still held generation 1 then
     said = [line for line in run["refresh_log"] if "makes no derived layout" in line]
     assert said and all("max_derived_bytes_per_reader" in line for line in said), run["refresh_log"]
     assert not [line for line in run["log"] if "makes no derived layout" in line]  # generation 1's all fit

@@ -132,6 +132,11 @@ def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None
     generation."""
     from expertd.client.engines import vllm as plugin
 
+    held = None
+    if engine["refresh"].get("hold"):  # another reader still on the old generation: it stays live through the refresh
+        from expertd.client import ExpertClient
+
+        held = ExpertClient(engine["extra"]["endpoint"], heartbeat=False)
     out["generation"] = push(engine["extra"]["endpoint"], engine["refresh"]["tensors"], engine["refresh"]["seed"])
     if engine["extra"].get("follow"):  # the engine refreshes on its own once its client heard of the generation
         import time
@@ -144,6 +149,8 @@ def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None
         out["refreshed"] = plugin.refresh(llm)[0]
     out["tokens_after"] = generate(llm, prompts, max_tokens)
     out["live_after"] = live(engine["extra"]["endpoint"])
+    if held is not None:
+        held.close()
     out["residency_after"] = llm.apply_model(residency)[0]
     second = engine_for(engine)
     out["fresh_tokens"] = generate(second, prompts, max_tokens)
