@@ -11,7 +11,8 @@ import os
 
 
 def shared_ranges(shm_dir: str) -> list[tuple[int, int]]:
-    """Address ranges of this process's read-only shared mappings of files in `shm_dir`, sorted."""
+    """Address ranges of this process's read-only shared mappings of files in `shm_dir`, sorted, adjacent ones
+    joined."""
     prefix = os.path.join(shm_dir, "")
     ranges = []
     with open("/proc/self/maps") as f:
@@ -20,7 +21,13 @@ def shared_ranges(shm_dir: str) -> list[tuple[int, int]]:
             if len(parts) == 6 and parts[5].startswith(prefix) and parts[1][1] == "-" and parts[1][3] == "s":
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 ranges.append((lo, hi))
-    return sorted(ranges)
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):  # adjacent ones are one range: a tensor mapped range by range (its extents)
+        if merged and merged[-1][1] == lo:
+            merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged
 
 
 def residency(model, shm_dir: str) -> list[tuple[str, object, bool]]:

@@ -149,9 +149,10 @@ def _entries(reply, names: list, index: TensorIndex) -> list[TensorEntry]:
         raise ProtocolError(f"the daemon's reply to a cast or gather: malformed entry ({exc})") from exc
     if len(entries) != len(names):
         raise ProtocolError(f"the daemon answered {len(entries)} derived tensor(s) for {len(names)} asked")
-    served = {(t.segment, t.offset, t.nbytes, t.dtype) for t in index.tensors}
-    for entry, name, want in zip(entries, got, names):
+    served = {(t.segment, t.offset, t.nbytes, t.dtype): t for t in index.tensors}
+    for k, (entry, name, want) in enumerate(zip(entries, got, names)):
         if want == "" and (entry.segment, entry.offset, entry.nbytes, entry.dtype) in served:
+            entries[k] = served[(entry.segment, entry.offset, entry.nbytes, entry.dtype)]  # as the index has it
             continue
         if not want or name != want:
             raise ProtocolError(f"the daemon's {entry.name!r} is derivation {str(name)[:80]!r}, not the "

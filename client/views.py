@@ -6,6 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
+from expertd.extents import places, position
 from expertd.index import TensorEntry, TensorIndex
 from expertd.shm import to_dtype, view
 
@@ -70,7 +71,7 @@ class IndexViews(Mapping):
         if entry.base is None:
             return cast
         base = self.served[entry.base]  # a checkpoint view is kept only where its base is served (`_entry`)
-        first = (entry.offset - base.offset) // to_dtype(entry.dtype).itemsize
+        first = position(places(base), entry.segment, entry.offset) // to_dtype(entry.dtype).itemsize
         count = entry.nbytes // to_dtype(entry.dtype).itemsize
         return TensorEntry(entry.name, cast.segment, cast.offset + first * want.itemsize, count * want.itemsize,
                            list(entry.shape), str(want))

@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from .errors import ProtocolError
+from .extents import Extent, cut, from_wire, places
 from .partition import ExpertBlock, ExpertParallel
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMAS = (1, 2)
+SCHEMA_VERSION = 2  # written while no tensor has extents; 3 where one has (`EXTENTS_SCHEMA`)
+EXTENTS_SCHEMA = 3
+READABLE_SCHEMAS = (1, 2, 3)
 DEFAULT_SHM_DIR = "/dev/shm"  # where segments live when an index names no `shm_dir` (where shm_open puts them)
 
 @dataclass
@@ -50,9 +52,11 @@ class TensorEntry:
     base: str | None = None
     checksum: str | None = None  # "xxh3_64:<hex>" of the bytes, or "xxh3_64x<n>:" of n parts (combined_checksum)
     experts: ExpertBlock | None = None  # a fused expert tensor of a partitioned daemon: which experts it holds
+    extents: list[Extent] | None = None  # its bytes as ranges of several segments, in order (`expertd.extents`);
+    # `segment` and `offset` are then the first one's
 
 
-_ENTRY_FIELDS = [f.name for f in fields(TensorEntry) if f.name != "experts"]
+_ENTRY_FIELDS = [f.name for f in fields(TensorEntry) if f.name not in ("experts", "extents")]
 
 
 @dataclass
@@ -82,16 +86,19 @@ class TensorIndex:
         return self.views
 
     def to_dict(self) -> dict:
-        """The compact (schema 2) form, for the published JSON and the wire alike: no per-expert
-        views (`from_dict` derives them) and fused tensors' sources as patterns."""
+        """The compact form (schema 2; 3 where a tensor has extents), for the published JSON and the wire alike: no
+        per-expert views (`from_dict` derives them) and fused tensors' sources as patterns."""
         tensors = []
         for t in self.tensors:
             entry = {f: getattr(t, f) for f in _ENTRY_FIELDS}
             entry["shape"], entry["sources"] = list(t.shape), encode_sources(t.sources)
             if t.experts is not None:  # only on a partitioned daemon's expert blocks: other indexes stay as they were
                 entry["experts"] = t.experts.to_dict()
+            if t.extents:
+                entry["extents"] = [e.to_wire() for e in t.extents]
             tensors.append(entry)
-        out = {"schema": SCHEMA_VERSION, "generation": self.generation, "namespace": self.namespace,
+        schema = EXTENTS_SCHEMA if any(t.extents for t in self.tensors) else SCHEMA_VERSION
+        out = {"schema": schema, "generation": self.generation, "namespace": self.namespace,
                "model_type": self.model_type, "layout": self.layout, "config": self.config,
                "segments": [{"name": s.name, "nbytes": s.nbytes} for s in self.segments], "tensors": tensors,
                "shm_dir": self.shm_dir}
@@ -113,6 +120,8 @@ class TensorIndex:
                 t = dict(t)
                 t["sources"] = decode_sources(t.get("sources", []))
                 t["experts"] = ExpertBlock.from_dict(t.get("experts"))
+                if t.get("extents") is not None:
+                    t["extents"] = from_wire(t["extents"], str(t.get("name")), t.get("nbytes"))
                 tensors.append(TensorEntry(**t))
             index = cls(
                 schema=SCHEMA_VERSION,
@@ -259,10 +268,13 @@ def derive_views(tensors: list[TensorEntry]) -> list[TensorEntry]:
             raise ProtocolError(f"fused tensor {t.name} {t.shape} cannot hold {n} equal sources")
         chunk, per_expert = t.nbytes // n, n // t.shape[0]
         shape = [t.shape[1] // per_expert, *t.shape[2:]]
-        views.extend(
-            TensorEntry(src, t.segment, t.offset + k * chunk, chunk, shape, t.dtype, [src], t.name)
-            for k, src in enumerate(t.sources)
-        )
+        for k, src in enumerate(t.sources):
+            if not t.extents:
+                views.append(TensorEntry(src, t.segment, t.offset + k * chunk, chunk, shape, t.dtype, [src], t.name))
+                continue
+            pieces = cut(t.extents, k * chunk, chunk)  # an expert of a stack made of several generations' ranges
+            views.append(TensorEntry(src, pieces[0].segment, pieces[0].offset, chunk, shape, t.dtype, [src], t.name,
+                                     extents=pieces if len(pieces) > 1 else None))
     return views
 
 
@@ -270,7 +282,7 @@ def moved(before, after) -> list[str]:
     """Names of the entries of `after` that are new or lie elsewhere than in `before`, in `after`'s order: what a
     newer index changed (a tensor with the same bytes keeps its place)."""
     def place(e: TensorEntry) -> tuple:
-        return e.segment, e.offset, e.nbytes, e.shape, e.dtype
+        return tuple(places(e)), e.nbytes, e.shape, e.dtype
 
     was = {e.name: place(e) for e in before}
     return [e.name for e in after if was.get(e.name) != place(e)]
@@ -327,6 +339,27 @@ def bytes_checksum(data, parts: int = 1) -> str:
 def tensor_checksum(t, parts: int = 1) -> str:
     """A tensor's checksum as the index records it: of its bytes, or combined from `parts` equal parts."""
     return bytes_checksum(tensor_bytes(t), parts)
+
+
+def pieces_checksum(read, extents: list[Extent], parts: int) -> str:
+    """The index's checksum of the bytes `extents` make (`read(extent)`: that range's bytes as a buffer), combined
+    from `parts` equal parts as `expertd.index.tensor_checksum` does, hashed range by range (nothing concatenated)."""
+    import xxhash
+
+    total = sum(e.nbytes for e in extents)
+    step = total // max(parts, 1)
+    sums = []
+    for k in range(max(parts, 1)):
+        h = xxhash.xxh3_64()
+        for piece in cut(extents, k * step, step):
+            data = read(piece)
+            try:
+                h.update(data)
+            finally:
+                if isinstance(data, memoryview):
+                    data.release()
+        sums.append(checksum_text(h.intdigest()))
+    return combined_checksum(sums)
 
 
 def json_text(data: dict, indent: int | None = 1, sort_keys: bool = True) -> str:

@@ -11,7 +11,7 @@ import time
 
 from . import index_segment, messages, procfs
 from .errors import DaemonError, DaemonTimeout, GenerationLimit, NotReady
-from .index import TensorIndex, bytes_checksum, checksum_parts
+from .index import TensorIndex, bytes_checksum, checksum_parts, pieces_checksum
 from .protocol import PROTOCOL_VERSION
 from .segments import map_segment
 
@@ -74,8 +74,11 @@ def corrupted_tensors(index: TensorIndex) -> list[str]:
     not a newer generation's change, which `expertd.index.moved` names)."""
     sizes = {s.name: s.nbytes for s in index.segments}
     by_segment: dict[str, list] = {}
+    ranged = []
     for entry in index.tensors:
-        if entry.checksum is not None:
+        if entry.checksum is not None and entry.extents:
+            ranged.append(entry)
+        elif entry.checksum is not None:
             by_segment.setdefault(entry.segment, []).append(entry)
     bad = []
     for name, entries in by_segment.items():
@@ -90,5 +93,21 @@ def corrupted_tensors(index: TensorIndex) -> list[str]:
                     data.release()
         finally:
             mapping.close()
+    bad += _corrupted_ranges(ranged, sizes, index.shm_dir)
     order = {entry.name: k for k, entry in enumerate(index.tensors)}
     return sorted(bad, key=order.__getitem__)
+
+
+def _corrupted_ranges(entries: list, sizes: dict[str, int], shm_dir: str) -> list[str]:
+    """`corrupted_tensors` of entries made of several segments' ranges (extents), hashed range by range."""
+    maps: dict[str, object] = {}
+    try:
+        def read(extent):
+            if extent.segment not in maps:
+                maps[extent.segment] = map_segment(extent.segment, sizes[extent.segment], shm_dir=shm_dir)
+            return memoryview(maps[extent.segment])[extent.offset: extent.offset + extent.nbytes]
+
+        return [e.name for e in entries if pieces_checksum(read, e.extents, checksum_parts(e.checksum)) != e.checksum]
+    finally:
+        for mapping in maps.values():
+            mapping.close()

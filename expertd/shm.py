@@ -56,6 +56,10 @@ def view(segments: dict[str, torch.Tensor], entry: TensorEntry) -> torch.Tensor:
     count = math.prod(entry.shape)
     if count * dtype.itemsize != entry.nbytes:
         raise ShmError(f"index entry {entry.name}: {entry.shape} {entry.dtype} is not {entry.nbytes} bytes")
+    if entry.extents:  # in several segments (generations that share unchanged experts): mapped as one
+        from expertd.compose import composed
+
+        return composed(segments, entry.extents, entry.name).view(dtype).view(entry.shape)
     seg = segments.get(entry.segment)
     if seg is None or entry.offset < 0 or entry.offset + entry.nbytes > seg.numel():
         raise ShmError(f"index entry {entry.name} lies outside segment {entry.segment}")

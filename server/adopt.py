@@ -28,7 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from expertd.index import TensorEntry, TensorIndex, bytes_checksum, checksum_parts, tensor_bytes
+from expertd.extents import places
+from expertd.index import TensorEntry, TensorIndex, bytes_checksum, checksum_parts, pieces_checksum, tensor_bytes
 from expertd.segments import OPEN_FLAGS, segment_path
 
 from . import ledger, variant_records
@@ -111,38 +112,43 @@ def damaged(index: TensorIndex, mode: str, threads: int, gid: int | None) -> tup
             bad_segments.add(seg.name)
         elif problem is not None:
             return [], problem
-    bad = [t.name for t in index.tensors if t.segment in bad_segments]
+    bad = [t.name for t in index.tensors if any(x.segment in bad_segments for x in places(t))]
     if mode != "full":
         return bad, None
     sizes = {s.name: s.nbytes for s in index.segments}
-    todo = [t for t in index.tensors if t.segment not in bad_segments and t.checksum is not None]
+    todo = [t for t in index.tensors if t.name not in bad and t.checksum is not None]
 
     def check(entry: TensorEntry) -> str | None:
-        return None if _checksum(entry, sizes[entry.segment], index.shm_dir) == entry.checksum else entry.name
+        return None if _checksum(entry, sizes, index.shm_dir) == entry.checksum else entry.name
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="expertd-adopt") as pool:
         bad += [name for name in pool.map(check, todo) if name is not None]
     return bad, None
 
 
-def _checksum(entry: TensorEntry, segment_size: int, shm_dir: str) -> str:
-    fd = os.open(segment_path(entry.segment, shm_dir), os.O_RDONLY | OPEN_FLAGS)
+def _checksum(entry: TensorEntry, sizes: dict[str, int], shm_dir: str) -> str:
+    """The checksum of the entry's bytes where they lie (range by range for one made of several segments')."""
+    maps = {}
     try:
-        mapping = mmap.mmap(fd, segment_size, mmap.MAP_SHARED, mmap.PROT_READ)
+        for name in dict.fromkeys(x.segment for x in places(entry)):
+            fd = os.open(segment_path(name, shm_dir), os.O_RDONLY | OPEN_FLAGS)
+            try:
+                maps[name] = mmap.mmap(fd, sizes[name], mmap.MAP_SHARED, mmap.PROT_READ)
+            finally:
+                os.close(fd)
+        return pieces_checksum(lambda x: memoryview(maps[x.segment])[x.offset: x.offset + x.nbytes], places(entry),
+                               checksum_parts(entry.checksum))
     finally:
-        os.close(fd)
-    data = memoryview(mapping)[entry.offset: entry.offset + entry.nbytes]
-    try:
-        return bytes_checksum(data, checksum_parts(entry.checksum))
-    finally:
-        data.release()
-        mapping.close()
+        for mapping in maps.values():
+            mapping.close()
 
 
 def repair(entry: TensorEntry, data, segment_size: int, shm_dir: str, gid: int | None) -> bool:
     """Write `data` (a tensor rebuilt from the checkpoint) over `entry` in its segment — made anew, or back to its
     size, if it went — when it hashes to the recorded checksum; False (nothing written) when it does not."""
     raw = tensor_bytes(data.contiguous())
+    if entry.extents:  # ranges of older generations' segments too: never rewritten in place (not adopted)
+        return False
     if entry.checksum is None or len(raw) != entry.nbytes or \
             bytes_checksum(raw, checksum_parts(entry.checksum)) != entry.checksum:
         return False
@@ -312,7 +318,7 @@ def _verify_variants(todo: list, mode: str, threads: int, gid: int | None) -> di
     def check(item) -> tuple[tuple, str | None]:
         place, entry, size, shm_dir = item
         try:
-            return place, None if _checksum(entry, size, shm_dir) == entry.checksum else "checksum"
+            return place, None if _checksum(entry, {entry.segment: size}, shm_dir) == entry.checksum else "checksum"
         except OSError:  # gone or truncated since it was checked
             return place, "missing"
 

@@ -15,6 +15,7 @@ from operator import attrgetter
 import torch
 
 from expertd.hf import model_config
+from expertd.extents import places
 from expertd.index import TensorEntry, TensorIndex, combined_checksum
 from expertd.segments import map_segment
 from expertd.shm import segment_bytes, view
@@ -67,13 +68,16 @@ class PreviousBytes:
         self.sizes = {s.name: s.nbytes for s in index.segments}
         self.shm_dir = index.shm_dir
         self._maps: dict[str, torch.Tensor] = {}
+        self._flat: dict[str, torch.Tensor] = {}  # a served tensor's bytes (one view, however many ranges)
 
     def part(self, entry: TensorEntry, k: int, parts: int) -> torch.Tensor:
         """Part k of `parts` equal parts of a served tensor's bytes (as uint8)."""
-        if entry.segment not in self._maps:
-            mapping = map_segment(entry.segment, self.sizes[entry.segment], shm_dir=self.shm_dir)
-            self._maps[entry.segment] = segment_bytes(mapping)
-        flat = view(self._maps, entry).reshape(-1).view(torch.uint8)
+        flat = self._flat.get(entry.name)
+        if flat is None or flat.numel() != entry.nbytes:
+            for name in dict.fromkeys(x.segment for x in places(entry)):  # every extent's segment
+                if name not in self._maps:
+                    self._maps[name] = segment_bytes(map_segment(name, self.sizes[name], shm_dir=self.shm_dir))
+            flat = self._flat[entry.name] = view(self._maps, entry).reshape(-1).view(torch.uint8)
         step = flat.numel() // parts
         return flat[k * step: (k + 1) * step]
 

@@ -16,6 +16,7 @@ import logging
 import time
 
 from expertd import index_segment
+from expertd.extents import Extent, places
 from expertd.errors import GenerationGone, GenerationLimit, NotReady
 from expertd.index import TensorIndex
 from expertd.protocol import pack
@@ -85,8 +86,9 @@ class Generation:
         """Unlink the index segment (the generation retires); workers that mapped it have decoded it already."""
         unlink_segment(self.index_place["segment"], self.index.shm_dir)
 
-    def places(self) -> set[tuple[str, int]]:
-        return {(t.segment, t.offset) for t in self.index.tensors}
+    def places(self) -> set[Extent]:
+        """Every byte range its tensors lie in (a tensor of several generations' ranges: each of them)."""
+        return {x for t in self.index.tensors for x in places(t)}
 
     @property
     def nbytes(self) -> int:
@@ -251,7 +253,7 @@ class Generations:
         pinned = self.leases.pinned()
         rows = []
         for n, gen in sorted(self.live.items(), reverse=True):
-            shared = sum(t.nbytes for t in gen.index.tensors if (t.segment, t.offset) in latest_places)
+            shared = sum(x.nbytes for t in gen.index.tensors for x in places(t) if x in latest_places)
             rows.append({
                 "generation": n, "tensors": len(gen.index.tensors), "bytes": gen.nbytes,
                 "bytes_shared_with_latest": shared,

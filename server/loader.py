@@ -22,6 +22,7 @@ from tqdm import tqdm
 from expertd.errors import ConfigError
 from expertd.hf import model_config
 from expertd.index import DEFAULT_SHM_DIR, SegmentEntry, TensorEntry, TensorIndex
+from expertd.extents import places
 from expertd.partition import ExpertParallel, PartitionError
 from expertd.procfs import default_threads
 
@@ -74,7 +75,7 @@ def segments_of(entries: list[TensorEntry], *indexes: TensorIndex, arena: Arena)
     """The segments `entries` lie in, in first-use order, sized from the arena or the older indexes."""
     sizes = {s.name: s.nbytes for index in indexes for s in index.segments}
     sizes.update({s.name: s.nbytes for s in arena.segments})
-    seen = dict.fromkeys(e.segment for e in entries)
+    seen = dict.fromkeys(x.segment for e in entries for x in places(e))  # every extent's too
     return [SegmentEntry(name, sizes[name]) for name in seen]
 
 

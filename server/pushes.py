@@ -114,13 +114,14 @@ class Pushes:
         staging = self._staging_of(req, peer)
         self.jobs.check_idle()
         previous, number = self.builds.latest().built, self.gens.latest.number + 1
-        checksums, builds, group = req.checksums, self.builds, self.cfg.group
+        checksums, builds, group, ranges = req.checksums, self.builds, self.cfg.group, self.cfg.expert_ranges
 
         def work():
             from .updates import build_update
 
             staged = staging.verify(checksums)
-            return build_update(previous, staging, staged, generation=number, device=builds.device, group=group)
+            return build_update(previous, staging, staged, generation=number, device=builds.device, group=group,
+                                ranges=ranges)
 
         job = self.builds.start_build("update", number, work, on_end=lambda job: self.drop(staging.number))
         job.hold, job.client = req.hold, staging.client

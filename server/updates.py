@@ -34,6 +34,7 @@ from .arena import Arena, placed_size
 from .building import PreviousBytes
 from .built import Built
 from .dequant import write_part
+from .expert_ranges import changed_stack
 from .loader import segments_of
 
 log = logging.getLogger("expertd.updates")
@@ -252,6 +253,22 @@ class Staging:
         self.arena.unlink()
 
 
+def _marked(digests: list[str] | None, pushes: list[Push], staged: dict, n: int) -> list[str]:
+    """A pushed tensor's part digests (what a later reload compares its checkpoint's parts with): each pushed part
+    marked with the checksum of what was pushed into it."""
+    digests = list(digests or [""] * n)
+    for p in pushes:
+        scale = staged[p.scale.name] if p.scale else None
+        mark = f"pushed:{tensor_checksum(staged[p.name])}" + (f"+{tensor_checksum(scale)}" if scale is not None else "")
+        for k in (range(n) if p.part is None else (p.part,)):
+            digests[k] = f"{mark}#{k}"
+    return digests
+
+
+def new_segments(arena: Arena) -> set[str]:
+    return {s.name for s in arena.segments}
+
+
 def _rest(frames: list, skip: int) -> list:
     """The buffers of `frames` after their first `skip` bytes (what a short pwritev left)."""
     out = []
@@ -265,7 +282,7 @@ def _rest(frames: list, skip: int) -> list:
 
 
 def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tensor], *, generation: int,
-                 device: torch.device, group: str | None = None) -> Built:
+                 device: torch.device, group: str | None = None, ranges: bool = False) -> Built:
     """The previous generation with the staged values written into fresh copies of their served tensors."""
     started = time.perf_counter()
     index = previous.index
@@ -281,6 +298,13 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
             if not pushes:
                 entries.append(entry)
                 continue
+            ranged = changed_stack(entry, pushes, staged, old, arena, device) if ranges else None  # changed parts
+            if ranged is not None:
+                entries.append(ranged)
+                if ranged is not entry:
+                    parts[entry.name] = _marked(parts.get(entry.name), pushes, staged, len(entry.sources))
+                    written += sum(x.nbytes for x in ranged.extents if x.segment in new_segments(arena))
+                continue
             where = arena.add(entry.nbytes)
             out = arena.tensor(where, tuple(entry.shape), DTYPES[entry.dtype])
             n = len(entry.sources)
@@ -288,17 +312,12 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
             if len(covered) < max(n, 1):  # some parts keep their old bytes (a whole push overwrites all of them)
                 out.view(-1).view(torch.uint8).copy_(old.part(entry, 0, 1))
             chunks = out.view(-1).view(n, -1)
-            digests = list(parts.get(entry.name) or [""] * n)
             for p in pushes:
                 dest = out.view(-1) if p.part is None else chunks[p.part]
                 scale = staged[p.scale.name] if p.scale else None
                 write_part(dest.view(p.served_shape), staged[p.name], scale, name=p.name, block=p.block, kind=p.kind,
                            device=device)
-                mark = f"pushed:{tensor_checksum(staged[p.name])}" + (
-                    f"+{tensor_checksum(scale)}" if scale is not None else "")
-                for k in (range(n) if p.part is None else (p.part,)):
-                    digests[k] = f"{mark}#{k}"
-            parts[entry.name] = digests
+            parts[entry.name] = _marked(parts.get(entry.name), pushes, staged, n)
             entries.append(TensorEntry(entry.name, where.segment, where.offset, entry.nbytes, list(entry.shape),
                                        entry.dtype, list(entry.sources), checksum=tensor_checksum(out, n),
                                        experts=entry.experts))

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from expertd.derived import Gather, cast_key
 from expertd.errors import VariantRejected
+from expertd.extents import places
 from expertd.index import TensorEntry, tensor_checksum
 from expertd.messages import VARIANT_DTYPES, CastItem, GatherItem
 
@@ -33,7 +34,7 @@ ITEMSIZE = {"torch.float16": 2, "torch.bfloat16": 2, "torch.float32": 4, "torch.
 
 def same_bytes(entry: TensorEntry) -> tuple:
     """What a variant is made from: the same bytes wherever these five agree (a newer generation's unchanged tensor)."""
-    return entry.segment, entry.offset, entry.nbytes, entry.dtype, entry.checksum
+    return tuple(places(entry)), entry.nbytes, entry.dtype, entry.checksum
 
 
 @dataclass
@@ -164,8 +165,8 @@ def make(gen, planned: Planned, owner: str, placed: int, group: str | None, shou
     placement = arena.add(nbytes, gen.next_variant())
     try:
         sizes = {s.name: s.nbytes for s in gen.index.segments}
-        source = {e.segment: segment_bytes(map_segment(e.segment, sizes[e.segment], shm_dir=shm_dir))
-                  for e in (entry, *planned.more)}
+        source = {x.segment: segment_bytes(map_segment(x.segment, sizes[x.segment], shm_dir=shm_dir))
+                  for e in (entry, *planned.more) for x in places(e)}  # every extent's segment
         out = arena.tensor(placement, tuple(planned.shape), target)
         if planned.gather is None:
             out.copy_(view(source, entry))

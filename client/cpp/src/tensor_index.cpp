@@ -38,7 +38,7 @@ std::vector<std::string> decode_sources(const Value& value) {
 namespace {
 
 const std::vector<std::string> ENTRY_FIELDS = {"name", "segment", "offset", "nbytes", "shape", "dtype",
-                                               "sources", "base", "checksum", "experts"};
+                                               "sources", "base", "checksum", "experts", "extents"};
 
 std::optional<ExpertBlock> expert_block(const Value* v) {
   if (v == nullptr || v->is_nil()) return std::nullopt;
@@ -61,6 +61,27 @@ std::optional<ExpertBlock> expert_block(const Value* v) {
       throw ProtocolError("malformed expert block " + to_json(*v) + ": ranges must lie within " +
                           std::to_string(b.total) + " experts");
   return b;
+}
+
+std::vector<Extent> extents_of(const Value& v, const std::string& name, uint64_t nbytes) {
+  std::vector<Extent> out;
+  uint64_t total = 0;
+  const auto& items = v.as_array("a tensor's extents");
+  if (items.size() < 2)
+    throw ProtocolError("tensor index: " + name + "'s extents must be a list of at least two [segment, offset, nbytes]");
+  for (const auto& item : items) {
+    const auto& triple = item.as_array("an extent");
+    if (triple.size() != 3 || !triple[0].is_str() || !triple[1].is_int() || triple[1].is_negative() ||
+        !triple[2].is_int() || triple[2].is_negative() || triple[2].as_uint() == 0)
+      throw ProtocolError("tensor index: " + name + "'s extent " + to_json(item) + " is not [segment, offset, nbytes > 0]");
+    out.push_back({triple[0].as_str(), triple[1].as_uint(), triple[2].as_uint()});
+    if (total + out.back().nbytes < total) throw ProtocolError("tensor index: " + name + "'s extents overflow");
+    total += out.back().nbytes;
+  }
+  if (total != nbytes)
+    throw ProtocolError("tensor index: " + name + "'s extents hold " + std::to_string(total) + " bytes, not its " +
+                        std::to_string(nbytes));
+  return out;
 }
 
 TensorEntry tensor_entry(const Value& t, bool decode_pattern) {
@@ -92,6 +113,7 @@ TensorEntry tensor_entry(const Value& t, bool decode_pattern) {
   if (const Value* b = t.get("base"); b && !b->is_nil()) e.base = b->as_str("a tensor's base");
   if (const Value* c = t.get("checksum"); c && !c->is_nil()) e.checksum = c->as_str("a tensor's checksum");
   e.experts = expert_block(t.get("experts"));
+  if (const Value* x = t.get("extents"); x && !x->is_nil()) e.extents = extents_of(*x, e.name, e.nbytes);
   return e;
 }
 
@@ -100,9 +122,9 @@ TensorEntry tensor_entry(const Value& t, bool decode_pattern) {
 Index index_from_value(const Value& data) {
   if (!data.is_map()) throw ProtocolError(std::string("tensor index must be a mapping, got ") + type_name(data.type()));
   const Value* schema = data.get("schema");
-  if (!schema || !schema->is_int() || schema->is_negative() || (schema->as_uint() != 1 && schema->as_uint() != 2))
+  if (!schema || !schema->is_int() || schema->is_negative() || schema->as_uint() < 1 || schema->as_uint() > 3)
     throw ProtocolError("tensor index schema " + (schema ? to_json(*schema) : std::string("None")) +
-                        " is not supported (this expertd reads 1, 2)");
+                        " is not supported (this expertd reads 1, 2, 3)");
   Index index;
   index.schema = static_cast<int>(schema->as_uint());
   try {
@@ -159,6 +181,17 @@ Index index_from_value(const Value& data) {
   return index;
 }
 
+static std::vector<Extent> cut_extents(const std::vector<Extent>& extents, uint64_t start, uint64_t length) {
+  std::vector<Extent> out;
+  uint64_t at = 0;
+  for (const auto& e : extents) {
+    uint64_t lo = std::max(start, at), hi = std::min(start + length, at + e.nbytes);
+    if (lo < hi) out.push_back({e.segment, e.offset + lo - at, hi - lo});
+    at += e.nbytes;
+  }
+  return out;
+}
+
 std::vector<TensorEntry> derive_views(const std::vector<TensorEntry>& tensors) {
   std::vector<TensorEntry> views;
   for (const auto& t : tensors) {
@@ -186,6 +219,12 @@ std::vector<TensorEntry> derive_views(const std::vector<TensorEntry>& tensors) {
       v.name = t.sources[k];
       v.segment = t.segment;
       v.offset = t.offset + k * chunk;
+      if (!t.extents.empty()) {  // an expert of a stack made of several generations' ranges: the ranges it covers
+        v.extents = cut_extents(t.extents, k * chunk, chunk);
+        v.segment = v.extents.front().segment;
+        v.offset = v.extents.front().offset;
+        if (v.extents.size() == 1) v.extents.clear();
+      }
       v.nbytes = chunk;
       v.shape = shape;
       v.dtype = t.dtype;

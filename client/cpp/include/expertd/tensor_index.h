@@ -25,6 +25,12 @@ struct ExpertParallel {
   int64_t size = 0;
   std::vector<int64_t> ranks;
 };
+struct Extent {  // a byte range of a segment: a tensor of several segments is their concatenation, in order
+  std::string segment;
+  uint64_t offset = 0;
+  uint64_t nbytes = 0;
+  bool operator==(const Extent& o) const { return segment == o.segment && offset == o.offset && nbytes == o.nbytes; }
+};
 struct TensorEntry {
   std::string name;
   std::string segment;
@@ -36,9 +42,10 @@ struct TensorEntry {
   std::optional<std::string> base;   // the served tensor a view lies inside
   std::optional<std::string> checksum;
   std::optional<ExpertBlock> experts;
+  std::vector<Extent> extents;  // schema 3: its bytes as ranges of several segments (segment/offset: the first's)
 };
 struct Index {
-  int schema = 2;  // as read (1 or 2)
+  int schema = 2;  // as read (1, 2, or 3 where a tensor has extents)
   int64_t generation = 0;
   std::string namespace_;
   std::string model_type;

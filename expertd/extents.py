@@ -1,0 +1,89 @@
+"""A served tensor made of byte ranges of several segments: extents, in order.
+
+A new generation that changes k experts of a fused expert stack writes those k experts' bytes and reuses the other
+experts' ranges of the older generation's segments: its entry lists the ranges (segment, offset, nbytes) whose
+concatenation is the tensor. Ranges at consecutive offsets of one segment are one extent (`merge`). A reader maps
+them into one contiguous read-only view (`expertd.shm.view`): every extent but the last is a whole number of pages
+and starts on a page boundary of its segment, so each maps where it belongs in one reserved range.
+
+Client-safe: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ProtocolError
+
+
+@dataclass(frozen=True)
+class Extent:
+    segment: str
+    offset: int
+    nbytes: int
+
+    def to_wire(self) -> list:
+        return [self.segment, self.offset, self.nbytes]
+
+
+def merge(extents) -> list[Extent]:
+    """`extents` with each run of ranges at consecutive offsets of one segment made one extent (empty ones dropped)."""
+    out: list[Extent] = []
+    for e in extents:
+        if not e.nbytes:
+            continue
+        last = out[-1] if out else None
+        if last is not None and last.segment == e.segment and last.offset + last.nbytes == e.offset:
+            out[-1] = Extent(last.segment, last.offset, last.nbytes + e.nbytes)
+        else:
+            out.append(e)
+    return out
+
+
+def from_wire(value, name: str, nbytes: int) -> list[Extent]:
+    """An entry's `extents` as the index carries them ([[segment, offset, nbytes], ...]), checked: at least two, each
+    a segment name and non-negative numbers, summing to the entry's `nbytes`."""
+    if not isinstance(value, list) or len(value) < 2:
+        raise ProtocolError(f"tensor index: {name}'s extents must be a list of at least two [segment, offset, nbytes]")
+    out = []
+    for item in value:
+        if (not isinstance(item, (list, tuple)) or len(item) != 3 or not isinstance(item[0], str)
+                or not all(type(n) is int and n >= 0 for n in item[1:]) or not item[2]):
+            raise ProtocolError(f"tensor index: {name}'s extent {item!r} is not [segment, offset, nbytes > 0]")
+        out.append(Extent(item[0], item[1], item[2]))
+    if sum(e.nbytes for e in out) != nbytes:
+        raise ProtocolError(f"tensor index: {name}'s extents hold {sum(e.nbytes for e in out)} bytes, not its {nbytes}")
+    return out
+
+
+def cut(extents: list[Extent], start: int, length: int) -> list[Extent]:
+    """The extents of bytes [start, start + length) of the tensor `extents` make (a per-expert view's)."""
+    out, at = [], 0
+    for e in extents:
+        lo, hi = max(start, at), min(start + length, at + e.nbytes)
+        if lo < hi:
+            out.append(Extent(e.segment, e.offset + lo - at, hi - lo))
+        at += e.nbytes
+    return out
+
+
+def places(entry) -> list[Extent]:
+    """Where an index entry's bytes lie, in order: its extents, or its one range."""
+    return list(entry.extents) if entry.extents else [Extent(entry.segment, entry.offset, entry.nbytes)]
+
+
+def mappable(extents: list[Extent], unit: int) -> bool:
+    """Whether the extents map into one contiguous range with pages of `unit` bytes: every extent starts on a page of
+    its segment, and every one but the last is whole pages."""
+    return all(e.offset % unit == 0 for e in extents) and all(e.nbytes % unit == 0 for e in extents[:-1])
+
+
+
+def position(extents: list[Extent], segment: str, offset: int) -> int:
+    """Where byte `offset` of `segment` lies in the tensor `extents` make (a view's start within its base)."""
+    at = 0
+    for e in extents:
+        if e.segment == segment and e.offset <= offset < e.offset + e.nbytes:
+            return at + offset - e.offset
+        at += e.nbytes
+    raise ProtocolError(f"tensor index: ({segment}, {offset}) lies in none of the tensor's ranges")

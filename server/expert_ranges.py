@@ -1,0 +1,86 @@
+"""A push that changes some experts of a stack writes those experts only: the new generation's entry is the old
+one's ranges with the changed experts' replaced (`expertd.extents`).
+
+A served expert stack is one tensor of n equal parts (one per checkpoint source: an expert, or an expert's
+projection). Where a part is a whole number of the shm folder's pages and the old stack's ranges start on pages, the
+changed parts' bytes go into a new segment of their size and every unchanged part stays where it is, in whatever
+older generation's segment holds it: a new generation costs the changed experts' bytes, not the stack's. Which parts
+changed is decided by their bytes (a pushed part equal to what is served changes nothing). A stack whose ranges
+would pass MAX_EXTENTS is written whole into one segment instead (compaction: a reader maps each range, and a long
+run of generations must not approach the kernel's limit on a process's mappings, `vm.max_map_count`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from expertd.extents import Extent, cut, mappable, merge, places
+from expertd.index import TensorEntry, checksum, combined_checksum, tensor_bytes
+from expertd.shm import DTYPES, same_bytes
+
+from .dequant import write_part
+
+log = logging.getLogger("expertd.updates")
+
+MAX_EXTENTS = 64  # a stack of more ranges than this is written whole again (one range)
+
+
+def part_bytes(push, staged: dict, entry: TensorEntry, parts: int, device) -> list[torch.Tensor]:
+    """The new bytes (uint8) of each part `push` writes: views of the staged tensor where it is the served bytes
+    as they are (plain, the served dtype), else decoded into private memory as the whole path writes them."""
+    data, scale = staged[push.name], (staged[push.scale.name] if push.scale else None)
+    shape = push.served_shape
+    if push.kind == "plain" and scale is None and data.dtype == DTYPES[entry.dtype]:
+        flat = data.reshape(-1).view(torch.uint8)
+    else:
+        out = torch.empty(shape, dtype=DTYPES[entry.dtype])
+        write_part(out, data, scale, name=push.name, block=push.block, kind=push.kind, device=device)
+        flat = out.reshape(-1).view(torch.uint8)
+    count = parts if push.part is None else 1
+    step = flat.numel() // count
+    return [flat[k * step: (k + 1) * step] for k in range(count)]
+
+
+def changed_stack(entry: TensorEntry, pushes: list, staged: dict, old, arena, device) -> TensorEntry | None:
+    """The new entry of stack `entry` after `pushes` (the update's pushes into it), only the parts whose bytes change
+    written, into a new segment of `arena` (the old entry itself where none changes); None where the parts are not
+    whole pages, all of them change, or the ranges would pass MAX_EXTENTS: the caller writes the stack whole."""
+    n, unit = len(entry.sources), arena.shm.unit
+    chunk = entry.nbytes // max(n, 1)
+    if n < 2:
+        return None
+    if chunk % unit or not mappable(places(entry), unit):
+        log.info("%s: its %d parts of %d bytes are not whole pages of %s (%d bytes): written whole", entry.name, n,
+                 chunk, arena.shm_dir, unit)
+        return None
+    new: dict[int, torch.Tensor] = {}
+    for push in pushes:
+        for k, data in zip(range(n) if push.part is None else (push.part,), part_bytes(push, staged, entry, n, device)):
+            new[k] = data
+    changed = [k for k in sorted(new) if not same_bytes(new[k], old.part(entry, k, n))]
+    if not changed:
+        return entry
+    if len(changed) == n or len(_layout(entry, changed, "", chunk)) > MAX_EXTENTS:
+        return None
+    where = arena.add(len(changed) * chunk)
+    out = arena.tensor(where, (len(changed) * chunk,), torch.uint8)
+    for slot, k in enumerate(changed):
+        out[slot * chunk: (slot + 1) * chunk].copy_(new[k])
+    del out
+    extents = _layout(entry, changed, where.segment, chunk, where.offset)
+    sums = [checksum(tensor_bytes(new[k] if k in new else old.part(entry, k, n))) for k in range(n)]
+    return TensorEntry(entry.name, extents[0].segment, extents[0].offset, entry.nbytes, list(entry.shape),
+                       entry.dtype, list(entry.sources), checksum=combined_checksum(sums), experts=entry.experts,
+                       extents=extents)
+
+
+def _layout(entry: TensorEntry, changed: list[int], segment: str, chunk: int, offset: int = 0) -> list[Extent]:
+    """The new stack's ranges: the changed parts back to back in `segment` from `offset`, the others where they are."""
+    slots = {k: slot for slot, k in enumerate(changed)}
+    pieces = []
+    for k in range(len(entry.sources)):
+        pieces.extend([Extent(segment, offset + slots[k] * chunk, chunk)] if k in slots
+                      else cut(places(entry), k * chunk, chunk))
+    return merge(pieces)

@@ -1,0 +1,219 @@
+"""A changed expert costs its own bytes (issue 39, the Python client's part): a push that changes some experts of a
+stack writes those experts only, the new generation's stack is the older segments' ranges with theirs replaced
+(index schema 3), and a reader maps the ranges as one contiguous read-only view. Real daemon, real shm segments."""
+
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from expertd.client import ExpertClient
+from expertd.client.residency import shared_ranges
+from expertd.errors import ProtocolError
+from expertd.extents import Extent, cut, merge
+from expertd.index import TensorEntry, TensorIndex, derive_views, tensor_checksum
+from expertd.shm import map_segments, view
+from expertd.tools.generate import generate_model_type
+from expertd.index import SegmentEntry
+
+PAGE = mmap.PAGESIZE
+STACK = "model.layers.1.mlp.experts.gate_up_proj"  # [E, 2I, H]: parts gate and up of each expert
+EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"  # one part of it: I x H bf16 = 64 KiB
+
+
+@pytest.fixture(scope="module")
+def paged(tmp_path_factory) -> str:
+    """A Qwen3-MoE bf16 checkpoint whose experts' parts are whole pages (I x H x 2 bytes = 64 KiB)."""
+    folder = str(tmp_path_factory.mktemp("paged") / "qwen3_moe")
+    generate_model_type(folder, "qwen3_moe", fp8=False, hidden_size=256, moe_intermediate_size=128)
+    return folder
+
+
+def in_one_shared_range(t: torch.Tensor) -> bool:
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    return any(a <= lo and hi <= b for a, b in shared_ranges("/dev/shm"))
+
+
+def shm_bytes(namespace: str) -> int:
+    return sum(os.path.getsize(p) for p in glob.glob(f"/dev/shm/{namespace}.*"))
+
+
+def test_extents_round_trip_in_schema_3_and_bad_ones_are_refused():
+    extents = [Extent("/a", 0, 2 * PAGE), Extent("/b", PAGE, PAGE), Extent("/a", 3 * PAGE, PAGE)]
+    entry = TensorEntry("t", "/a", 0, 4 * PAGE, [4, PAGE // 2], "torch.bfloat16", ["t.0", "t.1", "t.2", "t.3"],
+                        extents=extents)
+    plain = TensorEntry("u", "/c", 0, PAGE, [PAGE // 2], "torch.bfloat16", ["u"])
+    index = TensorIndex(1, "ns", "qwen3_moe", "hf", {}, [SegmentEntry(s, 8 * PAGE) for s in "/a /b /c".split()],
+                        [entry, plain], None)
+    wire = index.to_dict()
+    assert wire["schema"] == 3 and "extents" not in wire["tensors"][1]
+    back = TensorIndex.from_dict(wire)
+    assert back.tensors[0].extents == extents and back.tensors[1].extents is None
+    assert TensorIndex.from_dict({**wire, "tensors": [wire["tensors"][1]]}).to_dict()["schema"] == 2
+    views = derive_views(back.tensors)  # expert k: its part of the ranges
+    assert [v.extents for v in views[:2]] == [None, None] and (views[0].segment, views[0].offset) == ("/a", 0)
+    assert (views[2].segment, views[2].offset, views[3].offset) == ("/b", PAGE, 3 * PAGE)
+    assert merge([Extent("/a", 0, PAGE), Extent("/a", PAGE, PAGE), Extent("/b", 0, PAGE)]) == [
+        Extent("/a", 0, 2 * PAGE), Extent("/b", 0, PAGE)]
+    assert cut(extents, PAGE, 2 * PAGE) == [Extent("/a", PAGE, PAGE), Extent("/b", PAGE, PAGE)]
+    for bad, says in (([["/a", 0, PAGE]], "at least two"), ([["/a", 0, PAGE], ["/b", 0, 2 * PAGE]], "hold"),
+                      ([["/a", -1, 2 * PAGE], ["/b", 0, 2 * PAGE]], "is not"), ([["/a", 0, 0], ["/b", 0, 4 * PAGE]],
+                                                                                 "is not")):
+        with pytest.raises(ProtocolError, match=says):
+            TensorIndex.from_dict({**wire, "tensors": [{**wire["tensors"][0], "extents": bad}]})
+
+
+def test_a_tensor_of_several_segments_is_one_read_only_view_of_their_pages(namespace):
+    names = [f"/{namespace}.x.{k}" for k in range(2)]
+    data = [torch.randint(0, 255, (8 * PAGE,), dtype=torch.uint8) for _ in names]
+    for name, d in zip(names, data):
+        with open(f"/dev/shm{name}", "wb") as f:
+            f.write(d.numpy().tobytes())
+    try:
+        segments = map_segments([SegmentEntry(n, 8 * PAGE) for n in names])
+        extents = [Extent(names[0], 0, 2 * PAGE), Extent(names[1], 5 * PAGE, PAGE), Extent(names[0], 6 * PAGE, 100)]
+        entry = TensorEntry("t", names[0], 0, 3 * PAGE + 100, [3 * PAGE + 100], "torch.uint8", extents=extents)
+        t = view(segments, entry)
+        assert torch.equal(t, torch.cat([data[0][:2 * PAGE], data[1][5 * PAGE:6 * PAGE], data[0][6 * PAGE:][:100]]))
+        assert in_one_shared_range(t)  # the daemon's pages, mapped as one range: no copy
+        del segments
+        for name in names:
+            os.unlink(f"/dev/shm{name}")  # the view outlives the segments' mappings and files
+        assert int(t[2 * PAGE]) == int(data[1][5 * PAGE])
+        lo = t.data_ptr()
+        del t
+        assert not any(a <= lo < b for a, b in shared_ranges("/dev/shm"))  # unmapped with its last tensor
+    finally:
+        for name in names:
+            if os.path.exists(f"/dev/shm{name}"):
+                os.unlink(f"/dev/shm{name}")
+
+
+def test_a_write_into_the_composed_view_is_sigsegv(namespace):
+    code = f"""
+import os, torch
+from expertd.extents import Extent
+from expertd.index import SegmentEntry, TensorEntry
+from expertd.shm import map_segments, view
+names = ["/{namespace}.w.0", "/{namespace}.w.1"]
+for n in names:
+    with open("/dev/shm" + n, "wb") as f:
+        f.write(bytes(2 * {PAGE}))
+segments = map_segments([SegmentEntry(n, 2 * {PAGE}) for n in names])
+for n in names:
+    os.unlink("/dev/shm" + n)
+t = view(segments, TensorEntry("t", names[0], 0, 2 * {PAGE}, [2 * {PAGE}], "torch.uint8",
+                               extents=[Extent(names[0], 0, {PAGE}), Extent(names[1], {PAGE}, {PAGE})]))
+print("mapped", flush=True)
+t[{PAGE} + 1] = 7
+print("written", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -11 and "mapped" in done.stdout and "written" not in done.stdout, done
+
+
+def test_a_push_of_one_expert_writes_that_expert_and_readers_see_each_generation(paged, start_daemon, namespace):
+    daemon = start_daemon(paged, expert_ranges=True, max_generations=4)
+    with ExpertClient(daemon.endpoint, heartbeat=False) as old, ExpertClient(daemon.endpoint, heartbeat=False) as c:
+        before = {n: t.clone() for n, t in c.served_tensors().items()}
+        part = c.tensors()[EXPERT].clone()
+        grown = shm_bytes(namespace)
+        assert c.update({EXPERT: -part}) == 2
+        c.refresh()
+        grown = shm_bytes(namespace) - grown
+        (entry,) = [t for t in c.index().tensors if t.name == STACK]
+        assert entry.extents and len(entry.extents) == 3, entry  # the old ranges around the new expert's
+        new_index = c.index()
+        assert grown <= part.numel() * 2 + os.path.getsize(f"/dev/shm{daemon.status()['index_segment']}"), grown
+        served = c.served_tensors()
+        want = before[STACK].clone()
+        e, half = 3, want.shape[1] // 2
+        want[e, half:] = -part
+        assert torch.equal(served[STACK], want)
+        assert in_one_shared_range(served[STACK])
+        assert all(torch.equal(served[n], before[n]) for n in before if n != STACK)
+        assert torch.equal(c.tensors()[EXPERT], -part)
+        assert c.verify() == [] and tensor_checksum(served[STACK], len(entry.sources)) == entry.checksum
+        assert torch.equal(old.served_tensors()[STACK], before[STACK])  # a reader still on generation 1
+        assert new_index.generation == 2
+        # logits: transformers' own model with that expert changed, and the unchanged one for the old reader
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(paged, dtype=torch.bfloat16).eval()
+        ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+        with torch.no_grad():
+            old_logits = reference(ids).logits
+            dict(reference.named_parameters())[STACK].data[e, half:] = -part
+            new_logits = reference(ids).logits
+            assert torch.equal(c.load_model()(ids).logits, new_logits)
+            assert torch.equal(old.load_model()(ids).logits, old_logits)
+        assert not torch.equal(new_logits, old_logits)
+
+
+def test_generations_of_ranges_share_segments_until_none_uses_them(paged, start_daemon, namespace):
+    """A whole push of the stack with one expert changed writes that expert; a second push changes another (the
+    stack then lies in three generations' segments); old generations retire without taking a range a live one
+    still uses; a push that changes every expert writes the stack whole again and the old segments go."""
+    daemon = start_daemon(paged, expert_ranges=True, max_generations=2, revoke_after_s=0)
+    with ExpertClient(daemon.endpoint, heartbeat=False) as c:
+        want = c.served_tensors()[STACK].clone()
+        first_segment = next(t.segment for t in c.index().tensors if t.name == STACK)
+        for e in (5, 0):  # pushed whole, equal to what is served but for expert e
+            stack = c.served_tensors()[STACK].clone()
+            stack[e] = stack[e] * 2 + 1
+            want[e] = stack[e]
+            c.update({STACK: stack})
+            c.refresh()
+        (entry,) = [t for t in c.index().tensors if t.name == STACK]
+        segments = {x.segment for x in entry.extents}
+        assert len(segments) == 3 and first_segment in segments, entry.extents
+        assert [g["generation"] for g in daemon.status()["generations"]] == [3]  # 1 and 2 retired
+        assert all(os.path.exists(f"/dev/shm{s}") for s in segments)  # their ranges still used by generation 3
+        with ExpertClient(daemon.endpoint, heartbeat=False) as fresh:
+            assert torch.equal(fresh.served_tensors()[STACK], want) and fresh.verify() == []
+        c.update({STACK: -want})
+        c.refresh()
+        (entry,) = [t for t in c.index().tensors if t.name == STACK]
+        assert entry.extents is None and torch.equal(c.served_tensors()[STACK], -want)
+    assert not any(os.path.exists(f"/dev/shm{s}") for s in segments)
+
+
+def test_a_stack_whose_parts_are_not_whole_pages_is_written_whole(tiny_checkpoint, start_daemon, namespace, tmp_path):
+    with open(tmp_path / "daemon.log", "w") as log:
+        daemon = start_daemon(tiny_checkpoint, expert_ranges=True, stderr=log)
+    with ExpertClient(daemon.endpoint, heartbeat=False) as c:
+        stack = next(t for t in c.index().tensors if len(t.sources) > 1)
+        value = c.served_tensors()[stack.name].clone()
+        value[0] = value[0] * 2
+        c.update({stack.name: value})
+        c.refresh()
+        (entry,) = [t for t in c.index().tensors if t.name == stack.name]
+        assert entry.extents is None and torch.equal(c.served_tensors()[stack.name], value)
+    said = [line for line in (tmp_path / "daemon.log").read_text().splitlines() if "not whole pages" in line]
+    assert len(said) == 1 and stack.name in said[0], said
+
+
+def test_a_successor_adopts_a_generation_of_ranges(paged, start_daemon, namespace):
+    """kill -9 after a push that wrote one expert: the next daemon adopts generation 2, its stack still the ranges
+    of both generations' segments (each verified range by range), the same bytes."""
+    first = start_daemon(paged, expert_ranges=True)
+    with ExpertClient(first.endpoint, heartbeat=False) as c:
+        part = c.tensors()[EXPERT].clone()
+        c.update({EXPERT: -part})
+        c.refresh()
+        want = c.served_tensors()[STACK].clone()
+        (entry,) = [t for t in c.index().tensors if t.name == STACK]
+    first.proc.kill()
+    first.proc.wait()
+    second = start_daemon(paged, expert_ranges=True)
+    assert second.status()["generation"] == 2
+    with ExpertClient(second.endpoint, heartbeat=False) as c:
+        (adopted,) = [t for t in c.index().tensors if t.name == STACK]
+        assert adopted.extents == entry.extents and c.verify() == []
+        assert torch.equal(c.served_tensors()[STACK], want) and torch.equal(c.tensors()[EXPERT], -part)
