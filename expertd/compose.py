@@ -27,6 +27,7 @@ log = logging.getLogger("expertd.client")
 PAGE = mmap.PAGESIZE
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MAP_NORESERVE = 0x4000
+_PROT_NONE = 0
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -42,7 +43,7 @@ class _Reservation:
 
     def __init__(self, length: int):
         self.length = length
-        address = _libc.mmap(None, length, mmap.PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
+        address = _libc.mmap(None, length, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
                              -1, 0)
         if address in (None, _FAILED):
             raise ShmError(f"cannot reserve {length} bytes of address space: {os.strerror(ctypes.get_errno())}")
