@@ -67,9 +67,9 @@ def run(folder: str, args, ranges: bool) -> dict:
             out["expert_bytes"] = names[expert].numel() * names[expert].element_size()
             for rep in range(args.reps):
                 out["one"].append(push(pusher, daemon, {expert: names[expert] * (-1) ** (rep + 1)}))
-            for k in (1, 4, 16):  # spread over the layers: every (experts / 4)-th expert's up part
-                chosen = ups[:: max(1, args.experts // 4)][:k]
-                out["k"][k] = push(pusher, daemon, {n: names[n] * 2 for n in chosen})
+            for k in (1, 4, 16):  # spread over every layer's stack; new values each time (a push of what is
+                chosen = ups[1:: max(1, len(ups) // k)][:k]  # served changes nothing)
+                out["k"][k] = push(pusher, daemon, {n: names[n] * (k + 1) for n in chosen})
             with ExpertClient(daemon.endpoint, heartbeat=False) as reader:
                 held = reader.served_tensors()  # a reader mapping every served tensor
                 push(pusher, daemon, {expert: names[expert] * 3})
