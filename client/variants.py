@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from expertd import messages
@@ -101,25 +102,18 @@ def derive(conn, lease: str, index: TensorIndex, items: list[messages.GatherItem
 def _names(pool: ThreadPoolExecutor, asked: list) -> list[str | None]:
     """Each gather's name (None where its sources are not served), on `pool`'s threads (hashing and inflating
     release the GIL); an index several items share (a model's layers of one kind) is inflated once."""
-    uses: dict[tuple, int] = {}
-    for one in filter(None, asked):
-        uses[_index_key(one[0])] = uses.get(_index_key(one[0]), 0) + 1
-    shared = [g for g, _ in {_index_key(g): (g, s) for g, s in filter(None, asked) if uses[_index_key(g)] > 1}.values()]
-    inflated = dict(zip(map(_index_key, shared), pool.map(lambda g: list(g.differences()), shared)))
+    uses = Counter(g.index_key() for g, _ in filter(None, asked))
+    shared = list({g.index_key(): g for g, _ in filter(None, asked) if uses[g.index_key()] > 1}.values())
+    inflated = dict(zip((g.index_key() for g in shared), pool.map(lambda g: list(g.differences()), shared)))
 
     def name(one) -> str | None:
         if one is None:
             return None
         gather, sources = one
-        chunks = inflated.get(_index_key(gather))
+        chunks = inflated.get(gather.index_key())
         return gather.key(sources) if chunks is None else key(gather.header(sources), chunks)
 
     return list(pool.map(name, asked))
-
-
-def _index_key(gather: Gather) -> tuple:
-    """What decides an index's inflated entries and their checks: its bytes as sent, length and source block."""
-    return gather.deflated, gather.length, gather.source_block
 
 
 def _ask(conn, request, timeout_s: float = DERIVE_TIMEOUT_S):

@@ -128,6 +128,10 @@ class Gather:
             raise VariantRejected(f"op 'gather': the gather index for {self.name!r} does not inflate to "
                                   f"{self.length} int32 differences")
 
+    def index_key(self) -> tuple:
+        """What decides the inflated index and its checks: its bytes as sent, its length and the source block."""
+        return self.deflated, self.length, self.source_block
+
     def header(self, sources: list) -> dict:
         """The canonical request this gather is (`sources`: the index entries of `name`, then of `also`)."""
         return {"kind": "gather", "v": 1, "dtype": sources[0].dtype, "sources": [source_identity(e) for e in sources],

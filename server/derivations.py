@@ -51,7 +51,7 @@ QUEUED_PER_READER = 4  # a reader's large requests waiting for the job at once (
 def _alike(p: Planned) -> tuple:
     """What decides a gather's inflated index, its checks and its strided form: the index as sent, its length, the
     source block and whether it reads several sources."""
-    return p.gather.deflated, p.gather.length, p.gather.source_block, bool(p.more)
+    return *p.gather.index_key(), bool(p.more)
 
 
 def request_digest(kind: str, planned: list[Planned], items: list) -> str:
