@@ -147,12 +147,18 @@ def test_a_readers_queue_is_bounded(tiny_checkpoint, start_daemon):
     conn = Connection(daemon.endpoint, timeout=60)
     try:
         with ExpertClient(daemon.endpoint) as client:
+            requests = []  # made before the first is sent, so they follow one another as fast as the daemon answers
+            for k in range(20):  # each job inflates 8 distinct indexes of 6 MB: far longer than a reply takes
+                items = []
+                for j in range(8):
+                    index = genuine()
+                    index[-1] = 10_000_000 + 8 * k + j
+                    items.append(item_of(index).wire())
+                requests.append(items)
             replies = []
-            for k in range(20):  # asked one after another: each is answered long before a job inflates 6 MB
-                index = genuine()
-                index[-1] = 10_000_000 + k
+            for items in requests:
                 try:
-                    replies.append(conn.request("gather", client=client.lease, tensors=[item_of(index).wire()]))
+                    replies.append(conn.request("gather", client=client.lease, tensors=items))
                 except DerivedLimit as exc:
                     replies.append(exc)
             refused = [r for r in replies if isinstance(r, Exception)]
