@@ -341,27 +341,6 @@ def tensor_checksum(t, parts: int = 1) -> str:
     return bytes_checksum(tensor_bytes(t), parts)
 
 
-def pieces_checksum(read, extents: list[Extent], parts: int) -> str:
-    """The index's checksum of the bytes `extents` make (`read(extent)`: that range's bytes as a buffer), combined
-    from `parts` equal parts as `expertd.index.tensor_checksum` does, hashed range by range (nothing concatenated)."""
-    import xxhash
-
-    total = sum(e.nbytes for e in extents)
-    step = total // max(parts, 1)
-    sums = []
-    for k in range(max(parts, 1)):
-        h = xxhash.xxh3_64()
-        for piece in cut(extents, k * step, step):
-            data = read(piece)
-            try:
-                h.update(data)
-            finally:
-                if isinstance(data, memoryview):
-                    data.release()
-        sums.append(checksum_text(h.intdigest()))
-    return combined_checksum(sums)
-
-
 def json_text(data: dict, indent: int | None = 1, sort_keys: bool = True) -> str:
     """`data` as the index, ledger and manifest write it: compact without an indent, one trailing newline."""
     # dumps, not dump: json.dump always encodes in Python, dumps in C when there is no indent (~6x faster

@@ -11,9 +11,9 @@ import time
 
 from . import index_segment, messages, procfs
 from .errors import DaemonError, DaemonTimeout, GenerationLimit, NotReady
-from .index import TensorIndex, bytes_checksum, checksum_parts, pieces_checksum
+from .index import TensorIndex
 from .protocol import PROTOCOL_VERSION
-from .segments import map_segment
+from .segments import Placed, map_segment
 
 
 def lease_request(conn, **extra) -> messages.LeaseReply:
@@ -71,43 +71,7 @@ def index_place(conn, client: str, timeout: float) -> dict:
 
 def corrupted_tensors(index: TensorIndex) -> list[str]:
     """Names of the served tensors whose bytes in shared memory no longer hash to the index's checksum (corrupted:
-    not a newer generation's change, which `expertd.index.moved` names)."""
+    not a newer generation's change, which `expertd.index.moved` names), in the index's order."""
     sizes = {s.name: s.nbytes for s in index.segments}
-    by_segment: dict[str, list] = {}
-    ranged = []
-    for entry in index.tensors:
-        if entry.checksum is not None and entry.extents:
-            ranged.append(entry)
-        elif entry.checksum is not None:
-            by_segment.setdefault(entry.segment, []).append(entry)
-    bad = []
-    for name, entries in by_segment.items():
-        mapping = map_segment(name, sizes[name], shm_dir=index.shm_dir)
-        try:
-            for entry in entries:
-                data = memoryview(mapping)[entry.offset: entry.offset + entry.nbytes]
-                try:
-                    if bytes_checksum(data, checksum_parts(entry.checksum)) != entry.checksum:
-                        bad.append(entry.name)
-                finally:
-                    data.release()
-        finally:
-            mapping.close()
-    bad += _corrupted_ranges(ranged, sizes, index.shm_dir)
-    order = {entry.name: k for k, entry in enumerate(index.tensors)}
-    return sorted(bad, key=order.__getitem__)
-
-
-def _corrupted_ranges(entries: list, sizes: dict[str, int], shm_dir: str) -> list[str]:
-    """`corrupted_tensors` of entries made of several segments' ranges (extents), hashed range by range."""
-    maps: dict[str, object] = {}
-    try:
-        def read(extent):
-            if extent.segment not in maps:
-                maps[extent.segment] = map_segment(extent.segment, sizes[extent.segment], shm_dir=shm_dir)
-            return memoryview(maps[extent.segment])[extent.offset: extent.offset + extent.nbytes]
-
-        return [e.name for e in entries if pieces_checksum(read, e.extents, checksum_parts(e.checksum)) != e.checksum]
-    finally:
-        for mapping in maps.values():
-            mapping.close()
+    with Placed(lambda name: map_segment(name, sizes[name], shm_dir=index.shm_dir)) as placed:
+        return [e.name for e in index.tensors if e.checksum is not None and placed.checksum(e) != e.checksum]

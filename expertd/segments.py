@@ -3,7 +3,7 @@
 A segment is a file in the daemon's `shm_dir` (the index names it): `/dev/shm` by default, where POSIX
 shm_open puts it too, or a huge-page tmpfs or hugetlbfs mount. The daemon's control plane (adoption, the
 run state, the index segment) and the clients both open segments through here; tensor views over them are
-`expertd.shm`'s.
+`expertd.shm`'s. `Placed` hashes index entries where they lie (verify and adoption alike).
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import threading
 
 from .errors import ShmError
-from .index import DEFAULT_SHM_DIR
+from .extents import Extent, cut, places
+from .index import DEFAULT_SHM_DIR, checksum_parts, checksum_text, combined_checksum
 from .trust import check_owner
 
 OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC  # what shm_open uses: a segment is never a symlink
@@ -63,3 +65,57 @@ def map_segment(name: str, nbytes: int, writable: bool = False, shared_write: bo
                            f"{exc.strerror}{hint}") from exc
     finally:
         os.close(fd)
+
+
+def pieces_checksum(read, extents: list[Extent], parts: int) -> str:
+    """The index's checksum of the bytes `extents` make (`read(extent)`: that range's bytes as a buffer), combined
+    from `parts` equal parts as `expertd.index.tensor_checksum` does, hashed range by range (nothing concatenated)."""
+    import xxhash
+
+    total = sum(e.nbytes for e in extents)
+    step = total // max(parts, 1)
+    sums = []
+    for k in range(max(parts, 1)):
+        h = xxhash.xxh3_64()
+        for piece in cut(extents, k * step, step):
+            data = read(piece)
+            try:
+                h.update(data)
+            finally:
+                if isinstance(data, memoryview):
+                    data.release()
+        sums.append(checksum_text(h.intdigest()))
+    return combined_checksum(sums)
+
+
+class Placed:
+    """Index entries' bytes where they lie: their one range or their extents, each segment mapped read-only once by
+    `open_segment(name)` (a client's owner-checked `map_segment`, the daemon's own open), all closed together.
+    Threads may share one."""
+
+    def __init__(self, open_segment):
+        self.open_segment = open_segment
+        self.maps: dict[str, mmap.mmap] = {}
+        self.lock = threading.Lock()
+
+    def read(self, extent: Extent) -> memoryview:
+        with self.lock:
+            if extent.segment not in self.maps:
+                self.maps[extent.segment] = self.open_segment(extent.segment)
+            mapping = self.maps[extent.segment]
+        return memoryview(mapping)[extent.offset: extent.offset + extent.nbytes]
+
+    def checksum(self, entry) -> str:
+        """The checksum of `entry`'s bytes as the index records it (its number of parts), hashed range by range."""
+        return pieces_checksum(self.read, places(entry), checksum_parts(entry.checksum))
+
+    def close(self) -> None:
+        for mapping in self.maps.values():
+            mapping.close()
+        self.maps.clear()
+
+    def __enter__(self) -> Placed:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

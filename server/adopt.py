@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from expertd.extents import places
-from expertd.index import TensorEntry, TensorIndex, bytes_checksum, checksum_parts, pieces_checksum, tensor_bytes
-from expertd.segments import OPEN_FLAGS, segment_path
+from expertd.index import TensorEntry, TensorIndex, bytes_checksum, checksum_parts, tensor_bytes
+from expertd.segments import OPEN_FLAGS, Placed, segment_path
 
 from . import ledger, variant_records
 from .arena import Arena, segment_pattern, unlink_segment
@@ -118,29 +118,23 @@ def damaged(index: TensorIndex, mode: str, threads: int, gid: int | None) -> tup
     sizes = {s.name: s.nbytes for s in index.segments}
     todo = [t for t in index.tensors if t.name not in bad and t.checksum is not None]
 
-    def check(entry: TensorEntry) -> str | None:
-        return None if _checksum(entry, sizes, index.shm_dir) == entry.checksum else entry.name
-
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="expertd-adopt") as pool:
-        bad += [name for name in pool.map(check, todo) if name is not None]
+    pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="expertd-adopt")
+    with _placed(sizes, index.shm_dir) as placed, pool:
+        bad += [t.name for t, got in zip(todo, pool.map(placed.checksum, todo)) if got != t.checksum]
     return bad, None
 
 
-def _checksum(entry: TensorEntry, sizes: dict[str, int], shm_dir: str) -> str:
-    """The checksum of the entry's bytes where they lie (range by range for one made of several segments')."""
-    maps = {}
-    try:
-        for name in dict.fromkeys(x.segment for x in places(entry)):
-            fd = os.open(segment_path(name, shm_dir), os.O_RDONLY | OPEN_FLAGS)
-            try:
-                maps[name] = mmap.mmap(fd, sizes[name], mmap.MAP_SHARED, mmap.PROT_READ)
-            finally:
-                os.close(fd)
-        return pieces_checksum(lambda x: memoryview(maps[x.segment])[x.offset: x.offset + x.nbytes], places(entry),
-                               checksum_parts(entry.checksum))
-    finally:
-        for mapping in maps.values():
-            mapping.close()
+def _placed(sizes: dict[str, int], shm_dir: str) -> Placed:
+    """Entries' bytes where they lie, each segment opened by the daemon itself (no owner check: adoption checked
+    every segment's owner and mode first) and mapped read-only at its recorded size."""
+    def opened(name: str) -> mmap.mmap:
+        fd = os.open(segment_path(name, shm_dir), os.O_RDONLY | OPEN_FLAGS)
+        try:
+            return mmap.mmap(fd, sizes[name], mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    return Placed(opened)
 
 
 def repair(entry: TensorEntry, data, segment_size: int, shm_dir: str, gid: int | None) -> bool:
@@ -318,7 +312,8 @@ def _verify_variants(todo: list, mode: str, threads: int, gid: int | None) -> di
     def check(item) -> tuple[tuple, str | None]:
         place, entry, size, shm_dir = item
         try:
-            return place, None if _checksum(entry, {entry.segment: size}, shm_dir) == entry.checksum else "checksum"
+            with _placed({entry.segment: size}, shm_dir) as placed:
+                return place, None if placed.checksum(entry) == entry.checksum else "checksum"
         except OSError:  # gone or truncated since it was checked
             return place, "missing"
 

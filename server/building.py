@@ -4,7 +4,9 @@
 pool's lives, the garbage collector, the index). Each served tensor goes one of three ways: kept (no source
 changed: the new index points at the old bytes), whole (one task reads every source at once: a computed
 tensor, or one not split into parts), or part by part (one checkpoint tensor a part, in batches; a part
-whose source did not change is copied from the old bytes instead of dequantized again).
+whose source did not change is copied from the old bytes instead of dequantized again). With `ranges`
+(`expert_ranges`), a stack of which some parts changed has only those written, into a segment of their size; its
+entry's extents keep the others where they lie (`expert_ranges`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from expertd.shm import segment_bytes, view
 from .arena import Arena
 from .built import Cancelled
 from .compute import build_whole
+from .expert_ranges import MAX_EXTENTS, layout, part_sums, whole_pages
 from .filling import OrderedPool, batches, fill, source_digest
 from .layout import Plan
 from .parts import Part
@@ -89,14 +92,15 @@ class Build:
     `on_progress` hear of every byte placed or kept; `should_stop` is asked before each served tensor."""
 
     def __init__(self, ckpt: Checkpoint, plan: Plan, previous, arena: Arena, pool: OrderedPool,
-                 device: torch.device, bar, on_progress=None, should_stop=None):
-        self.ckpt, self.plan, self.previous, self.device = ckpt, plan, previous, device
+                 device: torch.device, bar, on_progress=None, should_stop=None, ranges: bool = False):
+        self.ckpt, self.plan, self.previous, self.device, self.ranges = ckpt, plan, previous, device, ranges
         self.arena, self.pool = arena, pool
         self.bar, self.on_progress, self.should_stop = bar, on_progress, should_stop
         self.known: dict[tuple, str] = {}  # source identity -> digest, for the next build to skip re-reading
         self.prev: list[TensorEntry | None] = [None] * len(plan.tensors)  # the old entry, where comparable
         self.digests: list[list[str] | None] = [None] * len(plan.tensors)  # its sources' digests now
         self.slots: dict[int, list] = {}  # slot -> [placement, out, results per part, parts pending]
+        self.changed: dict[int, list[int]] = {}  # slot -> the parts written, where only those are (`ranges`)
         self.unmapping = []  # a finished tensor's writable mapping is dropped on the pool while others fill
         self.config = None  # the model config, for computed tensors, made once
         self.old: PreviousBytes | None = None  # the previous generation's bytes, mapped once
@@ -174,11 +178,13 @@ class Build:
         else:
             yield from self._parts(slot, planned)
 
-    def _place(self, slot: int, planned, pending: int):
-        """A served tensor's place in a fresh segment, and a writable tensor over it; its slot awaits `pending`
-        results."""
-        where = self.arena.add(planned.nbytes, slot, reserve=planned.whole)
-        out = self.arena.tensor(where, planned.shape, planned.dtype)
+    def _place(self, slot: int, planned, pending: int, shape=None):
+        """A served tensor's place in a fresh segment (of `shape`: its changed parts only), and a writable tensor
+        over it; its slot awaits `pending` results."""
+        shape = planned.shape if shape is None else shape
+        nbytes = planned.nbytes if shape is planned.shape else planned.nbytes // len(planned.sources) * shape[0]
+        where = self.arena.add(nbytes, slot, reserve=planned.whole)
+        out = self.arena.tensor(where, shape, planned.dtype)
         self.slots[slot] = [where, out, [None] * pending, pending]
         return where, out
 
@@ -192,17 +198,37 @@ class Build:
     def _parts(self, slot: int, planned):
         """The tasks that fill a tensor part by part (a checkpoint tensor each), a few MiB of parts a task."""
         n = len(planned.sources)
-        where, out = self._place(slot, planned, n)
-        chunks = out.view(n, *planned.source_shape) if n > 1 else out.view(1, *planned.shape)
         step = planned.nbytes // n
-        items = [Part(src, chunks, k, where, k * step, step) for k, src in enumerate(planned.sources)]
-        del out, chunks  # the parts hold the block; its mapping closes once they are done
-        if self.prev[slot] is not None:
-            self._copy_unchanged(slot, planned, items)
+        changed = self._changed_only(slot, planned)
+        if changed is not None:  # only they are written, into a segment of their size
+            where, chunks = self._place(slot, planned, len(changed), (len(changed), *planned.source_shape))
+            items = [Part(planned.sources[k], chunks, j, where, j * step, step) for j, k in enumerate(changed)]
+            self.changed[slot] = changed
+            self.advance((n - len(changed)) * step)
+        else:
+            where, out = self._place(slot, planned, n)
+            chunks = out.view(n, *planned.source_shape) if n > 1 else out.view(1, *planned.shape)
+            items = [Part(src, chunks, k, where, k * step, step) for k, src in enumerate(planned.sources)]
+            del out  # the parts hold the block; its mapping closes once they are done
+            if self.prev[slot] is not None:
+                self._copy_unchanged(slot, planned, items)
+        del chunks
         ckpt, arena, device, first = self.ckpt, self.arena, self.device, 0
         for batch in batches(items, _part_bytes):
             yield (slot, first, sum(item.nbytes for item in batch)), fill, batch, ckpt, arena, device
             first += len(batch)
+
+    def _changed_only(self, slot: int, planned) -> list[int] | None:
+        """With `ranges`, the parts of a stack whose sources changed, where only they are to be written: some but
+        not all changed, the parts whole pages, the new ranges at most MAX_EXTENTS. Else None (written whole)."""
+        entry = self.prev[slot]
+        if not self.ranges or entry is None:
+            return None
+        now, before = self.digests[slot], self.previous.parts[planned.name]
+        changed = [k for k in range(len(now)) if now[k] != before[k]]
+        if not changed or len(changed) == len(now) or not whole_pages(entry, self.arena):
+            return None
+        return changed if len(layout(entry, changed, "", planned.nbytes // len(now))) <= MAX_EXTENTS else None
 
     def _copy_unchanged(self, slot: int, planned, items: list[Part]) -> None:
         """Point each part whose source did not change at the previous generation's bytes: copied, not dequantized."""
@@ -228,24 +254,49 @@ class Build:
                 self.unmapping.append(self.pool.run(self.arena.unmap_segment, entry[0].segment))
             self.advance(nbytes)
 
-    def entries(self) -> tuple[list[TensorEntry], dict[str, list[str]]]:
-        """The index entries in plan order (kept ones as they were) and each served tensor's source digests."""
+    def entries(self) -> tuple[list[TensorEntry], dict[str, list[str]], dict[str, list[str]]]:
+        """The index entries in plan order (kept ones as they were), each served tensor's source digests, and the
+        checksums of each part of those whose checksum is combined of parts (`Built.sums`)."""
         entries: list[TensorEntry] = []
         parts: dict[str, list[str]] = {}
+        sums: dict[str, list[str]] = {}
         slots, written, count = self.slots, 0, 0
         for slot, planned in enumerate(self.plan.tensors):
             if slot not in slots:
                 entries.append(self.prev[slot])
                 parts[planned.name] = self.digests[slot]
+                if planned.name in self.previous.sums:
+                    sums[planned.name] = self.previous.sums[planned.name]
                 continue
             where, _, results, _ = slots[slot]
-            entry, parts[planned.name] = _entry(planned, where, results)
+            if slot in self.changed:
+                entry, parts[planned.name], sums[planned.name] = self._ranged(slot, planned, where, results)
+                written += planned.nbytes // len(planned.sources) * len(self.changed[slot])
+            else:
+                entry, parts[planned.name] = _entry(planned, where, results)
+                if not planned.whole:
+                    sums[planned.name] = [out_digest for _, out_digest in results]
+                written += planned.nbytes
             entries.append(entry)
-            written += planned.nbytes
             count += 1
         slots.clear()
         self.written, self.count = written, count
-        return entries, parts
+        return entries, parts, sums
+
+    def _ranged(self, slot: int, planned, where, results) -> tuple[TensorEntry, list[str], list[str]]:
+        """The entry of a stack of which only the changed parts were written (at `where`, in order), its source
+        digests and its parts' checksums: the unchanged parts' ranges and checksums are the old entry's."""
+        if self.old is None:
+            self.old = PreviousBytes(self.previous.index)
+        old, changed = self.prev[slot], self.changed[slot]
+        digests = list(self.digests[slot])
+        sums = part_sums(old, self.old, self.previous.sums.get(planned.name))
+        for j, k in enumerate(changed):
+            digests[k], sums[k] = results[j]
+        extents = layout(old, changed, where.segment, planned.nbytes // len(planned.sources), where.offset)
+        return TensorEntry(planned.name, extents[0].segment, extents[0].offset, planned.nbytes, list(planned.shape),
+                           str(planned.dtype), planned.source_names, checksum=combined_checksum(sums),
+                           experts=planned.experts, extents=extents), digests, sums
 
     def drop(self) -> None:
         """Let go of every tensor the steps hold (a failed build, whose segments are gone)."""

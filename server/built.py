@@ -33,6 +33,9 @@ class Built:
     tensors_written: int = 0
     seconds: float = 0.0
     bytes_read: int = 0  # checkpoint bytes this build read
+    # per served tensor whose checksum is combined of its parts: each part's checksum, so that a push changing k
+    # experts of a stack hashes those k (`expert_ranges`); checked against the entry's checksum before use
+    sums: dict[str, list[str]] = field(default_factory=dict)
 
     def close(self) -> None:
         """Remove the segments this build created (a build that is not published, or a daemon that exits)."""

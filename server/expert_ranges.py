@@ -43,17 +43,16 @@ def part_bytes(push, staged: dict, entry: TensorEntry, parts: int, device) -> li
     return [flat[k * step: (k + 1) * step] for k in range(count)]
 
 
-def changed_stack(entry: TensorEntry, pushes: list, staged: dict, old, arena, device) -> TensorEntry | None:
+def changed_stack(entry: TensorEntry, pushes: list, staged: dict, old, arena, device, sums: list[str] | None = None
+                  ) -> tuple[TensorEntry, list[str]] | None:
     """The new entry of stack `entry` after `pushes` (the update's pushes into it), only the parts whose bytes change
-    written, into a new segment of `arena` (the old entry itself where none changes); None where the parts are not
-    whole pages, all of them change, or the ranges would pass MAX_EXTENTS: the caller writes the stack whole."""
-    n, unit = len(entry.sources), arena.shm.unit
+    written, into a new segment of `arena` (the old entry itself where none changes), and its parts' checksums;
+    None where the parts are not whole pages, all of them change, or the ranges would pass MAX_EXTENTS: the caller
+    writes the stack whole. `sums` are the old parts' checksums where known (`Built.sums`): only changed parts are
+    hashed then."""
+    n = len(entry.sources)
     chunk = entry.nbytes // max(n, 1)
-    if n < 2:
-        return None
-    if chunk % unit or not mappable(places(entry), unit):
-        log.info("%s: its %d parts of %d bytes are not whole pages of %s (%d bytes): written whole", entry.name, n,
-                 chunk, arena.shm_dir, unit)
+    if not whole_pages(entry, arena):
         return None
     new: dict[int, torch.Tensor] = {}
     for push in pushes:
@@ -61,22 +60,53 @@ def changed_stack(entry: TensorEntry, pushes: list, staged: dict, old, arena, de
             new[k] = data
     changed = [k for k in sorted(new) if not same_bytes(new[k], old.part(entry, k, n))]
     if not changed:
-        return entry
-    if len(changed) == n or len(_layout(entry, changed, "", chunk)) > MAX_EXTENTS:
+        return entry, part_sums(entry, old, sums)
+    if len(changed) == n or len(layout(entry, changed, "", chunk)) > MAX_EXTENTS:
         return None
     where = arena.add(len(changed) * chunk)
     out = arena.tensor(where, (len(changed) * chunk,), torch.uint8)
     for slot, k in enumerate(changed):
         out[slot * chunk: (slot + 1) * chunk].copy_(new[k])
     del out
-    extents = _layout(entry, changed, where.segment, chunk, where.offset)
-    sums = [checksum(tensor_bytes(new[k] if k in new else old.part(entry, k, n))) for k in range(n)]
+    extents = layout(entry, changed, where.segment, chunk, where.offset)
+    sums = part_sums(entry, old, sums)
+    for k in changed:
+        sums[k] = checksum(tensor_bytes(new[k]))
     return TensorEntry(entry.name, extents[0].segment, extents[0].offset, entry.nbytes, list(entry.shape),
                        entry.dtype, list(entry.sources), checksum=combined_checksum(sums), experts=entry.experts,
-                       extents=extents)
+                       extents=extents), sums
 
 
-def _layout(entry: TensorEntry, changed: list[int], segment: str, chunk: int, offset: int = 0) -> list[Extent]:
+def part_checksums(t: torch.Tensor, parts: int) -> list[str]:
+    """The checksum of each of `parts` equal parts of tensor `t`'s bytes: `tensor_checksum(t, parts)` combines them."""
+    flat = t.reshape(-1).view(torch.uint8)
+    step = flat.numel() // max(parts, 1)
+    return [checksum(tensor_bytes(flat[k * step: (k + 1) * step])) for k in range(max(parts, 1))]
+
+
+def part_sums(entry: TensorEntry, old, sums: list[str] | None) -> list[str]:
+    """The checksum of each of the stack's parts: `sums` where they make its checksum, else hashed from its bytes."""
+    n = len(entry.sources)
+    if sums is not None and len(sums) == n and combined_checksum(sums) == entry.checksum:
+        return list(sums)
+    return [checksum(tensor_bytes(old.part(entry, k, n))) for k in range(n)]
+
+
+def whole_pages(entry: TensorEntry, arena) -> bool:
+    """Whether the stack's parts can be ranges of their own: two or more, each whole pages of the arena's folder, the
+    old ranges starting on pages (else one log line: the stack is written whole)."""
+    n, unit = len(entry.sources), arena.shm.unit
+    if n < 2:
+        return False
+    chunk = entry.nbytes // n
+    if chunk % unit or not mappable(places(entry), unit):
+        log.info("%s: its %d parts of %d bytes are not whole pages of %s (%d bytes): written whole", entry.name, n,
+                 chunk, arena.shm_dir, unit)
+        return False
+    return True
+
+
+def layout(entry: TensorEntry, changed: list[int], segment: str, chunk: int, offset: int = 0) -> list[Extent]:
     """The new stack's ranges: the changed parts back to back in `segment` from `offset`, the others where they are."""
     slots = {k: slot for slot, k in enumerate(changed)}
     pieces = []

@@ -93,16 +93,18 @@ def build(
     group: str | None = None,
     on_progress=None,
     shm_dir: str = DEFAULT_SHM_DIR,
+    ranges: bool = False,
 ) -> Built:
     """Place every planned tensor in shared memory on `threads` threads (default: every core this
-    process may use); with `previous`, write only what changed."""
+    process may use); with `previous`, write only what changed (with `ranges`, only the changed parts of a stack:
+    `expert_ranges`)."""
     dev = resolve_device(device)
     threads = threads or default_threads()
     arena = Arena(namespace, generation, group=group, shm_dir=shm_dir)
     started = time.perf_counter()
     pool = OrderedPool(threads)
     bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="expertd load", disable=not progress)
-    steps = Build(ckpt, plan, previous, arena, pool, dev, bar, on_progress, should_stop)
+    steps = Build(ckpt, plan, previous, arena, pool, dev, bar, on_progress, should_stop, ranges)
     # Tens of thousands of small objects per build (parts, digests, identities) would start full collections
     # that scan the whole heap (the model skeleton, the plan) for nothing: ~15 % of a DeepSeek-V3-count build.
     collecting = gc.isenabled()
@@ -114,7 +116,7 @@ def build(
         # segment of its own (writes into one file take turns on its lock).
         steps.fill(threads * TURNS_PER_THREAD)
         bar.close()
-        entries, parts = steps.entries()
+        entries, parts, sums = steps.entries()
         arena.unmap()  # the rest (none after a whole build); every tensor over the writable mappings is gone by now
         pool.close()
         index = TensorIndex(
@@ -147,7 +149,7 @@ def build(
         "built generation %d on %d thread(s): %d of %d tensors written (%.1f MiB) in %.2fs",
         generation, threads, steps.count, len(entries), steps.written / 2**20, elapsed,
     )
-    return Built(arena, index, parts, steps.known, steps.written, steps.count, elapsed, bytes_read)
+    return Built(arena, index, parts, steps.known, steps.written, steps.count, elapsed, bytes_read, sums)
 
 
 def rebuild_tensors(ckpt: Checkpoint, plan, names: list[str], device: torch.device) -> dict[str, torch.Tensor]:

@@ -186,7 +186,8 @@ class WeightService:
         return build(ckpt, plan, namespace=self.cfg.namespace, generation=number, previous=previous,
                      device=self.cfg.device, threads=self.cfg.load_threads,
                      progress=self.cfg.progress and previous is None, should_stop=self.should_stop,
-                     group=self.cfg.group, on_progress=placed, shm_dir=self.cfg.shm_dir)
+                     group=self.cfg.group, on_progress=placed, shm_dir=self.cfg.shm_dir,
+                     ranges=self.cfg.expert_ranges)
 
     def start_build(self, kind: str, number: int, work, on_end=None) -> Job:
         job = self.jobs.start(kind, number, work, on_end)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from expertd.errors import UpdateRejected
-from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, tensor_checksum
+from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, combined_checksum, tensor_checksum
 from expertd.messages import PushedTensor
 from expertd.replies import StagedTensor, UpdateReply
 from expertd.quantization import quantization_format
@@ -34,7 +34,7 @@ from .arena import Arena, placed_size
 from .building import PreviousBytes
 from .built import Built
 from .dequant import write_part
-from .expert_ranges import changed_stack
+from .expert_ranges import changed_stack, part_checksums
 from .loader import segments_of
 
 log = logging.getLogger("expertd.updates")
@@ -291,15 +291,16 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
     for p in staging.pushes:
         by_target.setdefault(p.target.name, []).append(p)
     arena = Arena(index.namespace, generation, group=group, shm_dir=index.shm_dir)
-    entries, parts, written = [], dict(previous.parts), 0
+    entries, parts, sums, written = [], dict(previous.parts), dict(previous.sums), 0
     try:
         for entry in index.tensors:
             pushes = by_target.get(entry.name)
             if not pushes:
                 entries.append(entry)
                 continue
-            ranged = changed_stack(entry, pushes, staged, old, arena, device) if ranges else None  # changed parts
-            if ranged is not None:
+            ranged = changed_stack(entry, pushes, staged, old, arena, device, sums.get(entry.name)) if ranges else None
+            if ranged is not None:  # only the changed parts written
+                ranged, sums[entry.name] = ranged
                 entries.append(ranged)
                 if ranged is not entry:
                     parts[entry.name] = _marked(parts.get(entry.name), pushes, staged, len(entry.sources))
@@ -318,8 +319,9 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
                 write_part(dest.view(p.served_shape), staged[p.name], scale, name=p.name, block=p.block, kind=p.kind,
                            device=device)
             parts[entry.name] = _marked(parts.get(entry.name), pushes, staged, n)
+            sums[entry.name] = each_part = part_checksums(out, n)  # the next push into it hashes its changed parts
             entries.append(TensorEntry(entry.name, where.segment, where.offset, entry.nbytes, list(entry.shape),
-                                       entry.dtype, list(entry.sources), checksum=tensor_checksum(out, n),
+                                       entry.dtype, list(entry.sources), checksum=combined_checksum(each_part),
                                        experts=entry.experts))
             written += entry.nbytes
             del out, chunks, dest
@@ -331,4 +333,5 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
     except BaseException:
         arena.unlink()
         raise
-    return Built(arena, new_index, parts, previous.known, written, len(by_target), time.perf_counter() - started)
+    return Built(arena, new_index, parts, previous.known, written, len(by_target), time.perf_counter() - started,
+                 sums=sums)

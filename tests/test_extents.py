@@ -5,6 +5,7 @@ stack writes those experts only, the new generation's stack is the older segment
 from __future__ import annotations
 
 import glob
+import json
 import mmap
 import os
 import subprocess
@@ -21,6 +22,8 @@ from expertd.index import TensorEntry, TensorIndex, derive_views, tensor_checksu
 from expertd.shm import map_segments, view
 from expertd.tools.generate import generate_model_type
 from expertd.index import SegmentEntry
+from helpers.daemon import expertd_cmd
+from helpers.polling import wait_until
 
 PAGE = mmap.PAGESIZE
 STACK = "model.layers.1.mlp.experts.gate_up_proj"  # [E, 2I, H]: parts gate and up of each expert
@@ -201,7 +204,8 @@ def test_a_stack_whose_parts_are_not_whole_pages_is_written_whole(tiny_checkpoin
 
 def test_a_successor_adopts_a_generation_of_ranges(paged, start_daemon, namespace):
     """kill -9 after a push that wrote one expert: the next daemon adopts generation 2, its stack still the ranges
-    of both generations' segments (each verified range by range), the same bytes."""
+    of both generations' segments (each verified range by range), the same bytes; its own push into the stack then
+    sums it right."""
     first = start_daemon(paged, expert_ranges=True)
     with ExpertClient(first.endpoint, heartbeat=False) as c:
         part = c.tensors()[EXPERT].clone()
@@ -217,3 +221,54 @@ def test_a_successor_adopts_a_generation_of_ranges(paged, start_daemon, namespac
         (adopted,) = [t for t in c.index().tensors if t.name == STACK]
         assert adopted.extents == entry.extents and c.verify() == []
         assert torch.equal(c.served_tensors()[STACK], want) and torch.equal(c.tensors()[EXPERT], -part)
+        wait_until(lambda: second.status()["job"]["state"] != "building", "the successor's check of the checkpoint")
+        c.update({EXPERT: part * 3})  # the successor knows no part's checksum: it hashes the stack's own bytes
+        c.refresh()
+        assert torch.equal(c.tensors()[EXPERT], part * 3) and c.verify() == []
+
+
+def test_a_reload_whose_checkpoint_differs_in_two_experts_writes_those_experts(paged, start_daemon, namespace,
+                                                                                tmp_path):
+    """A reload onto a copy of the checkpoint with two experts' projections changed (one in each stack of layer 1)
+    writes those two parts: each stack's entry is the old ranges with one replaced, the served bytes and logits are
+    transformers' own of the new folder, a reader still on generation 1 computes the old logits; reloading the
+    original folder again writes the two parts back."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from helpers.checkpoints import INDEX, edit_checkpoint
+
+    down = "model.layers.1.mlp.experts.6.down_proj.weight"
+    with open(os.path.join(paged, INDEX)) as f:
+        shards = json.load(f)["weight_map"]
+    old = {n: load_file(os.path.join(paged, shards[n]))[n] for n in (EXPERT, down)}
+    changed = edit_checkpoint(paged, str(tmp_path / "changed"), replace={EXPERT: -old[EXPERT], down: old[down] * 2})
+    daemon = start_daemon(paged, expert_ranges=True, max_generations=4)
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with ExpertClient(daemon.endpoint, heartbeat=False) as first, ExpertClient(daemon.endpoint, heartbeat=False) as c:
+        grown = shm_bytes(namespace)
+        reloaded = subprocess.run(expertd_cmd("reload", "--config", daemon.config, "--checkpoint", changed),
+                                  capture_output=True, text=True, timeout=120)
+        assert reloaded.returncode == 0, reloaded.stderr
+        grown = shm_bytes(namespace) - grown
+        status = daemon.status()
+        part = old[EXPERT].numel() * 2
+        assert status["job"]["bytes_written"] == 2 * part and status["job"]["tensors_written"] == 2, status["job"]
+        assert grown <= 2 * part + os.path.getsize(f"/dev/shm{status['index_segment']}"), grown
+        c.refresh()
+        stacks = [t for t in c.index().tensors if t.name in (STACK, STACK.replace("gate_up", "down"))]
+        assert len(stacks) == 2 and all(t.extents and len(t.extents) == 3 for t in stacks), stacks
+        with torch.no_grad():
+            want = AutoModelForCausalLM.from_pretrained(changed, dtype=torch.bfloat16).eval()
+            params = dict(want.named_parameters())
+            served = c.served_tensors()
+            assert all(torch.equal(served[t.name], params[t.name]) for t in stacks)
+            assert torch.equal(c.load_model()(ids).logits, want(ids).logits) and c.verify() == []
+            before = AutoModelForCausalLM.from_pretrained(paged, dtype=torch.bfloat16).eval()
+            assert torch.equal(first.load_model()(ids).logits, before(ids).logits)
+            back = subprocess.run(expertd_cmd("reload", "--config", daemon.config, "--checkpoint", paged),
+                                  capture_output=True, text=True, timeout=120)
+            assert back.returncode == 0, back.stderr
+            assert daemon.status()["job"]["bytes_written"] == 2 * part
+            c.refresh()
+            assert torch.equal(c.load_model()(ids).logits, before(ids).logits) and c.verify() == []
