@@ -12,7 +12,7 @@ import zmq
 from expertd import index_segment, messages
 from expertd.connection import Connection
 from expertd.errors import DaemonError, ExpertdError, GenerationGone, LeaseExpired, LeaseRevoked
-from expertd.index import SegmentEntry, TensorIndex, moved
+from expertd.index import TensorIndex, moved
 from expertd.leasing import corrupted_tensors, index_place, lease_request, release, with_room
 from expertd.protocol import default_endpoint
 from expertd.security import Credentials
@@ -22,7 +22,7 @@ from .hooks import run_model_hooks
 from .parallel import bind_sharded, check_partition
 from .quiet import attaching
 from .restore import restore
-from .variants import check_bytes, derive, fetch, log_casts
+from .variants import derive, fetch, log_casts, map_derived
 from .views import IndexViews
 
 log = logging.getLogger("expertd.client")
@@ -339,10 +339,7 @@ class ExpertClient:
     def _map_entries(self, entries, index: TensorIndex) -> None:
         """Map the segments of variant entries not mapped yet."""
         self._attach()
-        new = {e.segment: e.offset + e.nbytes for e in entries if e.segment not in self._segments}
-        self._segments.update(map_segments([SegmentEntry(name, nbytes) for name, nbytes in new.items()],
-                                           writable=self.copy_on_write, shm_dir=index.shm_dir))
-        check_bytes([view(self._segments, e) for e in entries], entries)  # each the derivation asked for too
+        map_derived(self._segments, entries, index.shm_dir, self.copy_on_write)
 
     def _remap(self, index: TensorIndex) -> None:
         """Map the segments a new index adds; forget those it no longer uses (views keep theirs alive)."""

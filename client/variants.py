@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from expertd import messages
 from expertd.derived import Gather, cast_key, key
 from expertd.errors import DaemonError, DaemonTimeout, GenerationGone, ProtocolError, VariantRejected
-from expertd.index import TensorEntry, TensorIndex, tensor_checksum
+from expertd.extents import from_wire, reach
+from expertd.index import SegmentEntry, TensorEntry, TensorIndex, checksum_parts, tensor_checksum
 from expertd.procfs import default_threads
 
 log = logging.getLogger("expertd.client")
@@ -137,7 +138,9 @@ def _entries(reply, names: list, index: TensorIndex) -> list[TensorEntry]:
     computed from its own request and the index's checksums (a served tensor that is its own variant: that entry)."""
     try:
         entries = [TensorEntry(t["name"], t["segment"], t["offset"], t["nbytes"], list(t["shape"]), t["dtype"],
-                               checksum=t.get("checksum")) for t in reply.tensors]
+                               checksum=t.get("checksum"),
+                               extents=from_wire(t["extents"], t["name"], t["nbytes"]) if "extents" in t else None)
+                   for t in reply.tensors]  # a derived stack that keeps an older one's blocks: ranges
         got = [t.get("derivation", "") for t in reply.tensors]
     except (KeyError, TypeError, AttributeError) as exc:
         raise ProtocolError(f"the daemon's reply to a cast or gather: malformed entry ({exc})") from exc
@@ -154,12 +157,23 @@ def _entries(reply, names: list, index: TensorIndex) -> list[TensorEntry]:
     return entries
 
 
+def map_derived(segments: dict, entries: list[TensorEntry], shm_dir: str, writable: bool) -> None:
+    """Map into `segments` those of derived `entries` not mapped yet (every range's), then check the entries' bytes
+    (`check_bytes`: each the derivation asked for too)."""
+    from expertd.shm import map_segments, view
+
+    new = {name: end for name, end in reach(entries).items() if name not in segments}
+    segments.update(map_segments([SegmentEntry(name, nbytes) for name, nbytes in new.items()], writable=writable,
+                                 shm_dir=shm_dir))
+    check_bytes([view(segments, e) for e in entries], entries)
+
+
 def check_bytes(tensors, entries: list[TensorEntry]) -> None:
     """Each mapped derived tensor of at most VERIFY_BYTES checked against the reply's checksum (see VERIFY_BYTES), on
     the process's threads (xxh3 releases the GIL)."""
     todo = [(t, e) for t, e in zip(tensors, entries) if e.checksum and e.nbytes <= VERIFY_BYTES]
     with ThreadPoolExecutor(max(1, min(default_threads(), len(todo)))) as pool:
-        sums = list(pool.map(lambda pair: tensor_checksum(pair[0]), todo))
+        sums = list(pool.map(lambda pair: tensor_checksum(pair[0], checksum_parts(pair[1].checksum)), todo))
     for (_, e), got in zip(todo, sums):
         if got != e.checksum:
             raise ProtocolError(f"the derived tensor {e.name!r} in {e.segment} does not match its checksum "

@@ -72,6 +72,26 @@ def places(entry) -> list[Extent]:
     return list(entry.extents) if entry.extents else [Extent(entry.segment, entry.offset, entry.nbytes)]
 
 
+def replaced(extents: list[Extent], parts: int, changed: list[int], segment: str, offset: int) -> list[Extent]:
+    """The ranges of a tensor of `parts` equal parts lying in `extents`, with parts `changed` (in order) replaced by
+    ranges back to back in `segment` from `offset`, merged."""
+    chunk = sum(e.nbytes for e in extents) // parts
+    slots = {k: slot for slot, k in enumerate(changed)}
+    pieces = []
+    for k in range(parts):
+        pieces.extend([Extent(segment, offset + slots[k] * chunk, chunk)] if k in slots
+                      else cut(extents, k * chunk, chunk))
+    return merge(pieces)
+
+
+def reach(entries) -> dict[str, int]:
+    """Each segment the entries' bytes lie in, and how far into it they reach (what must be mapped of it)."""
+    out: dict[str, int] = {}
+    for x in (x for e in entries for x in places(e)):
+        out[x.segment] = max(out.get(x.segment, 0), x.offset + x.nbytes)
+    return out
+
+
 def mappable(extents: list[Extent], unit: int) -> bool:
     """Whether the extents map into one contiguous range with pages of `unit` bytes: every extent starts on a page of
     its segment, and every one but the last is whole pages."""

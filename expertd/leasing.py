@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 
 from . import index_segment, messages, procfs
 from .errors import DaemonError, DaemonTimeout, GenerationLimit, NotReady
@@ -32,6 +33,24 @@ def release(conn, leases: list[str]) -> None:
             conn.send(messages.Release(client=lease))
         except (DaemonError, DaemonTimeout):
             pass
+
+
+@contextmanager
+def pinned(client, generation: int):
+    """Generation `generation` of `client`'s daemon kept live while inside: a lease on it over a connection of its own,
+    released after. A refresh that asks the new generation's derived layouts keeps the old ones live until they are
+    made: with `expert_ranges` the daemon derives only the changed experts' blocks and keeps the old layout's others."""
+    from .connection import Connection
+
+    conn = Connection(client.endpoint, client.timeout, credentials=client.credentials)
+    try:
+        lease = lease_request(conn, generation=generation).client
+        try:
+            yield
+        finally:
+            release(conn, [lease])
+    finally:
+        conn.close()
 
 
 def with_room(push, wait_s: float, log=None):

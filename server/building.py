@@ -228,7 +228,7 @@ class Build:
         changed = [k for k in range(len(now)) if now[k] != before[k]]
         if not changed or len(changed) == len(now) or not whole_pages(entry, self.arena):
             return None
-        return changed if len(layout(entry, changed, "", planned.nbytes // len(now))) <= MAX_EXTENTS else None
+        return changed if len(layout(entry, changed, "")) <= MAX_EXTENTS else None
 
     def _copy_unchanged(self, slot: int, planned, items: list[Part]) -> None:
         """Point each part whose source did not change at the previous generation's bytes: copied, not dequantized."""
@@ -293,7 +293,7 @@ class Build:
         sums = part_sums(old, self.old, self.previous.sums.get(planned.name))
         for j, k in enumerate(changed):
             digests[k], sums[k] = results[j]
-        extents = layout(old, changed, where.segment, planned.nbytes // len(planned.sources), where.offset)
+        extents = layout(old, changed, where.segment, where.offset)
         return TensorEntry(planned.name, extents[0].segment, extents[0].offset, planned.nbytes, list(planned.shape),
                            str(planned.dtype), planned.source_names, checksum=combined_checksum(sums),
                            experts=planned.experts, extents=extents), digests, sums

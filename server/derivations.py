@@ -27,7 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from expertd import replies
 from expertd.procfs import default_threads
@@ -37,6 +37,7 @@ from expertd.errors import DerivedLimit, GenerationGone
 from .arena import unlink_segment
 from .jobs import forget_frames
 from .quota import Quota, reader_of
+from .variant_ranges import make_changed, older_forms, placed_bytes, prior
 from .variants import Planned, Variant, check, make, plan_casts, plan_gathers, summary
 
 log = logging.getLogger("expertd.variants")
@@ -170,29 +171,37 @@ class Derivations:
             if found is None and p.key in others:
                 theirs = others[p.key]
                 if theirs.made_of() == Variant(p.entry, p.entry, also=p.more).made_of():
-                    found = Variant(p.entry, theirs.entry, p.key, p.more, theirs.owner, theirs.placed)
+                    found = replace(theirs, of=p.entry, key=p.key, also=p.more)
             out.append(found)
         return out
 
-    def _todo(self, gen, planned: list[Planned], reader: str) -> list[tuple[Planned, int]]:
-        """What is to be made (each name once), counted against the quotas at once: DerivedLimit makes nothing."""
-        todo = {}
+    def _todo(self, gen, planned: list[Planned], reader: str) -> list[tuple[Planned, int, tuple | None]]:
+        """What is to be made (each name once; a derivation an older generation's variant of the same form keeps
+        blocks of: its changed blocks only, `variant_ranges`), counted against the quotas at once: DerivedLimit makes
+        nothing."""
+        todo, forms = {}, older_forms(self.gens, gen)
         for p, v in zip(planned, self._resolve(gen, planned)):
             if v is None and p.key not in todo:
-                todo[p.key] = (p, self.quota.placed(p.nbytes))
-        names = [p.entry.name for p, _ in todo.values()]
+                keep = prior(p, forms, self.quota.unit)
+                todo[p.key] = (p, self.quota.placed(p.nbytes if keep is None else placed_bytes(p, keep[1])), keep)
+        names = [p.entry.name for p, _, _ in todo.values()]
         what = f"{names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") if names else ""
-        self.quota.check(reader, [placed for _, placed in todo.values()], gen.number, what)
+        self.quota.check(reader, [placed for _, placed, _ in todo.values()], gen.number, what)
         return list(todo.values())
+
+    def _make(self, gen, p: Planned, reader: str, placed: int, keep: tuple | None, should_stop=None) -> Variant:
+        if keep is None:
+            return make(gen, p, reader, placed, self.cfg.group, should_stop)
+        return make_changed(gen, p, *keep, reader, placed, self.cfg.group, should_stop)
 
     def _make_now(self, gen, planned: list[Planned], reader: str, rid: str) -> list[Variant]:
         made = []
         try:
-            for p, placed in self._todo(gen, planned, reader):
-                made.append(make(gen, p, reader, placed, self.cfg.group))
+            for p, placed, keep in self._todo(gen, planned, reader):
+                made.append(self._make(gen, p, reader, placed, keep))
         except BaseException:
             for v in made:
-                unlink_segment(v.entry.segment, gen.index.shm_dir)
+                unlink_segment(v.created, gen.index.shm_dir)
             raise
         return self._list(gen, self._register(gen, made, planned, rid))
 
@@ -200,7 +209,7 @@ class Derivations:
                   ) -> list[Variant]:
         for v in made:
             if v.key in gen.variants:  # made meanwhile by a small request: the one listed first stays
-                unlink_segment(v.entry.segment, gen.index.shm_dir)
+                unlink_segment(v.created, gen.index.shm_dir)
             else:
                 gen.variants[v.key] = v
         if made:
@@ -255,8 +264,8 @@ class Derivations:
         job.checked_s = time.monotonic() - job.started
 
     def _make_all(self, job: Work) -> None:
-        def one(p: Planned, placed: int) -> None:
-            job.made.append(make(job.gen, p, job.reader, placed, self.cfg.group, job.stop.is_set))
+        def one(p: Planned, placed: int, keep: tuple | None) -> None:
+            job.made.append(self._make(job.gen, p, job.reader, placed, keep, job.stop.is_set))
 
         self._on_threads(job, one, job.todo)
 
@@ -288,7 +297,7 @@ class Derivations:
             except Exception as exc:
                 job.error = exc
             else:
-                self.quota.reserved[job.number] = (job.reader, sum(n for _, n in job.todo), len(job.todo))
+                self.quota.reserved[job.number] = (job.reader, sum(n for _, n, _ in job.todo), len(job.todo))
                 job.phase = "making"
                 self._run(job, self._make_all)
                 return
@@ -299,7 +308,7 @@ class Derivations:
                                        f"refresh() and ask again")
         if job.error is not None:
             for v in job.made:
-                unlink_segment(v.entry.segment, job.gen.index.shm_dir)
+                unlink_segment(v.created, job.gen.index.shm_dir)
             forget_frames(job.error)  # what the failed job held (its request, its chunks) goes with it
             self.refused[(job.reader, job.rid)] = (type(job.error), str(job.error))
             while len(self.refused) > REMEMBERED:
@@ -317,7 +326,7 @@ class Derivations:
         job.stop.set()
         job.thread.join(self.cfg.stop_timeout_s)
         for v in job.made:
-            unlink_segment(v.entry.segment, job.gen.index.shm_dir)
+            unlink_segment(v.created, job.gen.index.shm_dir)
         self.quota.reserved.clear()
 
     def status(self) -> dict:

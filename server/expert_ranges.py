@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from expertd.extents import Extent, cut, mappable, merge, places
+from expertd.extents import Extent, mappable, places, replaced
 from expertd.index import TensorEntry, checksum, combined_checksum, tensor_bytes
 from expertd.shm import DTYPES, same_bytes
 
@@ -61,14 +61,14 @@ def changed_stack(entry: TensorEntry, pushes: list, staged: dict, old, arena, de
     changed = [k for k in sorted(new) if not same_bytes(new[k], old.part(entry, k, n))]
     if not changed:
         return entry, part_sums(entry, old, sums)
-    if len(changed) == n or len(layout(entry, changed, "", chunk)) > MAX_EXTENTS:
+    if len(changed) == n or len(layout(entry, changed, "")) > MAX_EXTENTS:
         return None
     where = arena.add(len(changed) * chunk)
     out = arena.tensor(where, (len(changed) * chunk,), torch.uint8)
     for slot, k in enumerate(changed):
         out[slot * chunk: (slot + 1) * chunk].copy_(new[k])
     del out
-    extents = layout(entry, changed, where.segment, chunk, where.offset)
+    extents = layout(entry, changed, where.segment, where.offset)
     sums = part_sums(entry, old, sums)
     for k in changed:
         sums[k] = checksum(tensor_bytes(new[k]))
@@ -106,11 +106,6 @@ def whole_pages(entry: TensorEntry, arena) -> bool:
     return True
 
 
-def layout(entry: TensorEntry, changed: list[int], segment: str, chunk: int, offset: int = 0) -> list[Extent]:
+def layout(entry: TensorEntry, changed: list[int], segment: str, offset: int = 0) -> list[Extent]:
     """The new stack's ranges: the changed parts back to back in `segment` from `offset`, the others where they are."""
-    slots = {k: slot for slot, k in enumerate(changed)}
-    pieces = []
-    for k in range(len(entry.sources)):
-        pieces.extend([Extent(segment, offset + slots[k] * chunk, chunk)] if k in slots
-                      else cut(places(entry), k * chunk, chunk))
-    return merge(pieces)
+    return replaced(places(entry), len(entry.sources), changed, segment, offset)

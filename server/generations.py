@@ -69,7 +69,7 @@ class Generation:
 
     def drop_variant(self, variant) -> None:
         """Unlink a variant's segment that no request got (its request failed after it was cast)."""
-        unlink_segment(variant.entry.segment, self.index.shm_dir)
+        unlink_segment(variant.created, self.index.shm_dir)
 
     def index_reply(self, latest: int) -> bytes:
         """The packed reply of the `index` op (the index inline, for tools that ask over the socket), built once
@@ -79,8 +79,10 @@ class Generation:
         return self._reply[1]
 
     def segments(self) -> set[str]:
-        """Every segment this generation uses: its tensors' and its dtype variants'."""
-        return {s.name for s in self.index.segments} | {v.entry.segment for v in self.variants.values()}
+        """Every segment this generation uses: its tensors' and its variants' (each range's, for a derived stack that
+        keeps an older variant's blocks)."""
+        return {s.name for s in self.index.segments} | {x.segment for v in self.variants.values()
+                                                         for x in places(v.entry)}
 
     def drop_index(self) -> None:
         """Unlink the index segment (the generation retires); workers that mapped it have decoded it already."""

@@ -88,8 +88,8 @@ class Quota:
         usage, seen = Usage(), set()
         for gen in self.gens.live.values():
             for v in gen.variants.values():
-                if v.key and v.entry.segment not in seen:
-                    seen.add(v.entry.segment)
+                if v.key and v.created not in seen:
+                    seen.add(v.created)
                     usage.add(v.owner, v.placed)
         for reader, nbytes, files in self.reserved.values():
             usage.add(reader, nbytes, files)

@@ -48,7 +48,7 @@ def write(run_dir: str, namespace: str, number: int, variants) -> None:
     """Record generation `number`'s variants, sealed under the run folder's key (atomically: whole or not at all)."""
     sealed.write(ledger.variants_path(run_dir, namespace, number), {
         "variants": VARIANTS_VERSION, "expertd": expertd.__version__, "generation": number, "namespace": namespace,
-        "tensors": [to_record(v) for v in variants],
+        "tensors": [to_record(v) for v in variants if not v.entry.extents],  # ranges: derived again if asked
     }, purpose(namespace, number), sealed.ensure_key(run_dir, namespace))
 
 

@@ -18,6 +18,7 @@ chunk, every name computed) and makes one variant (`make`: streamed from its sou
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -47,6 +48,14 @@ class Variant:
     also: tuple = ()  # a gather's further sources (entries of the same generation), after `of`
     owner: str = ""  # the reader whose request made it (what its bytes and file count against)
     placed: int = 0  # the bytes its segment takes in shm_dir (whole pages of the folder's unit)
+    form: tuple = ()  # a gather's request but for its sources' bytes (`Planned.form`): a newer stack's finds it
+    sums: list | None = None  # a gather's blocks' checksums, where its blocks are whole pages (`variant_ranges`)
+    made: str = ""  # the segment it created, where its entry lies in older variants' ranges too (extents)
+
+    @property
+    def created(self) -> str:
+        """The segment this variant made (and its failure unlinks): its entry's, or its own range's among others'."""
+        return self.made or self.entry.segment
 
     def made_of(self) -> tuple:
         """What it is made from: the same bytes wherever these agree (a newer generation's unchanged tensors)."""
@@ -56,7 +65,8 @@ class Variant:
         e = self.entry
         return {"name": e.name, "dtype": e.dtype, "segment": e.segment, "offset": e.offset, "nbytes": e.nbytes,
                 "shape": list(e.shape), "checksum": e.checksum, "served_dtype": self.of.dtype,
-                **({"derivation": self.key} if self.key else {})}
+                **({"derivation": self.key} if self.key else {}),
+                **({"extents": [x.to_wire() for x in e.extents]} if e.extents else {})}
 
     def status(self) -> dict:
         return {"name": self.entry.name, "dtype": self.entry.dtype, "served_dtype": self.of.dtype,
@@ -79,6 +89,16 @@ class Planned:
     def nbytes(self) -> int:
         return math.prod(self.shape) * ITEMSIZE.get(self.dtype, 0) if self.gather is None else \
             math.prod(self.shape) * self.entry.nbytes // max(1, math.prod(self.entry.shape))
+
+    @property
+    def form(self) -> tuple:
+        """A gather of one source as asked, but for its source's bytes: what a derivation of the same tensor of an
+        older generation had, whose blocks it may keep where the source's did not change (`variant_ranges`)."""
+        if self.gather is None or self.more:
+            return ()
+        g = self.gather
+        return (self.entry.name, self.dtype, tuple(self.shape), g.blocks, g.length,
+                hashlib.blake2b(g.deflated, digest_size=16).hexdigest())
 
     @property
     def served(self) -> bool:
@@ -173,6 +193,7 @@ def make(gen, planned: Planned, owner: str, placed: int, group: str | None, shou
         else:
             gather_into(out, [view(source, e) for e in (entry, *planned.more)], planned.gather, should_stop)
         checksum = tensor_checksum(out)
+        sums = block_sums(out, planned, arena.shm.unit)
         del out, source
         arena.unmap()  # the daemon keeps no writable mapping
     except BaseException:
@@ -180,7 +201,18 @@ def make(gen, planned: Planned, owner: str, placed: int, group: str | None, shou
         raise
     made = TensorEntry(entry.name, placement.segment, 0, nbytes, list(planned.shape), planned.dtype, [entry.name],
                        checksum=checksum)
-    return Variant(entry, made, planned.key, tuple(planned.more), owner, placed)
+    return Variant(entry, made, planned.key, tuple(planned.more), owner, placed, planned.form, sums)
+
+
+def block_sums(out, planned: Planned, unit: int) -> list[str] | None:
+    """Each block's checksum of a gather of one source whose blocks are whole pages (a newer stack's derivation may
+    keep those blocks), else None."""
+    from expertd.index import checksum, tensor_bytes
+
+    blocks = planned.gather.blocks if planned.form else 0
+    if blocks < 2 or (planned.nbytes // blocks) % unit:
+        return None
+    return [checksum(tensor_bytes(out[b])) for b in range(blocks)]
 
 
 def summary(variants: list[Variant]) -> str:

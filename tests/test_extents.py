@@ -272,3 +272,39 @@ def test_a_reload_whose_checkpoint_differs_in_two_experts_writes_those_experts(p
             assert daemon.status()["job"]["bytes_written"] == 2 * part
             c.refresh()
             assert torch.equal(c.load_model()(ids).logits, before(ids).logits) and c.verify() == []
+
+
+def test_a_derived_layout_of_a_stack_of_ranges_derives_only_the_changed_experts(paged, start_daemon, namespace):
+    """A gather of the stack (each expert's block reversed: an engine's packing) made for generation 1; a push of one
+    expert's part; the same gather of generation 2, asked while generation 1 is live (`leasing.pinned`, as an engine's
+    refresh does), derives that expert's block only (shm grows by one block) and keeps the others' in generation 1's
+    derived segment; it equals the gather of the new bytes, and stays right once generation 1 has retired (its
+    derived segment kept while a range of it is used)."""
+    from expertd import derived
+    from expertd.leasing import pinned
+
+    daemon = start_daemon(paged, expert_ranges=True, max_generations=2, revoke_after_s=0)
+    with ExpertClient(daemon.endpoint, heartbeat=False) as c:
+        stack = c.served_tensors()[STACK]
+        block = stack[0].numel()
+        index = torch.arange(block).flip(0)
+        item = derived.request(STACK, derived.encode(index), block, tuple(stack.shape))
+        (first,) = c.derived([item])
+        assert torch.equal(first, stack.reshape(len(stack), -1)[:, index].reshape(stack.shape))
+        part = c.tensors()[EXPERT].clone()
+        c.update({EXPERT: -part})
+        with pinned(c, 1):
+            c.refresh()
+            grown = shm_bytes(namespace)
+            (second,) = c.derived([item])
+            grown = shm_bytes(namespace) - grown
+        new = c.served_tensors()[STACK]
+        want = new.reshape(len(new), -1)[:, index].reshape(new.shape)
+        assert torch.equal(second, want) and not torch.equal(second, first)
+        assert grown == block * new.element_size(), (grown, block)  # expert 3's block, not the stack
+        assert in_one_shared_range(second)
+        del first
+        wait_until(lambda: [g["generation"] for g in daemon.status()["generations"]] == [2], "generation 1 retires")
+        with ExpertClient(daemon.endpoint, heartbeat=False) as fresh:
+            (again,) = fresh.derived([item])
+            assert torch.equal(again, want)

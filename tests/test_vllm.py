@@ -21,6 +21,7 @@ import uuid
 
 import pytest
 
+from expertd.client import ExpertClient
 from helpers.daemon import DaemonProcess
 from helpers.vllm_folders import (MAX_TOKENS, PROMPTS, dequantized_folder, free_port, model_folder,
                                   room_for_one_generation, run_engines)
@@ -32,11 +33,15 @@ FAMILIES = ("mixtral", "gpt_oss")  # bf16 checkpoints of other MoE families vLLM
 QUANTIZED = ("fp8", "compressed", "mxfp4", "deepseek_v3")
 # DeepSeek-V3 (FP8 blocks): vLLM's CPU MLA kernel takes head size 576 only (kv_lora_rank 512 + qk_rope_head_dim 64,
 # as the release has), and vLLM reads the router's method from config keys transformers 5.x does not write
-MADE_WITH = {"deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}, "padded": {"vocab_size": 390}}
+# "paged": each expert's gate, up and down a whole number of pages (128 x 256 bf16), so `expert_ranges` applies
+MADE_WITH = {"deepseek_v3": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}, "padded": {"vocab_size": 390},
+             "paged": {"hidden_size": 256, "moe_intermediate_size": 128}}
 FOLDER_KEYS = {"deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}}
 # what a trainer's update changes before the refresh: an expert stack (vLLM packs it), a projection vLLM fuses
 # (q_proj into qkv_proj, which oneDNN packs on AVX-512) and a norm it uses as served
 REFRESHED = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
+# with `expert_ranges`: one expert's part of each layer's stacks (checkpoint names), the stacks then ranges
+RANGED = ["model.layers.1.mlp.experts.3.up_proj.weight", "model.layers.0.mlp.experts.5.down_proj.weight"]
 TOKEN = "vllm-engines-read-token-0123"
 pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
 
@@ -57,7 +62,7 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
     from expertd.tools.requantize import write_mxfp4
 
     root = tmp_path_factory.mktemp("vllm")
-    ckpt = {fmt: str(root / fmt) for fmt in ("bf16", *QUANTIZED, *FAMILIES, "padded")}
+    ckpt = {fmt: str(root / fmt) for fmt in ("bf16", *QUANTIZED, *FAMILIES, "padded", "paged")}
     for fmt, folder in ckpt.items():
         model_type = fmt if fmt in (*FAMILIES, "deepseek_v3") else "gpt_oss" if fmt == "mxfp4" else "qwen3_moe"
         generate_model_type(folder, model_type, fp8=fmt in ("fp8", "deepseek_v3"), **MADE_WITH.get(fmt, {}))
@@ -71,6 +76,7 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
         served = [(fmt, folder, {}) for fmt, folder in ckpt.items()]
         for name, checkpoint, extra in (*served, ("ep", ckpt["bf16"], {"expert_parallel": {"size": 2, "ranks": [0]}}),
                                         ("refresh", ckpt["bf16"], {}), ("pair", ckpt["bf16"], {}),
+                                        ("ranges", ckpt["paged"], {"expert_ranges": True}),
                                         ("follow", ckpt["bf16"], {"lease_timeout_s": 3}),
                                         ("token", ckpt["bf16"], {"auth_token": TOKEN}),
                                         ("limited", ckpt["bf16"], {"max_derived_bytes_per_reader": 64 << 10}),
@@ -129,6 +135,9 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
              "refresh": {"tensors": REFRESHED, "seed": 3}},
             {"name": "follow", "model": bf16_config("follow"), "load_format": "expertd",
              "extra": {**ep["follow"], "follow": True}, "refresh": {"tensors": REFRESHED, "seed": 3}},
+            {"name": "ranges", "model": model_folder(ckpt["paged"], str(root / "no-weights-paged")),
+             "load_format": "expertd", "extra": ep["ranges"], "residency": True,
+             "refresh": {"tensors": RANGED, "seed": 3, "fresh": {"map": False}}},
             {"name": "refresh-limited", "model": bf16_config("refresh-limited"), "load_format": "expertd",
              "extra": {**ep["refresh-limited"], "follow": True},
              "refresh": {"tensors": REFRESHED, "seed": 3, "hold": True},
@@ -320,6 +329,22 @@ def test_refresh_after_an_update_equals_a_fresh_engine_on_the_new_generation(run
     where = run["residency_after"]
     experts = {name for name in where if is_expert(name)}
     assert experts and all(where[name][1] for name in experts | {"model.norm.weight"}), where
+
+
+def test_an_engine_on_stacks_of_ranges_refreshes_onto_a_fresh_engines_tokens(runs):
+    """`expert_ranges`: an update of one expert's part in two layers makes those stacks ranges; the refresh maps the
+    daemon's layouts of the new stacks (changed experts' blocks derived only) and generates a fresh engine's tokens;
+    that engine loads every weight itself (`map: false`), binding stacks where vLLM's packing equals the daemon's."""
+    run = runs["ranges"]
+    assert "error" not in run, run
+    assert run["tokens_after"] == run["fresh_tokens"] != run["tokens"]
+    remapped = run["refreshed"]["remapped"]
+    assert sorted(remapped) == ["model.layers.0.mlp.experts.w2_weight", "model.layers.1.mlp.experts.w13_weight"]
+    with ExpertClient(runs["endpoints"]["ranges"], heartbeat=False) as client:
+        stacks = sorted(t.name for t in client.index().tensors if t.extents)
+    assert stacks == ["model.layers.0.mlp.experts.down_proj", "model.layers.1.mlp.experts.gate_up_proj"], stacks
+    for where in (run["residency_after"], run["fresh_residency"]):
+        assert all(where[name][1] for name in where if is_expert(name)) and any(map(is_expert, where)), where
 
 
 def test_with_follow_the_engine_refreshes_on_its_own_before_its_next_step(runs):

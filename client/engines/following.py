@@ -20,6 +20,7 @@ from torch import nn
 
 from expertd.errors import DerivedLimit
 from expertd.index import moved
+from expertd.leasing import pinned
 
 from .binding import bind_shared
 from .experts import expert_sources, fetch, share_experts
@@ -152,18 +153,19 @@ def refresh_model(model: nn.Module) -> dict:
     if state is None:
         raise TypeError("this engine's model was not loaded from expertd with zero_copy: nothing to refresh")
     t0 = time.perf_counter()
-    old, new, changed = changed_tensors(state.client)
-    hit = {name for name, fed in state.feeds.items() if fed & changed}
-    params = dict(model.named_parameters())
-    again = sorted(name for name in hit if name in state.derived)  # the daemon's layout of the new bytes
     try:
-        views = fetch(state.client, [state.derived[name] for name in again])
+        with pinned(state.client, state.client.index().generation):  # its layouts live until the new ones are made
+            old, new, changed = changed_tensors(state.client)
+            hit = {name for name, fed in state.feeds.items() if fed & changed}
+            again = sorted(name for name in hit if name in state.derived)  # the daemon's layout of the new bytes
+            views = fetch(state.client, [state.derived[name] for name in again])
     except DerivedLimit as exc:  # the host's policy: those modules are loaded privately below, as at a first load
         state.log.warning("expertd: the daemon makes no derived layout of generation %d for %d parameter(s) of this "
                           "engine, their modules are loaded privately: %s", new, len(again), exc)
         for name in again:
             del state.derived[name]
         views, again = [], []
+    params = dict(model.named_parameters())
     for name, view in zip(again, views):
         params[name].data = view
     owners = state.owners(hit - set(again))

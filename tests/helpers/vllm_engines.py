@@ -113,14 +113,14 @@ def generate(llm, prompts: list, max_tokens: int) -> list:
 
 
 def push(endpoint: str, names: list, seed: int) -> int:
-    """Publish a generation in which the served tensors `names` are replaced by others of their kind (the same
-    tensor of another layer, or its negation): a trainer's update."""
+    """Publish a generation in which the tensors `names` (served or checkpoint names) are replaced by others of
+    their kind (scaled by random factors in [1, 2)): a trainer's update."""
     import torch
 
     from expertd.client import ExpertClient
 
     with ExpertClient(endpoint, heartbeat=False) as client:
-        served = client.served_tensors()
+        served = {**client.tensors(), **client.served_tensors()}
         gen = torch.Generator().manual_seed(seed)
         new = {name: (served[name].float() * (1 + torch.rand(served[name].shape, generator=gen))).to(
             served[name].dtype) for name in names}
@@ -152,8 +152,9 @@ def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None
     if held is not None:
         held.close()
     out["residency_after"] = llm.apply_model(residency)[0]
-    second = engine_for(engine)
+    second = engine_for({**engine, "extra": {**engine["extra"], **engine["refresh"].get("fresh", {})}})
     out["fresh_tokens"] = generate(second, prompts, max_tokens)
+    out["fresh_residency"] = second.apply_model(residency)[0]
     del second
     gc.collect()
 
