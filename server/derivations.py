@@ -33,6 +33,7 @@ from expertd import replies
 from expertd.procfs import default_threads
 from expertd.derived import source_identity
 from expertd.errors import DerivedLimit, GenerationGone
+from expertd.extents import places
 
 from .arena import unlink_segment
 from .jobs import forget_frames
@@ -207,9 +208,14 @@ class Derivations:
 
     def _register(self, gen, made: list[Variant], planned: list[Planned], rid: str, job: Work | None = None
                   ) -> list[Variant]:
+        kept = set().union(*(g.segments() for g in self.gens.live.values())) if any(v.made for v in made) else set()
         for v in made:
             if v.key in gen.variants:  # made meanwhile by a small request: the one listed first stays
                 unlink_segment(v.created, gen.index.shm_dir)
+            elif v.made and any(x.segment not in kept | {v.made} for x in places(v.entry)):
+                # the older layout it keeps blocks of retired while a job made it: not listed (the next ask makes it
+                # again, whole; a small request is made on the loop, where nothing retires meanwhile)
+                unlink_segment(v.made, gen.index.shm_dir)
             else:
                 gen.variants[v.key] = v
         if made:
