@@ -54,8 +54,9 @@ def run(folder: str, args, ranges: bool) -> list[dict]:
     from expertd.client import ExpertClient
 
     namespace = f"edtbench{uuid.uuid4().hex[:8]}"
+    log = open(os.path.join(args.workdir, f"daemon-{'ranges' if ranges else 'whole'}.log"), "w")
     daemon = DaemonProcess.launch(os.path.join(args.workdir, "daemon"), folder, namespace, expert_ranges=ranges,
-                                  max_generations=2, revoke_after_s=0)
+                                  max_generations=2, revoke_after_s=0, stdout=log, stderr=log)
     rows, ids = [], torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
     generator = torch.Generator().manual_seed(0)
     try:
@@ -76,6 +77,7 @@ def run(folder: str, args, ranges: bool) -> list[dict]:
                 t0 = time.perf_counter()
                 pusher.update(values)
                 publish = time.perf_counter() - t0
+                pusher.refresh()  # off the old generation, which retires (max_generations 2)
                 t0 = time.perf_counter()
                 worker.refresh(model)
                 refresh = time.perf_counter() - t0
@@ -96,6 +98,7 @@ def run(folder: str, args, ranges: bool) -> list[dict]:
             del model
     finally:
         daemon.stop()
+        log.close()
         for path in glob.glob(f"/dev/shm/{namespace}*"):
             os.unlink(path)
     return rows

@@ -72,15 +72,32 @@ def places(entry) -> list[Extent]:
     return list(entry.extents) if entry.extents else [Extent(entry.segment, entry.offset, entry.nbytes)]
 
 
+def split(extents: list[Extent], parts: int) -> list[list[Extent]]:
+    """`cut` of each of `parts` equal parts of the tensor `extents` make, in one pass over the extents (a stack's
+    experts: a cut each would cost experts x extents)."""
+    chunk = sum(e.nbytes for e in extents) // max(parts, 1)
+    out, i, at = [], 0, 0  # extent i, `at` bytes into it
+    for _ in range(parts):
+        pieces, need = [], chunk
+        while need:
+            e = extents[i]
+            take = min(e.nbytes - at, need)
+            pieces.append(Extent(e.segment, e.offset + at, take))
+            need, at = need - take, at + take
+            if at == e.nbytes:
+                i, at = i + 1, 0
+        out.append(pieces)
+    return out
+
+
 def replaced(extents: list[Extent], parts: int, changed: list[int], segment: str, offset: int) -> list[Extent]:
     """The ranges of a tensor of `parts` equal parts lying in `extents`, with parts `changed` (in order) replaced by
     ranges back to back in `segment` from `offset`, merged."""
     chunk = sum(e.nbytes for e in extents) // parts
     slots = {k: slot for slot, k in enumerate(changed)}
     pieces = []
-    for k in range(parts):
-        pieces.extend([Extent(segment, offset + slots[k] * chunk, chunk)] if k in slots
-                      else cut(extents, k * chunk, chunk))
+    for k, part in enumerate(split(extents, parts)):
+        pieces.extend([Extent(segment, offset + slots[k] * chunk, chunk)] if k in slots else part)
     return merge(pieces)
 
 

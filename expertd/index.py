@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from .errors import ProtocolError
-from .extents import Extent, cut, from_wire, places
+from .extents import Extent, from_wire, places, split
 from .partition import ExpertBlock, ExpertParallel
 
 SCHEMA_VERSION = 2  # written while no tensor has extents; 3 where one has (`EXTENTS_SCHEMA`)
@@ -268,11 +268,11 @@ def derive_views(tensors: list[TensorEntry]) -> list[TensorEntry]:
             raise ProtocolError(f"fused tensor {t.name} {t.shape} cannot hold {n} equal sources")
         chunk, per_expert = t.nbytes // n, n // t.shape[0]
         shape = [t.shape[1] // per_expert, *t.shape[2:]]
-        for k, src in enumerate(t.sources):
-            if not t.extents:
-                views.append(TensorEntry(src, t.segment, t.offset + k * chunk, chunk, shape, t.dtype, [src], t.name))
-                continue
-            pieces = cut(t.extents, k * chunk, chunk)  # an expert of a stack made of several generations' ranges
+        if not t.extents:
+            views.extend(TensorEntry(src, t.segment, t.offset + k * chunk, chunk, shape, t.dtype, [src], t.name)
+                         for k, src in enumerate(t.sources))
+            continue
+        for src, pieces in zip(t.sources, split(t.extents, n)):  # a stack made of several generations' ranges
             views.append(TensorEntry(src, pieces[0].segment, pieces[0].offset, chunk, shape, t.dtype, [src], t.name,
                                      extents=pieces if len(pieces) > 1 else None))
     return views

@@ -14,7 +14,7 @@ import os
 import threading
 
 from .errors import ShmError
-from .extents import Extent, cut, places
+from .extents import Extent, places, split
 from .index import DEFAULT_SHM_DIR, checksum_parts, checksum_text, combined_checksum
 from .trust import check_owner
 
@@ -72,12 +72,10 @@ def pieces_checksum(read, extents: list[Extent], parts: int) -> str:
     from `parts` equal parts as `expertd.index.tensor_checksum` does, hashed range by range (nothing concatenated)."""
     import xxhash
 
-    total = sum(e.nbytes for e in extents)
-    step = total // max(parts, 1)
     sums = []
-    for k in range(max(parts, 1)):
+    for part in split(extents, max(parts, 1)):
         h = xxhash.xxh3_64()
-        for piece in cut(extents, k * step, step):
+        for piece in part:
             data = read(piece)
             try:
                 h.update(data)

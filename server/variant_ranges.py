@@ -12,7 +12,7 @@ them (`Generation.segments`). Such a variant is not recorded for a successor, wh
 
 from __future__ import annotations
 
-from expertd.extents import cut, mappable, places, reach, replaced
+from expertd.extents import mappable, places, reach, replaced, split
 from expertd.index import TensorEntry, checksum, combined_checksum, tensor_bytes
 
 from .arena import Arena
@@ -38,8 +38,8 @@ def prior(planned: Planned, forms: dict[tuple, Variant], unit: int) -> tuple[Var
     if old is None or old.of.nbytes != planned.entry.nbytes or old.entry.nbytes != planned.nbytes:
         return None
     blocks = planned.gather.blocks
-    step, now, before = planned.entry.nbytes // blocks, places(planned.entry), places(old.of)
-    changed = [b for b in range(blocks) if cut(now, b * step, step) != cut(before, b * step, step)]
+    now, before = split(places(planned.entry), blocks), split(places(old.of), blocks)
+    changed = [b for b in range(blocks) if now[b] != before[b]]
     if not changed or len(changed) == blocks or (planned.nbytes // blocks) % unit \
             or not mappable(places(old.entry), unit) \
             or len(replaced(places(old.entry), blocks, changed, "", 0)) > MAX_EXTENTS:
@@ -96,6 +96,5 @@ def old_sums(old: Variant, blocks: int, shm_dir: str) -> list[str]:
     from expertd.segments import Placed, map_segment, pieces_checksum
 
     ends = reach([old.entry])
-    step = old.entry.nbytes // blocks
     with Placed(lambda name: map_segment(name, ends[name], shm_dir=shm_dir)) as where:
-        return [pieces_checksum(where.read, cut(places(old.entry), b * step, step), 1) for b in range(blocks)]
+        return [pieces_checksum(where.read, part, 1) for part in split(places(old.entry), blocks)]
