@@ -94,11 +94,11 @@ def replaced(extents: list[Extent], parts: int, changed: list[int], segment: str
     """The ranges of a tensor of `parts` equal parts lying in `extents`, with parts `changed` (in order) replaced by
     ranges back to back in `segment` from `offset`, merged."""
     chunk = sum(e.nbytes for e in extents) // parts
-    slots = {k: slot for slot, k in enumerate(changed)}
-    pieces = []
-    for k, part in enumerate(split(extents, parts)):
-        pieces.extend([Extent(segment, offset + slots[k] * chunk, chunk)] if k in slots else part)
-    return merge(pieces)
+    pieces, at = [], 0
+    for slot, k in sorted(enumerate(changed), key=lambda item: item[1]):  # cut only around the changed parts
+        pieces += cut(extents, at, k * chunk - at) + [Extent(segment, offset + slot * chunk, chunk)]
+        at = (k + 1) * chunk
+    return merge(pieces + cut(extents, at, parts * chunk - at))
 
 
 def reach(entries) -> dict[str, int]:

@@ -308,10 +308,8 @@ def combined_checksum(part_checksums: list[str]) -> str:
 
     if len(part_checksums) == 1:
         return part_checksums[0]
-    h = xxhash.xxh3_64()
-    for c in part_checksums:
-        h.update(bytes.fromhex(c.rpartition(":")[2]))
-    return f"xxh3_64x{len(part_checksums)}:{h.hexdigest()}"
+    digests = bytes.fromhex("".join(c.rpartition(":")[2] for c in part_checksums))
+    return f"xxh3_64x{len(part_checksums)}:{xxhash.xxh3_64_hexdigest(digests)}"
 
 
 def checksum_parts(recorded: str) -> int:
