@@ -3,16 +3,18 @@ one's ranges with the changed experts' replaced (`expertd.extents`).
 
 A served expert stack is one tensor of n equal parts (one per checkpoint source: an expert, or an expert's
 projection). Where a part is a whole number of the shm folder's pages and the old stack's ranges start on pages, the
-changed parts' bytes go into a new segment of their size and every unchanged part stays where it is, in whatever
-older generation's segment holds it: a new generation costs the changed experts' bytes, not the stack's. Which parts
-changed is decided by their bytes (a pushed part equal to what is served changes nothing). A stack whose ranges
-would pass MAX_EXTENTS is written whole into one segment instead (compaction: a reader maps each range, and a long
-run of generations must not approach the kernel's limit on a process's mappings, `vm.max_map_count`).
+changed parts' bytes go into a new segment and every unchanged part stays where it is, in whatever older
+generation's segment holds it: a new generation costs the changed experts' bytes, not the stack's. Which parts
+changed is decided by their bytes (a pushed part equal to what is served changes nothing); the changed parts of
+every stack a push changes go into one segment (`write_changed`: one file and one mapping per reader). A stack whose
+ranges would pass MAX_EXTENTS is written whole into one segment instead (compaction: a reader maps each range, and a
+long run of generations must not approach the kernel's limit on a process's mappings, `vm.max_map_count`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -43,15 +45,23 @@ def part_bytes(push, staged: dict, entry: TensorEntry, parts: int, device) -> li
     return [flat[k * step: (k + 1) * step] for k in range(count)]
 
 
-def changed_stack(entry: TensorEntry, pushes: list, staged: dict, old, arena, device, sums: list[str] | None = None
-                  ) -> tuple[TensorEntry, list[str]] | None:
-    """The new entry of stack `entry` after `pushes` (the update's pushes into it), only the parts whose bytes change
-    written, into a new segment of `arena` (the old entry itself where none changes), and its parts' checksums;
-    None where the parts are not whole pages, all of them change, or the ranges would pass MAX_EXTENTS: the caller
-    writes the stack whole. `sums` are the old parts' checksums where known (`Built.sums`): only changed parts are
-    hashed then."""
+@dataclass
+class Changed:
+    """A stack a push changes some parts of: the parts' new bytes (uint8), in part order."""
+
+    entry: TensorEntry
+    parts: dict[int, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.parts.values())
+
+
+def changed_parts(entry: TensorEntry, pushes: list, staged: dict, old, arena, device) -> Changed | None:
+    """What `pushes` (the update's pushes into stack `entry`) change of it, decided by the parts' bytes: a copy of
+    those parts' bytes (a decoded push's others dropped); empty where nothing changes. None where the parts are not
+    whole pages, all of them change, or the ranges would pass MAX_EXTENTS: the caller writes the stack whole."""
     n = len(entry.sources)
-    chunk = entry.nbytes // max(n, 1)
     if not whole_pages(entry, arena):
         return None
     new: dict[int, torch.Tensor] = {}
@@ -59,22 +69,38 @@ def changed_stack(entry: TensorEntry, pushes: list, staged: dict, old, arena, de
         for k, data in zip(range(n) if push.part is None else (push.part,), part_bytes(push, staged, entry, n, device)):
             new[k] = data
     changed = [k for k in sorted(new) if not same_bytes(new[k], old.part(entry, k, n))]
-    if not changed:
-        return entry, part_sums(entry, old, sums)
     if len(changed) == n or len(layout(entry, changed, "")) > MAX_EXTENTS:
         return None
-    where = arena.add(len(changed) * chunk)
-    out = arena.tensor(where, (len(changed) * chunk,), torch.uint8)
-    for slot, k in enumerate(changed):
-        out[slot * chunk: (slot + 1) * chunk].copy_(new[k])
+    return Changed(entry, {k: new[k].clone() for k in changed})  # not the rest of a decoded push
+
+
+def write_changed(stacks: list[Changed], old, arena, sums: dict[str, list[str]]) -> list[TensorEntry]:
+    """Write the changed parts of `stacks` back to back into one new segment of `arena` (a push's new bytes are one
+    file and one mapping per reader, however many stacks it changes) and return each stack's new entry: its old ranges
+    with those parts' replaced. `sums` (name -> each part's checksum, `Built.sums`) is updated: only changed parts are
+    hashed where the old parts' checksums make the old entry's."""
+    total = sum(c.nbytes for c in stacks)
+    if not total:
+        return [c.entry for c in stacks]
+    where = arena.add(total)
+    out = arena.tensor(where, (total,), torch.uint8)
+    entries, at = [], 0
+    for c in stacks:
+        entry = c.entry
+        each = part_sums(entry, old, sums.get(entry.name))
+        if c.parts:
+            for k, data in c.parts.items():
+                out[at: at + data.numel()].copy_(data)
+                each[k] = checksum(tensor_bytes(data))
+                at += data.numel()
+            extents = layout(entry, list(c.parts), where.segment, where.offset + at - c.nbytes)
+            entry = TensorEntry(entry.name, extents[0].segment, extents[0].offset, entry.nbytes, list(entry.shape),
+                                entry.dtype, list(entry.sources), checksum=combined_checksum(each),
+                                experts=entry.experts, extents=extents)
+        sums[entry.name] = each
+        entries.append(entry)
     del out
-    extents = layout(entry, changed, where.segment, where.offset)
-    sums = part_sums(entry, old, sums)
-    for k in changed:
-        sums[k] = checksum(tensor_bytes(new[k]))
-    return TensorEntry(entry.name, extents[0].segment, extents[0].offset, entry.nbytes, list(entry.shape),
-                       entry.dtype, list(entry.sources), checksum=combined_checksum(sums), experts=entry.experts,
-                       extents=extents), sums
+    return entries
 
 
 def part_checksums(t: torch.Tensor, parts: int) -> list[str]:

@@ -34,7 +34,7 @@ from .arena import Arena, placed_size
 from .building import PreviousBytes
 from .built import Built
 from .dequant import write_part
-from .expert_ranges import changed_stack, part_checksums
+from .expert_ranges import Changed, changed_parts, part_checksums, write_changed
 from .loader import segments_of
 
 log = logging.getLogger("expertd.updates")
@@ -265,10 +265,6 @@ def _marked(digests: list[str] | None, pushes: list[Push], staged: dict, n: int)
     return digests
 
 
-def new_segments(arena: Arena) -> set[str]:
-    return {s.name for s in arena.segments}
-
-
 def _rest(frames: list, skip: int) -> list:
     """The buffers of `frames` after their first `skip` bytes (what a short pwritev left)."""
     out = []
@@ -292,19 +288,20 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
         by_target.setdefault(p.target.name, []).append(p)
     arena = Arena(index.namespace, generation, group=group, shm_dir=index.shm_dir)
     entries, parts, sums, written = [], dict(previous.parts), dict(previous.sums), 0
+    ranged: list[tuple[int, Changed]] = []  # (its place in `entries`, what the update changes of the stack)
     try:
         for entry in index.tensors:
             pushes = by_target.get(entry.name)
             if not pushes:
                 entries.append(entry)
                 continue
-            ranged = changed_stack(entry, pushes, staged, old, arena, device, sums.get(entry.name)) if ranges else None
-            if ranged is not None:  # only the changed parts written
-                ranged, sums[entry.name] = ranged
-                entries.append(ranged)
-                if ranged is not entry:
+            change = changed_parts(entry, pushes, staged, old, arena, device) if ranges else None
+            if change is not None:  # only the changed parts written, after the loop, all into one segment
+                ranged.append((len(entries), change))
+                entries.append(entry)
+                if change.parts:
                     parts[entry.name] = _marked(parts.get(entry.name), pushes, staged, len(entry.sources))
-                    written += sum(x.nbytes for x in ranged.extents if x.segment in new_segments(arena))
+                    written += change.nbytes
                 continue
             where = arena.add(entry.nbytes)
             out = arena.tensor(where, tuple(entry.shape), DTYPES[entry.dtype])
@@ -325,6 +322,8 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
                                        experts=entry.experts))
             written += entry.nbytes
             del out, chunks, dest
+        for (at, _), entry in zip(ranged, write_changed([c for _, c in ranged], old, arena, sums)):
+            entries[at] = entry
         arena.unmap()
         new_index = TensorIndex(generation=generation, namespace=index.namespace, model_type=index.model_type,
                                 layout=index.layout, config=index.config,

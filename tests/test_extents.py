@@ -308,3 +308,20 @@ def test_a_derived_layout_of_a_stack_of_ranges_derives_only_the_changed_experts(
         with ExpertClient(daemon.endpoint, heartbeat=False) as fresh:
             (again,) = fresh.derived([item])
             assert torch.equal(again, want)
+
+
+def test_a_push_into_several_stacks_writes_their_changed_parts_into_one_segment(paged, start_daemon, namespace):
+    """Three parts of two stacks in one push: one new segment holds the three (a push is one file and one mapping per
+    reader, however many stacks it changes); each stack's new ranges lie in it, every pushed tensor reads back."""
+    daemon = start_daemon(paged, expert_ranges=True)
+    names = [EXPERT, "model.layers.1.mlp.experts.6.gate_proj.weight", "model.layers.0.mlp.experts.1.down_proj.weight"]
+    with ExpertClient(daemon.endpoint, heartbeat=False) as c:
+        values = {n: -c.tensors()[n].clone() for n in names}
+        before, first = set(glob.glob(f"/dev/shm/{namespace}.*")), {s.name for s in c.index().segments}
+        c.update(values)
+        c.refresh()
+        made = set(glob.glob(f"/dev/shm/{namespace}.*")) - before - {f"/dev/shm{daemon.status()['index_segment']}"}
+        assert len(made) == 1 and os.path.getsize(made.pop()) == sum(v.numel() * 2 for v in values.values()), made
+        ranged = [t for t in c.index().tensors if t.extents]
+        assert len(ranged) == 2 and len({x.segment for t in ranged for x in t.extents} - first) == 1, ranged
+        assert all(torch.equal(c.tensors()[n], v) for n, v in values.items()) and c.verify() == []
