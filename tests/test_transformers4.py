@@ -61,3 +61,35 @@ def test_transformers4_worker_gets_per_expert_modules_with_exact_logits(tf4_pyth
     # every parameter and loaded buffer lies in the daemon's read-only shared memory: what 4.57 loads in another
     # dtype than this release serves (the routers and the bias in bf16) is the daemon's dtype variant, not a copy
     assert got["private"] == [] and got["params"] > 0
+
+
+def test_a_transformers4_worker_reads_a_stack_of_ranges(tf4_python, start_daemon, tmp_path):
+    """`expert_ranges`: a push of one expert's part makes layer 1's gate/up stack ranges of two generations'
+    segments; a 4.57 worker's per-expert modules are those ranges' slots themselves (no copy), and its logits equal
+    4.57's own from_pretrained of the checkpoint with that expert changed."""
+    from safetensors.torch import load_file, save_file
+
+    from expertd.client import ExpertClient
+    from expertd.tools.generate import generate
+
+    expert = "model.layers.1.mlp.experts.3.up_proj.weight"  # 128 x 256 bf16 once dequantized: whole pages
+    paged = str(tmp_path / "paged")
+    generate(paged, "tiny", hidden_size=256, moe_intermediate_size=128)  # DeepSeek-V3, FP8 blocks
+    daemon = start_daemon(paged, expert_ranges=True)
+    with ExpertClient(daemon.endpoint, heartbeat=False) as c:
+        value = -c.tensors()[expert].clone()
+        c.update({expert: value})
+        c.refresh()
+        assert [t.name for t in c.index().tensors if t.extents] == ["model.layers.1.mlp.experts.gate_up_proj"]
+    changed = write_reference_bf16(paged, str(tmp_path / "changed"))
+    weights = load_file(f"{changed}/model.safetensors")
+    save_file({**weights, expert: value.contiguous()}, f"{changed}/model.safetensors")
+    script = tmp_path / "worker4.py"
+    script.write_text(WORKER)
+    proc = subprocess.run([tf4_python, str(script), daemon.endpoint, changed, json.dumps(INPUT_IDS)],
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["transformers"].startswith("4.57") and expert in got["names"]
+    assert got["equal"] == {"load_model": True, "restore": True, "from_pretrained": True}
+    assert got["private"] == []
