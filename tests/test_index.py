@@ -9,8 +9,9 @@ import msgpack
 import pytest
 
 from expertd.errors import ProtocolError
+from expertd.extents import Extent
 from expertd.index import (
-    SCHEMA_VERSION, SegmentEntry, TensorEntry, TensorIndex, decode_sources, derive_views, encode_sources,
+    EXTENTS_SCHEMA, SCHEMA_VERSION, SegmentEntry, TensorEntry, TensorIndex, decode_sources, derive_views, encode_sources,
     write_json_atomic,
 )
 
@@ -59,6 +60,37 @@ def test_json_matches_golden_file(tmp_path):
     assert data["tensors"][2]["sources"] == {"prefix": "model.layers.1.mlp.experts.", "experts": [0, 2],
                                              "parts": [".gate_proj.weight", ".up_proj.weight"]}
     assert data["tensors"][3]["sources"] == KV
+
+
+SEG2 = "/ns.100.4.000"
+
+
+def ranged() -> TensorIndex:
+    """`sample()` at generation 4 after a push of expert 1's gate: the gate/up stack is three ranges, the middle one
+    in generation 4's segment (schema 3)."""
+    index = sample()
+    stack = index.tensors[2]
+    part = stack.nbytes // 4
+    stack.extents = [Extent(SEG, 262144, 2 * part), Extent(SEG2, 0, part), Extent(SEG, 262144 + 3 * part, part)]
+    index.generation, index.segments = 4, [SegmentEntry(SEG, 1 << 20), SegmentEntry(SEG2, 4096)]
+    return index
+
+
+def test_an_index_with_extents_matches_its_golden_file(tmp_path):
+    """Schema 3, byte for byte (tests/golden/index_v3.json: `ranged().to_dict()` written compact, on purpose, when
+    extents came in): only an entry with extents carries them; its checkpoint views are cut from them."""
+    path = str(tmp_path / "index.json")
+    write_json_atomic(path, ranged().to_dict(), indent=None)
+    with open(path) as f, open(os.path.join(GOLDEN, "index_v3.json")) as g:
+        assert f.read() == g.read()
+    data = json.load(open(path))
+    assert data["schema"] == EXTENTS_SCHEMA == 3 and [("extents" in t) for t in data["tensors"]] == [
+        False, False, True, False]
+    back = TensorIndex.from_dict(data)
+    assert back == ranged()
+    views = {v.name: v for v in back.all_views() if v.base == "model.layers.1.mlp.experts.gate_up_proj"}
+    assert [(views[n].segment, views[n].offset) for n in GATE_UP] == [
+        (SEG, 262144), (SEG, 262144 + 32), (SEG2, 0), (SEG, 262144 + 96)]
 
 
 def test_round_trip_and_checkpoint_names():
