@@ -11,8 +11,8 @@ import pytest
 from expertd.errors import ProtocolError
 from expertd.extents import Extent
 from expertd.index import (
-    EXTENTS_SCHEMA, SCHEMA_VERSION, SegmentEntry, TensorEntry, TensorIndex, decode_sources, derive_views, encode_sources,
-    write_json_atomic,
+    EXTENTS_SCHEMA, SCHEMA_VERSION, SegmentEntry, TensorEntry, TensorIndex, decode_sources, derive_views,
+    encode_sources, write_json_atomic,
 )
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
