@@ -16,6 +16,7 @@ import errno
 import logging
 import mmap
 import os
+import weakref
 
 import torch
 
@@ -25,7 +26,7 @@ from .extents import Extent, mappable, merge
 log = logging.getLogger("expertd.client")
 
 PAGE = mmap.PAGESIZE
-_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
 _MAP_NORESERVE = 0x4000
 _PROT_NONE = 0
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -36,6 +37,7 @@ _libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctyp
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _FAILED = ctypes.c_void_p(-1).value
 _copies_said = False
+_last: dict[str, tuple] = {}  # tensor name -> (extents, weak reference to the reservation) of its last view
 
 
 class _Reservation:
@@ -69,32 +71,70 @@ def composed(segments: dict[str, torch.Tensor], extents: list[Extent], name: str
         e = pieces[0]
         return segments[e.segment][e.offset: e.offset + e.nbytes]
     if mappable(pieces, PAGE):
-        mapped = _map(segments, pieces, total)
+        mapped = _map(segments, pieces, total, name)
         if mapped is not None:
             return mapped
     return _copy(segments, pieces, total, name)
 
 
-def _map(segments: dict[str, torch.Tensor], pieces: list[Extent], total: int) -> torch.Tensor | None:
-    """The extents' pages mapped into one reserved range, or None where the kernel will not map them so."""
+def _map(segments: dict[str, torch.Tensor], pieces: list[Extent], total: int, name: str) -> torch.Tensor | None:
+    """The extents' pages mapped into one reserved range, or None where the kernel will not map them so. Where the
+    last view composed of tensor `name` is alive and has some of these ranges at the same places (a newer generation
+    of the stack: its unchanged experts), their page tables move to the new view (`MREMAP_DONTUNMAP`: the old view
+    stays valid and refaults if read), so a forward does not fault the unchanged experts' pages in again."""
     reservation = _Reservation((total + PAGE - 1) // PAGE * PAGE)
+    before = _last.get(name)
+    old = before[1]() if before is not None else None
+    kept = _same_places(before[0], pieces) if old is not None and old.length == reservation.length else []
     at = 0
     for e in pieces:
-        length = (e.nbytes + PAGE - 1) // PAGE * PAGE
-        seg = segments[e.segment]
-        if e.offset + length > seg.numel():  # the last page past the segment's mapping: not mappable in place
-            return None
-        got = _libc.mremap(seg.data_ptr() + e.offset, 0, length, _MREMAP_MAYMOVE | _MREMAP_FIXED,
-                           reservation.address + at)
-        if got != reservation.address + at:
-            code = ctypes.get_errno()
-            if code in (errno.EINVAL, errno.EFAULT):  # a private (copy-on-write) or huge-page mapping
+        for lo, hi, same in _runs(at, e, kept):
+            length = min(reservation.length - lo, (hi - lo + PAGE - 1) // PAGE * PAGE)
+            target = reservation.address + lo
+            if same and _libc.mremap(old.address + lo, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED |
+                                     _MREMAP_DONTUNMAP, target) == target:
+                continue
+            seg, src = segments[e.segment], e.offset + lo - at
+            if src + length > seg.numel():  # the last page past the segment's mapping: not mappable in place
                 return None
-            raise ShmError(f"cannot map an extent of segment {e.segment}: {os.strerror(code)}")
+            if _libc.mremap(seg.data_ptr() + src, 0, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, target) != target:
+                code = ctypes.get_errno()
+                if code in (errno.EINVAL, errno.EFAULT):  # a private (copy-on-write) or huge-page mapping
+                    return None
+                raise ShmError(f"cannot map an extent of segment {e.segment}: {os.strerror(code)}")
         at += e.nbytes
+    _last[name] = (pieces, weakref.ref(reservation))
     buffer = (ctypes.c_char * total).from_address(reservation.address)
     buffer.reservation = reservation  # unmapped when the last tensor over it goes
     return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def _same_places(old: list[Extent], new: list[Extent]) -> list[tuple[int, int]]:
+    """The byte ranges [lo, hi) of the tensor where the old and the new extents are the same bytes of the same
+    segment (page multiples: every extent but the last is whole pages)."""
+    def runs(pieces):
+        at = 0
+        for e in pieces:
+            yield at, at + e.nbytes, e.segment, e.offset - at
+            at += e.nbytes
+
+    out, theirs = [], list(runs(old))
+    for lo, hi, segment, shift in runs(new):
+        out.extend((max(lo, a), min(hi, b)) for a, b, s, d in theirs
+                   if s == segment and d == shift and max(lo, a) < min(hi, b))
+    return out
+
+
+def _runs(at: int, e: Extent, kept: list[tuple[int, int]]):
+    """The extent at byte `at` of the tensor split into (lo, hi, kept) runs: kept where `kept` covers them."""
+    lo, hi = at, at + e.nbytes
+    for a, b in sorted(r for r in kept if r[0] < hi and r[1] > lo):
+        if lo < a:
+            yield lo, a, False
+        yield a, b, True
+        lo = b
+    if lo < hi:
+        yield lo, hi, False
 
 
 def _copy(segments: dict[str, torch.Tensor], pieces: list[Extent], total: int, name: str) -> torch.Tensor:

@@ -98,6 +98,49 @@ def test_a_tensor_of_several_segments_is_one_read_only_view_of_their_pages(names
                 os.unlink(f"/dev/shm{name}")
 
 
+def resident(t: torch.Tensor) -> int:
+    """Bytes of `t`'s range present in this process's page tables (smaps Rss of the mappings inside it)."""
+    lo, hi, total = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), 0
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = lo <= a and b <= hi
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) << 10
+    return total
+
+
+def test_a_newer_view_of_a_stack_takes_the_unchanged_ranges_page_tables(namespace):
+    """A stack of 8 parts viewed, read whole; its next generation (part 5 in another segment) viewed under the same
+    name: the unchanged parts' page tables move to the new view (nothing to fault in again but part 5), the new view
+    reads the new bytes and the old one still reads the old."""
+    names = [f"/{namespace}.p.{k}" for k in range(2)]
+    data = [torch.randint(0, 255, (8 * 4 * PAGE,), dtype=torch.uint8) for _ in names]
+    for name, d in zip(names, data):
+        with open(f"/dev/shm{name}", "wb") as f:
+            f.write(d.numpy().tobytes())
+    try:
+        segments = map_segments([SegmentEntry(n, 32 * PAGE) for n in names])
+        part = 4 * PAGE
+        first = [Extent(names[0], 0, 4 * part), Extent(names[1], 0, part), Extent(names[0], 5 * part, 3 * part)]
+        second = [Extent(names[0], 0, 4 * part), Extent(names[1], 3 * part, part), Extent(names[0], 5 * part, 3 * part)]
+        entry = lambda extents: TensorEntry("stack", names[0], 0, 8 * part, [8 * part], "torch.uint8",  # noqa: E731
+                                            extents=extents)
+        old = view(segments, entry(first))
+        want_old = torch.cat([data[0][:4 * part], data[1][:part], data[0][5 * part:]])
+        assert torch.equal(old, want_old) and resident(old) == 8 * part  # read whole: every page present
+        new = view(segments, entry(second))
+        assert resident(new) == 7 * part  # the unchanged parts' pages came with their page tables
+        assert torch.equal(new, torch.cat([data[0][:4 * part], data[1][3 * part:4 * part], data[0][5 * part:]]))
+        assert torch.equal(old, want_old) and in_one_shared_range(new) and in_one_shared_range(old)
+    finally:
+        for name in names:
+            os.unlink(f"/dev/shm{name}")
+
+
 def test_a_write_into_the_composed_view_is_sigsegv(namespace):
     code = f"""
 import os, torch
