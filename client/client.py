@@ -192,12 +192,14 @@ class ExpertClient:
         `*_scale_inv` or `*_scale`, MXFP4 `*_blocks` with `*_scales`) and dequantized as at load. The bytes
         go through a staging segment, not the socket. Returns the new generation. While readers pin the old
         generations (`max_generations`) it waits up to `wait_for_room` seconds for the daemon to revoke the oldest
-        one's leases (`revoke_after_s`), then proceeds; else the GenerationLimit is raised.
+        one's leases (`revoke_after_s`), then proceeds (its own lease revoked too: it leases the latest, as a
+        heartbeat would, and pushes); else the GenerationLimit is raised.
         """
         from .push import push
 
         self._check_gone()
-        generation = with_room(lambda: push(self._conn, self.lease, tensors, self.timeout), wait_for_room, log)
+        generation = with_room(lambda: push(self._conn, self.lease, tensors, self.timeout), wait_for_room, log,
+                               lambda: self._move_on(self._conn, self.lease))
         self.latest_generation = max(self.latest_generation, generation)
         return generation
 

@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 
 from . import index_segment, messages, procfs
-from .errors import DaemonError, DaemonTimeout, GenerationLimit, NotReady
+from .errors import DaemonError, DaemonTimeout, GenerationLimit, LeaseRevoked, NotReady
 from .index import TensorIndex
 from .protocol import PROTOCOL_VERSION
 from .segments import Placed, map_segment
@@ -53,14 +53,20 @@ def pinned(client, generation: int):
         conn.close()
 
 
-def with_room(push, wait_s: float, log=None):
+def with_room(push, wait_s: float, log=None, on_revoked=None):
     """`push()`, tried again while the daemon refuses it with a GenerationLimit that says when there is room
     (`retry_after_s`: the oldest generation's leases are revoked then, `revoke_after_s`), for `wait_s` seconds in
-    all; a refusal that names no time, or one past them, is raised."""
+    all; a refusal that names no time, or one past them, is raised. Where the pusher's own lease went with its
+    generation's (LeaseRevoked), `on_revoked()` leases anew and the push is tried again, once."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             return push()
+        except LeaseRevoked:
+            if on_revoked is None:
+                raise
+            on_revoked()
+            on_revoked = None
         except GenerationLimit as exc:
             wait = exc.retry_after_s
             if wait is None or time.monotonic() + wait > deadline:

@@ -13,7 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 from expertd import messages, replies
-from expertd.errors import Busy, UpdateRejected
+from expertd.errors import Busy, LeaseRevoked, UpdateRejected
 
 from .dispatch import handles
 from .generations import Generation, Generations
@@ -64,6 +64,9 @@ class Pushes:
         latest = self.builds.latest()
         self.builds.check_idle()
         self.gens.check_room()
+        if req.client not in self.leases.leases:  # its generation's leases were revoked for this very push
+            raise LeaseRevoked(f"lease {lease_tag(lease.client)} read generation {lease.generation}, whose leases were "
+                               f"revoked to make room for this push: lease the latest and push again")
         pushes = plan_update(latest.index, req.tensors)
         self._updates += 1
         staging = Staging(self.cfg.namespace, self._updates, pushes, lease.client, group=self.cfg.group,

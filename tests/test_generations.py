@@ -21,6 +21,7 @@ from expertd.protocol import PROTOCOL_VERSION
 from helpers.checkpoints import EXPERT, edit_checkpoint
 from helpers.daemon import DaemonProcess, expertd_cmd
 from helpers.inputs import INPUT_IDS
+from helpers.polling import wait_until
 from helpers.reference import reference_tensors, write_reference_bf16
 
 NORM = "model.layers.2.post_attention_layernorm.weight"
@@ -323,3 +324,27 @@ def test_on_update_hears_every_newer_generation_in_order(tiny_checkpoint, start_
         while len(heard) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert heard == [2, 3, 4] and listener.latest_generation == 4
+
+
+def test_a_pusher_whose_own_generation_makes_room_for_its_push_leases_the_latest_and_pushes(tiny_checkpoint,
+                                                                                            start_daemon):
+    """max_generations 2, revoke_after_s 0: a trainer pushing again without refreshing pins generation 1 itself; its
+    second push revokes generation 1's leases, its own among them. The daemon says so (LeaseRevoked) instead of
+    handing out a staging segment it then drops; the client leases the latest and pushes: generation 3."""
+    from expertd import messages
+    from expertd.errors import LeaseRevoked
+
+    daemon = start_daemon(tiny_checkpoint, max_generations=2, revoke_after_s=0)
+    with ExpertClient(daemon.endpoint, heartbeat=False) as c, ExpertClient(daemon.endpoint, heartbeat=False) as raw, \
+            ExpertClient(daemon.endpoint, heartbeat=False) as worker:
+        norm = c.tensors()[NORM].clone()
+        assert c.update({NORM: norm * 2}) == 2
+        worker.refresh()  # generation 2 pinned too: a third needs generation 1's room
+        pushed = messages.PushedTensor(NORM, list(norm.shape), str(norm.dtype))
+        ask = messages.Update(client=raw.lease, tensors=[pushed])
+        with pytest.raises(LeaseRevoked, match="revoked to make room for this push"):
+            raw._conn.send(ask)  # the update op itself refuses: no staging segment handed out, then dropped
+        assert c.update({NORM: norm * 3}) == 3
+        c.refresh()
+        assert torch.equal(c.tensors()[NORM], norm * 3) and c.generation == 3
+    wait_until(lambda: [g["generation"] for g in daemon.status()["generations"]] == [3], "generation 2 retires")
