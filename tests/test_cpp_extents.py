@@ -3,11 +3,16 @@ one contiguous read-only view, the same bytes, its checksum and its per-expert v
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+
 import pytest
 
 from expertd.client import ExpertClient
 from expertd.index import checksum, tensor_bytes
 from expertd.tools.generate import generate_model_type
+from helpers.polling import wait_until
 from test_cpp_client import cpp_build, dump_json  # noqa: F401  (the session's build of client/cpp)
 
 STACK = "model.layers.1.mlp.experts.gate_up_proj"
@@ -39,3 +44,34 @@ def test_the_cpp_client_maps_a_stack_of_several_segments_as_python_does(cpp_buil
         for row in views["tensors"]:
             assert row["xxh3_64"] == checksum(tensor_bytes(mine[row["name"]])), row["name"]
         assert checksum(tensor_bytes(mine[EXPERT])) == checksum(tensor_bytes(-part))
+
+
+def test_the_cpp_client_refreshes_onto_more_ranges_and_its_old_views_stay(cpp_build, start_daemon, paged):  # noqa: F811
+    """The C++ client holds generation 2's views (the stack of three ranges) while a push of another expert makes
+    generation 3 (five ranges); its refresh composes the new stack from the old view's unchanged ranges and the
+    segments: the new bytes are the daemon's, every view taken before reads what it read."""
+    d = start_daemon(paged, expert_ranges=True, max_generations=4)
+    with ExpertClient(d.endpoint, heartbeat=False) as client:
+        part = client.tensors()[EXPERT].clone()
+        client.update({EXPERT: -part})
+        client.refresh()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERTD_")}
+        proc = subprocess.Popen([str(cpp_build / "expertd-cpp-dump"), d.endpoint, "--json", "--hold-s", "3",
+                                 "--refresh"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            wait_until(lambda: any(x["pid"] == proc.pid for x in d.status()["leases"]), "the C++ lease shows")
+            other = "model.layers.1.mlp.experts.6.gate_proj.weight"
+            client.update({other: client.tensors()[other] * 2})
+            out, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err
+        got = json.loads(out)
+        client.refresh()
+        (entry,) = [t for t in client.index().tensors if t.name == STACK]
+        assert got["generation"] == 3 and len(entry.extents) == 5, (got["generation"], entry.extents)
+        assert STACK in got["refresh"]["changed"] and got["refresh"]["old_views_unchanged"] is True
+        served = client.served_tensors()
+        for row in got["tensors"]:
+            assert row["checksum"] == row["recorded"], row["name"]
+            assert row["xxh3_64"] == checksum(tensor_bytes(served[row["name"]])), row["name"]

@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <tuple>
 
+#include "compose.h"
 #include "detail.h"
 
 namespace expertd::detail {
@@ -291,7 +292,7 @@ at::Tensor LeaseState::view(const TensorEntry& entry) {
     throw ShmError("index entry " + entry.name + ": " + shape_text(entry.shape) + " " + entry.dtype + " is not " +
                    std::to_string(entry.nbytes) + " bytes");
   auto options = at::TensorOptions().dtype(type);
-  if (!entry.extents.empty()) return composed(entry, options);
+  if (!entry.extents.empty()) return compose(*segments_, entry, options);
   auto it = segments_->find(entry.segment);
   if (it == segments_->end() || entry.offset + entry.nbytes > it->second->size() || entry.offset + entry.nbytes < entry.offset)
     throw ShmError("index entry " + entry.name + " lies outside segment " + entry.segment);
@@ -300,47 +301,6 @@ at::Tensor LeaseState::view(const TensorEntry& entry) {
   // the mapping lives as long as the last tensor over it: the deleter holds a reference
   void* data = const_cast<uint8_t*>(mapping->data() + entry.offset);
   return at::from_blob(data, entry.shape, [mapping](void*) {}, options);
-}
-
-at::Tensor LeaseState::composed(const TensorEntry& entry, const at::TensorOptions& options) {
-  // A tensor of several segments' ranges (its extents): each range's pages mapped again (mremap of the shared
-  // mapping with old size 0) into one reserved range, read-only like the segments; a copy where the ranges are not
-  // whole pages.
-  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  bool pages = true;
-  for (std::size_t k = 0; k < entry.extents.size(); ++k) {
-    const Extent& e = entry.extents[k];
-    auto it = segments_->find(e.segment);
-    if (it == segments_->end() || e.offset + e.nbytes > it->second->size() || e.offset + e.nbytes < e.offset)
-      throw ShmError("index entry " + entry.name + ": its extent in " + e.segment + " lies outside the segment");
-    uint64_t length = (e.nbytes + page - 1) / page * page;
-    pages = pages && e.offset % page == 0 && (k + 1 == entry.extents.size() || e.nbytes % page == 0) &&
-            e.offset + length <= it->second->size();
-  }
-  if (pages) {
-    uint64_t reserved = (entry.nbytes + page - 1) / page * page;
-    void* base = ::mmap(nullptr, reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (base == MAP_FAILED)
-      throw ShmError("cannot reserve " + std::to_string(reserved) + " bytes for " + entry.name + ": " + std::strerror(errno));
-    auto whole = std::make_shared<const Mapping>(base, reserved, entry.name);  // unmapped with the last tensor
-    uint64_t at = 0;
-    for (const Extent& e : entry.extents) {
-      uint64_t length = (e.nbytes + page - 1) / page * page;
-      void* source = const_cast<uint8_t*>(segments_->at(e.segment)->data() + e.offset);
-      void* target = static_cast<uint8_t*>(base) + at;
-      if (::mremap(source, 0, length, MREMAP_MAYMOVE | MREMAP_FIXED, target) != target)
-        throw ShmError("cannot map an extent of " + entry.name + " in " + e.segment + ": " + std::strerror(errno));
-      at += e.nbytes;
-    }
-    return at::from_blob(base, entry.shape, [whole](void*) {}, options);
-  }
-  at::Tensor out = at::empty(entry.shape, options);
-  uint64_t at = 0;
-  for (const Extent& e : entry.extents) {
-    std::memcpy(static_cast<uint8_t*>(out.data_ptr()) + at, segments_->at(e.segment)->data() + e.offset, e.nbytes);
-    at += e.nbytes;
-  }
-  return out;
 }
 
 void LeaseState::check_gone() const {

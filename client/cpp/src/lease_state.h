@@ -53,7 +53,6 @@ class LeaseState {
   const std::map<std::string, std::shared_ptr<const Mapping>>& mappings();
   void remap(const Index& index);
   at::Tensor view(const TensorEntry& entry);
-  at::Tensor composed(const TensorEntry& entry, const at::TensorOptions& options);  // a tensor with extents
   TensorMap views(bool checkpoint_names);  // every served tensor's view, or every checkpoint tensor's
   void check_gone() const;
   void note_latest(const Value& reply);
