@@ -6,117 +6,33 @@ is left in shared memory; nothing of the namespace left once the daemon stops.
 
 from __future__ import annotations
 
-import bisect
-import glob
 import math
 import os
-import uuid
-import zlib
 
 import pytest
 import torch
 
-from expertd import derived, messages
+from expertd import derived
 from expertd.client import ExpertClient
-from expertd.client.residency import shared_ranges
-from expertd.connection import Connection
-from expertd.errors import DaemonError, DerivedLimit, VariantRejected
-from expertd.messages import GatherItem
-from expertd.tools.generate import generate_model_type
-from helpers.daemon import DaemonProcess
-
-PAD = 64  # -1 entries mixed into the permutation: zeros in the derived block
+from helpers.derived_cases import (
+    PAD, _left, _start, ask, derivation, derived_listed, expert_stack, in_shared_memory,
+    leased_client, make_checkpoint, malformed, mapping_of, module_daemon, permutation, reference, refused,
+)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
-    folder = str(tmp_path_factory.mktemp("derived") / "qwen3_moe")
-    generate_model_type(folder, "qwen3_moe", fp8=False)
-    return folder
-
-
-def _start(folder, checkpoint: str) -> tuple[DaemonProcess, str]:
-    namespace = f"edt{uuid.uuid4().hex[:10]}"
-    daemon = DaemonProcess.launch(folder, checkpoint, namespace, max_generations=8)
-    daemon.wait_serving()
-    return daemon, namespace
-
-
-def _left(namespace: str) -> list[str]:
-    return sorted(glob.glob(f"/dev/shm/{namespace}*"))
+    return make_checkpoint(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, checkpoint):
-    """One daemon for the module; afterwards it must have exited 0 and left nothing of its namespace."""
-    daemon, namespace = _start(tmp_path_factory.mktemp("run"), checkpoint)
-    yield daemon
-    code = daemon.stop()
-    left = _left(namespace)
-    for path in left:
-        os.unlink(path)
-    assert code == 0 and not left, (code, left)
+    yield from module_daemon(tmp_path_factory, checkpoint)
 
 
 @pytest.fixture
 def client(daemon):
-    with ExpertClient(daemon.endpoint, timeout=60) as c:
-        yield c
-
-
-def expert_stack(client: ExpertClient, layer: int = 0, which: str = "gate_up_proj") -> tuple[str, torch.Tensor]:
-    (name,) = [n for n in client.served_tensors() if n.endswith(f"layers.{layer}.mlp.experts.{which}")]
-    return name, client.served_tensors()[name]
-
-
-def permutation(n: int, seed: int) -> torch.Tensor:
-    """A random permutation of a block's n elements with PAD -1 entries mixed in (m = n + PAD)."""
-    g = torch.Generator().manual_seed(seed)
-    index = torch.cat([torch.randperm(n, generator=g), torch.full((PAD,), -1, dtype=torch.int64)])
-    return index[torch.randperm(n + PAD, generator=g)]
-
-
-def reference(source: torch.Tensor, index: torch.Tensor, shape) -> torch.Tensor:
-    """The gather computed here in torch: block j-th element = source block[index[j]], 0 where index[j] == -1."""
-    blocks = source.reshape(source.shape[0], -1)
-    out = blocks[:, index.clamp(min=0)].clone()
-    out[:, index < 0] = 0
-    return out.reshape(shape)
-
-
-def ask(name: str, index: torch.Tensor, shape) -> GatherItem:
-    return derived.request(name, derived.encode(index), index.numel(), shape)
-
-
-def derivation(client: ExpertClient, item: GatherItem) -> str:
-    """The derivation's name as the client computes it: a digest of the request and its sources' checksums."""
-    served = {t.name: t for t in client.index().tensors}
-    sources = [served[n] for n in (item.name, *(item.also or ()))]
-    return derived.Gather(item, list(sources[0].shape), "test", [list(s.shape) for s in sources[1:]]).key(sources)
-
-
-def derived_listed(daemon: DaemonProcess, generation: int) -> list[dict]:
-    (gen,) = [g for g in daemon.status()["generations"] if g["generation"] == generation]
-    return [v for v in gen["variants"] if "derivation" in v]
-
-
-def mapping_of(t: torch.Tensor) -> tuple[str, str]:
-    """(file, permissions) of this process's mapping that holds the tensor's first byte."""
-    lo = t.data_ptr()
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            if start <= lo < end:
-                return (parts[5].strip() if len(parts) == 6 else ""), parts[1]
-    raise AssertionError(f"no mapping holds {lo:#x}")
-
-
-def in_shared_memory(t: torch.Tensor, shm_dir: str) -> bool:
-    """All of the tensor's bytes lie in one read-only shared mapping of a file in `shm_dir`."""
-    ranges = shared_ranges(shm_dir)
-    k = bisect.bisect_right([lo for lo, _ in ranges], t.data_ptr()) - 1
-    return k >= 0 and t.data_ptr() + t.numel() * t.element_size() <= ranges[k][1]
+    yield from leased_client(daemon)
 
 
 def test_gather_of_an_expert_stack_is_the_reference_in_read_only_shared_memory(daemon, client):
@@ -259,187 +175,6 @@ def test_newer_generation_reuses_same_bytes_and_remakes_changed_ones(daemon, cli
         assert path != old_segment and path in made and f".v{stack}." in path, (path, made)
         assert torch.equal(remade, reference(changed, index, shape))
         assert not torch.equal(remade, old) and torch.equal(reused, reference(source, index, shape))
-
-
-def malformed(daemon: DaemonProcess, client: ExpertClient, item: dict, needle: str) -> None:
-    """Send a `gather` of one raw item: refused by the daemon's parser (ProtocolError naming the field) before it
-    looks anything up; nothing made."""
-    before, listed = _left(daemon.namespace), derived_listed(daemon, client.generation)
-    conn = Connection(daemon.endpoint, timeout=60)
-    try:
-        with pytest.raises(DaemonError, match="ProtocolError") as caught:
-            conn.request("gather", client=client.lease, tensors=[item])
-    finally:
-        conn.close()
-    assert needle in str(caught.value), (needle, str(caught.value))
-    assert _left(daemon.namespace) == before and derived_listed(daemon, client.generation) == listed
-
-
-def refused(daemon: DaemonProcess, client: ExpertClient, items: list[GatherItem], *needles: str) -> str:
-    """Ask `items`: VariantRejected whose message holds every needle, and nothing made (no new segment, nothing more
-    listed in status)."""
-    before, listed = _left(daemon.namespace), derived_listed(daemon, client.generation)
-    with pytest.raises(VariantRejected) as caught:
-        client.derived(items)
-    message = str(caught.value)
-    assert all(needle in message for needle in needles), (needles, message)
-    assert _left(daemon.namespace) == before
-    assert derived_listed(daemon, client.generation) == listed
-    return message
-
-
-def high_water_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        (line,) = [line for line in f if line.startswith("VmHWM:")]
-    return int(line.split()[1]) << 10
-
-
-def test_bad_requests_are_refused_by_name_and_make_nothing(daemon, client):
-    name, source = expert_stack(client)
-    blocks, n = source.shape[0], source[0].numel()
-    index = permutation(n, seed=4)
-    m = index.numel()
-    deflated = derived.encode(index)
-
-    refused(daemon, client, [ask("model.layers.0.mlp.experts.nope", index, (blocks, m))],
-            "'model.layers.0.mlp.experts.nope'", "no tensor", "derived layout")
-    malformed(daemon, client, {"name": name, "index": "0,1,2", "length": m, "shape": [blocks, m]},
-              "'index' must be binary data")
-    refused(daemon, client, [derived.request(name, b"not deflated data at all", m, (blocks, m))],
-            repr(name), "not deflated data")
-    # deflated differences one short of `length`, and one too many
-    refused(daemon, client, [derived.request(name, deflated, m + 1, (blocks, m + 1))],
-            repr(name), f"does not inflate to {m + 1} int32")
-    refused(daemon, client, [derived.request(name, deflated, m - 1, (blocks, m - 1))],
-            repr(name), f"does not inflate to {m - 1} int32")
-    # a deflate bomb: ~100 KB that inflates to 100 MB, refused without being inflated past what `length` allows
-    bomb = zlib.compress(bytes(100 << 20), 9)
-    assert len(bomb) <= messages.MAX_INDEX_BYTES
-    high = high_water_bytes(daemon.proc.pid)
-    refused(daemon, client, [derived.request(name, bomb, m, (blocks, m))], repr(name), f"does not inflate to {m} int32")
-    assert high_water_bytes(daemon.proc.pid) - high < 32 << 20
-    # entries outside [-1, n)
-    for bad, held in ((n, n), (-2, -2)):
-        outside = index.clone()
-        outside[m // 2] = bad
-        refused(daemon, client, [ask(name, outside, (blocks, m))], repr(name), f"holds {held}", f"outside [-1, {n})")
-    # shapes that are not the source's blocks of `length`
-    refused(daemon, client, [ask(name, index, (blocks + 1, m))], repr(name), f"{blocks} block(s)",
-            f"[{blocks + 1}, {m}]")
-    refused(daemon, client, [ask(name, index, (blocks, m // 4, 5))], repr(name), f"[{blocks}, {m // 4}, 5]")
-    malformed(daemon, client, ask(name, index, (blocks, 0)).wire(), "'shape'[1] must be a positive integer")
-    # an index over the cap, refused before it is inflated
-    over = os.urandom(messages.MAX_INDEX_BYTES + 1)
-    malformed(daemon, client, derived.request(name, over, m, (blocks, m)).wire(),
-              f"'index' holds {messages.MAX_INDEX_BYTES + 1} bytes; at most {messages.MAX_INDEX_BYTES}")
-    # every refusal left the daemon serving the good request
-    (out,) = client.derived([ask(name, index, (blocks, m))])
-    assert torch.equal(out, reference(source, index, (blocks, m)))
-
-
-def test_derived_bytes_are_capped_at_the_served_bytes(daemon, client):
-    """max_derived_bytes by default: the served bytes of the live generation (one here), in whole pages; a request
-    over it is refused whole (DerivedLimit names the limit), nothing of it made."""
-    generation = client.index().generation
-    derived_now = daemon.status()["derived"]
-    pages = sum(-(-max(t.nbytes, 1) // 4096) * 4096 for t in client.served_tensors().values() if t.nbytes)
-    cap = derived_now["max_bytes"]
-    assert cap == derived_now["max_bytes_per_reader"] == pages
-    name, source = expert_stack(client, layer=1)
-    blocks, size = source.shape[0], source.element_size()
-
-    # one gather bigger than everything served (an index of -1s deflates to a few hundred bytes)
-    huge = cap // (blocks * size) + 1
-    pad = torch.full((huge,), -1, dtype=torch.int64)
-    refused(daemon, client, [ask(name, pad, (blocks, huge))], repr(name), "max_derived_bytes",
-            f"generation {generation}")
-
-    # a request whose last gather passes the budget: those made before it in the request do not stay either
-    # (the longest gather there is doubles the block: an index of padding, distinct lengths, distinct tensors)
-    left = cap - derived_now["bytes"]
-    n = source[0].numel()
-    items = [ask(name, torch.full((2 * n - k,), -1, dtype=torch.int64), (blocks, 2 * n - k))
-             for k in range(left // (blocks * 2 * n * size) + 2)]
-    refused(daemon, client, items, repr(name), "max_derived_bytes", "nothing made")
-    # asked one at a time: made until the next is over what is left, never past the cap
-    made = 0
-    for item in items:
-        try:
-            (out,) = client.derived([item])
-        except DerivedLimit as exc:
-            assert "max_derived_bytes" in str(exc) and repr(name) in str(exc)
-            break
-        assert not bool(out.any())
-        made += 1
-    else:
-        raise AssertionError("every gather was made: the budget did not hold")
-    sizes = [-(-blocks * (2 * n - k) * size // 4096) * 4096 for k in range(len(items))]
-    assert made == max(k for k in range(len(items) + 1) if sum(sizes[:k]) <= left)
-    assert daemon.status()["derived"]["bytes"] <= cap
-
-
-def test_a_new_generation_gets_its_own_layouts_while_the_old_one_lives_at_its_cap(daemon, client):
-    """The default cap sums the live generations' served bytes: with the generation a reader still leases derived up
-    to its cap (an engine's expert layouts take about the served bytes), a newer generation an engine refreshes onto
-    still gets a layout of its own; one that fits under no single generation's cap."""
-    name, source = expert_stack(client, layer=1)
-    blocks, n, size = source.shape[0], source[0].numel(), source.element_size()
-    one = daemon.status()["derived"]["max_bytes"]
-    for k in range(1000):  # padding gathers of distinct lengths until the leased generation's cap refuses one
-        try:
-            client.derived([ask(name, torch.full((2 * n - k,), -1, dtype=torch.int64), (blocks, 2 * n - k))])
-        except DerivedLimit:
-            break
-    else:
-        raise AssertionError("the cap never refused a gather")
-    index = torch.cat([permutation(n, seed=7), torch.full((n - PAD,), -1, dtype=torch.int64)])  # the longest
-    assert blocks * index.numel() * size > one - daemon.status()["derived"]["bytes"]  # over one generation's cap
-    norm = "model.norm.weight"
-    newer_generation = client.update({norm: torch.full_like(client.served_tensors()[norm], 0.5)})
-    with ExpertClient(daemon.endpoint, timeout=60) as newer:
-        assert newer.index().generation == newer_generation and client.index().generation < newer_generation
-        assert daemon.status()["derived"]["max_bytes"] == 2 * one  # both generations serve the same sizes
-        (out,) = newer.derived([ask(name, index, (blocks, index.numel()))])
-        assert torch.equal(out, reference(newer.served_tensors()[name], index, (blocks, index.numel())))
-        assert daemon.status()["derived"]["bytes"] <= 2 * one
-
-
-def test_a_bomb_of_the_length_it_claims_is_refused_by_the_budget_before_it_is_inflated(daemon, client):
-    name, source = expert_stack(client)
-    blocks = source.shape[0]
-    length = 25 << 20  # 100 MB of int32 zeros, deflated to ~100 KB; the derived tensor would be 400 MB
-    bomb = zlib.compress(bytes(4 * length), 9)
-    high = high_water_bytes(daemon.proc.pid)
-    refused(daemon, client, [derived.request(name, bomb, length, (blocks, length))], repr(name), "served bytes")
-    assert high_water_bytes(daemon.proc.pid) - high < 32 << 20
-
-
-def test_a_length_past_any_budget_is_refused_unread(daemon, client):
-    """A length of 2^61 is refused by the parser (no OverflowError, nothing inflated); one under the parser's bound
-    but past the generation's budget by the budget check, naming the tensor."""
-    name, source = expert_stack(client)
-    length = 1 << 61
-    malformed(daemon, client, derived.request(name, zlib.compress(bytes(8)), length, (source.shape[0], length)).wire(),
-              "'length' must be a positive integer below 2^40")
-    length = (1 << 39) // source.shape[0]
-    refused(daemon, client, [derived.request(name, zlib.compress(bytes(8)), length, (source.shape[0], length))],
-            repr(name), "served bytes")
-
-
-def test_a_refused_request_lists_no_reused_tensor(daemon, client):
-    name, source = expert_stack(client, layer=1)
-    blocks = source.shape[0]
-    index = permutation(source[0].numel(), seed=6)
-    item = ask(name, index, (blocks, index.numel()))
-    client.derived([item])
-    norm = "model.norm.weight"
-    newer_generation = client.update({norm: torch.zeros_like(client.served_tensors()[norm])})
-    with ExpertClient(daemon.endpoint, timeout=60) as newer:
-        assert newer.index().generation == newer_generation
-        huge = daemon.status()["derived"]["max_bytes"] // (blocks * source.element_size()) + 1
-        pad = ask(name, torch.full((huge,), -1, dtype=torch.int64), (blocks, huge))
-        refused(daemon, newer, [item, pad], repr(name), "max_derived_bytes")
-        assert derived_listed(daemon, newer_generation) == []  # (refused checks this too: the message says why)
 
 
 def test_a_gather_over_several_served_tensors_rearranges_their_concatenation(daemon, client):
