@@ -1,9 +1,10 @@
 """A changed expert costs its own bytes (issue 39), measured side by side in one run.
 
-    python benchmarks/bench_expert_ranges.py [--workdir /tmp/expertd-bench-ranges] [--layers 4] [--experts 64]
-                                             [--hidden 1024] [--moe-intermediate 512] [--reps 3]
+    python benchmarks/bench_expert_ranges.py [--workdir /tmp/expertd-bench-ranges] [--layers 2] [--experts 64]
+                                             [--hidden 2048] [--moe-intermediate 1024] [--reps 3]
 
-A Qwen3-MoE bf16 checkpoint (`expertd generate`'s writer; each expert's gate, up and down parts are whole pages) is
+A Qwen3-MoE bf16 checkpoint (`expertd generate`'s writer; each expert's gate, up and down parts are whole pages), by
+default at OLMoE-1B-7B's expert dims (64 experts, hidden 2048, moe_intermediate 1024: a 512 MiB gate/up stack), is
 served by two daemons in turn: one with `expert_ranges: true` (a push writes the changed experts only) and one
 without (a push writes the whole stack, as before). On each, per rep, pushes through the Python client:
 R1  1 expert (its gate/up, a checkpoint name) of one layer's stack: the shm growth (bytes of new segments in
@@ -101,10 +102,10 @@ def push(client, daemon, values: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="/tmp/expertd-bench-ranges")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--moe-intermediate", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--moe-intermediate", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
