@@ -26,6 +26,7 @@ from .extents import Extent, mappable, merge
 log = logging.getLogger("expertd.client")
 
 PAGE = mmap.PAGESIZE
+HUGE_PAGE = 2 << 20  # ranges that are whole 2 MiB pages (a huge-page tmpfs's) get a view starting on one too
 _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
 _MAP_NORESERVE = 0x4000
 _PROT_NONE = 0
@@ -41,15 +42,22 @@ _last: dict[str, tuple] = {}  # tensor name -> (extents, weak reference to the r
 
 
 class _Reservation:
-    """An address range of `length` bytes this process owns until it is freed (then unmapped whole)."""
+    """An address range of `length` bytes this process owns until it is freed (then unmapped whole), starting on a
+    multiple of `align` (a huge page: ranges of a huge-page tmpfs mapped there can be mapped by huge pages)."""
 
-    def __init__(self, length: int):
+    def __init__(self, length: int, align: int = PAGE):
         self.length = length
-        address = _libc.mmap(None, length, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE,
-                             -1, 0)
+        extra = align - PAGE if align > PAGE else 0
+        address = _libc.mmap(None, length + extra, _PROT_NONE,
+                             mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         if address in (None, _FAILED):
             raise ShmError(f"cannot reserve {length} bytes of address space: {os.strerror(ctypes.get_errno())}")
-        self.address = address
+        start = (address + align - 1) // align * align if extra else address
+        if start > address:  # the parts of the larger range around the aligned one given back
+            _libc.munmap(address, start - address)
+        if extra and address + extra > start:
+            _libc.munmap(start + length, address + extra - start)
+        self.address = start
 
     def __del__(self):
         if getattr(self, "address", None) is not None:
@@ -82,7 +90,8 @@ def _map(segments: dict[str, torch.Tensor], pieces: list[Extent], total: int, na
     last view composed of tensor `name` is alive and has some of these ranges at the same places (a newer generation
     of the stack: its unchanged experts), their page tables move to the new view (`MREMAP_DONTUNMAP`: the old view
     stays valid and refaults if read), so a forward does not fault the unchanged experts' pages in again."""
-    reservation = _Reservation((total + PAGE - 1) // PAGE * PAGE)
+    huge = all(e.offset % HUGE_PAGE == 0 for e in pieces) and all(e.nbytes % HUGE_PAGE == 0 for e in pieces[:-1])
+    reservation = _Reservation((total + PAGE - 1) // PAGE * PAGE, HUGE_PAGE if huge and total >= HUGE_PAGE else PAGE)
     before = _last.get(name)
     old = before[1]() if before is not None else None
     kept = _same_places(before[0], pieces) if old is not None and old.length == reservation.length else []

@@ -368,3 +368,29 @@ def test_a_push_into_several_stacks_writes_their_changed_parts_into_one_segment(
         ranged = [t for t in c.index().tensors if t.extents]
         assert len(ranged) == 2 and len({x.segment for t in ranged for x in t.extents} - first) == 1, ranged
         assert all(torch.equal(c.tensors()[n], v) for n, v in values.items()) and c.verify() == []
+
+
+def test_on_a_huge_page_tmpfs_a_changed_expert_is_its_own_huge_pages_and_the_view_maps_them(tmp_path, namespace):
+    """`shm_dir` a tmpfs mounted huge=always (a private mount namespace), experts' parts of 2 MiB: a push of one part
+    writes it as its own huge page and the stack's ranges stay on 2 MiB boundaries; the reader's view starts on one,
+    is the daemon's shared pages (no copy), maps them by huge pages once read, and the logits are transformers'."""
+    import json
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("mounting a huge-page tmpfs needs root and util-linux unshare (CI has both)")
+    folder, huge = str(tmp_path / "ckpt"), tmp_path / "huge"
+    generate_model_type(folder, "qwen3_moe", fp8=False, hidden_size=1024, moe_intermediate_size=1024)  # 2 MiB parts
+    huge.mkdir()
+    scenario = os.path.join(os.path.dirname(__file__), "helpers", "ranges_huge_scenario.py")
+    script = (f"mount -t tmpfs -o size=512m,huge=always expertd-huge {huge} || exit 97; "
+              f"exec {sys.executable} {scenario} {folder} {tmp_path} {namespace} {huge}")
+    out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=600)
+    if out.returncode == 97:
+        pytest.skip(f"this kernel cannot mount a huge=always tmpfs: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr[-4000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(seen["extents"]) == 3 and all(o % (2 << 20) == 0 and n % (2 << 20) == 0 for _, o, n in seen["extents"])
+    assert seen["equal"] and seen["shared"] and seen["aligned"], seen
+    assert seen["huge_kb"] > 0, seen  # huge pages in the composed view (every range but a PTE-mapped edge)
+    assert seen["logits_equal"] and seen["verify"] == [] and seen["stop"] == 0, seen
