@@ -394,3 +394,34 @@ def test_on_a_huge_page_tmpfs_a_changed_expert_is_its_own_huge_pages_and_the_vie
     assert seen["equal"] and seen["shared"] and seen["aligned"], seen
     assert seen["huge_kb"] > 0, seen  # huge pages in the composed view (every range but a PTE-mapped edge)
     assert seen["logits_equal"] and seen["verify"] == [] and seen["stop"] == 0, seen
+
+
+def test_a_model_refreshed_over_generations_of_ranges_computes_each_ones_logits(paged, start_daemon):
+    """Four generations, each pushing another expert's part of layer 1's stacks: after each, `refresh(model)` (the
+    same model object, its stacks' new views taking the unchanged ranges' page tables) gives logits torch.equal to
+    transformers' own model with every change so far; a model still on generation 1 computes generation 1's."""
+    from transformers import AutoModelForCausalLM
+
+    daemon = start_daemon(paged, expert_ranges=True, max_generations=8)
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    reference = AutoModelForCausalLM.from_pretrained(paged, dtype=torch.bfloat16).eval()
+    params = dict(reference.named_parameters())
+    with ExpertClient(daemon.endpoint, heartbeat=False) as c, ExpertClient(daemon.endpoint, heartbeat=False) as old, \
+            torch.no_grad():
+        model, first = c.load_model(), old.load_model()
+        want_first = reference(ids).logits
+        for g, (e, proj) in enumerate([(3, "up_proj"), (6, "gate_proj"), (1, "down_proj"), (3, "gate_proj")]):
+            name = f"model.layers.1.mlp.experts.{e}.{proj}.weight"
+            value = c.tensors()[name] * -2
+            c.update({name: value})
+            rebound = c.refresh(model)
+            stack = "model.layers.1.mlp.experts." + ("down_proj" if proj == "down_proj" else "gate_up_proj")
+            assert stack in rebound, rebound
+            view = params[stack].data[e]
+            if proj != "down_proj":
+                half = view.shape[0] // 2
+                view = view[:half] if proj == "gate_proj" else view[half:]
+            view.copy_(value)
+            assert torch.equal(model(ids).logits, reference(ids).logits), f"generation {g + 2}"
+        assert torch.equal(first(ids).logits, want_first) and c.verify() == []
+        assert sum(1 for t in c.index().tensors if t.extents) == 2
