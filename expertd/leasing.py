@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 
 from . import index_segment, messages, procfs
-from .errors import DaemonError, DaemonTimeout, GenerationLimit, LeaseRevoked, NotReady
+from .errors import DaemonError, DaemonTimeout, GenerationGone, GenerationLimit, LeaseRevoked, NotReady
 from .index import TensorIndex
 from .protocol import PROTOCOL_VERSION
 from .segments import Placed, map_segment
@@ -44,11 +44,15 @@ def pinned(client, generation: int):
 
     conn = Connection(client.endpoint, client.timeout, credentials=client.credentials)
     try:
-        lease = lease_request(conn, generation=generation).client
+        try:
+            lease = lease_request(conn, generation=generation).client
+        except GenerationGone:  # retired already (its leases revoked for a push): nothing of it to keep
+            lease = None
         try:
             yield
         finally:
-            release(conn, [lease])
+            if lease is not None:
+                release(conn, [lease])
     finally:
         conn.close()
 
