@@ -75,3 +75,22 @@ def test_the_cpp_client_refreshes_onto_more_ranges_and_its_old_views_stay(cpp_bu
         for row in got["tensors"]:
             assert row["checksum"] == row["recorded"], row["name"]
             assert row["xxh3_64"] == checksum(tensor_bytes(served[row["name"]])), row["name"]
+
+
+def test_the_cpp_client_maps_ranges_of_whole_2mib_pages_into_a_2mib_aligned_view(cpp_build, start_daemon,  # noqa: F811
+                                                                                  tmp_path):
+    """Parts of 2 MiB (a huge-page tmpfs's unit): the C++ view of the stack starts on a 2 MiB boundary (the range
+    reserved larger, its ends given back) and reads the daemon's bytes."""
+    folder = str(tmp_path / "qwen3_moe")
+    generate_model_type(folder, "qwen3_moe", fp8=False, hidden_size=1024, moe_intermediate_size=1024)
+    d = start_daemon(folder, expert_ranges=True)
+    with ExpertClient(d.endpoint, heartbeat=False) as client:
+        part = client.tensors()[EXPERT].clone()
+        client.update({EXPERT: -part})
+        client.refresh()
+        (entry,) = [t for t in client.index().tensors if t.name == STACK]
+        assert len(entry.extents) == 3 and all(x.offset % (2 << 20) == 0 for x in entry.extents)
+        got = dump_json(cpp_build, d.endpoint)
+        served = client.served_tensors()
+        (row,) = [r for r in got["tensors"] if r["name"] == STACK]
+        assert row["checksum"] == row["recorded"] and row["xxh3_64"] == checksum(tensor_bytes(served[STACK]))

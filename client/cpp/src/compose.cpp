@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <utility>
@@ -57,6 +58,27 @@ std::vector<Run> runs(uint64_t at, const Extent& e, const std::vector<Extent>& o
   return out;
 }
 
+constexpr uint64_t kHugePage = 2ull << 20;
+
+// Whether every range starts on a 2 MiB boundary of its segment and every one but the last is whole 2 MiB pages (a
+// huge-page tmpfs's): the view then starts on a 2 MiB boundary too, so the pages map as huge pages.
+bool huge_pages(const std::vector<Extent>& extents) {
+  for (std::size_t k = 0; k < extents.size(); ++k)
+    if (extents[k].offset % kHugePage || (k + 1 < extents.size() && extents[k].nbytes % kHugePage)) return false;
+  return true;
+}
+
+// `length` bytes of address space (PROT_NONE) starting on a multiple of `align`; MAP_FAILED if there is none.
+void* reserve(uint64_t length, uint64_t align, uint64_t page) {
+  uint64_t extra = align > page ? align - page : 0;
+  void* got = ::mmap(nullptr, length + extra, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (got == MAP_FAILED || extra == 0) return got;
+  uintptr_t at = reinterpret_cast<uintptr_t>(got), start = (at + align - 1) / align * align;
+  if (start > at) ::munmap(got, start - at);  // the larger range around the aligned one given back
+  if (at + extra > start) ::munmap(reinterpret_cast<void*>(start + length), at + extra - start);
+  return reinterpret_cast<void*>(start);
+}
+
 }  // namespace
 
 at::Tensor compose(const Segments& segments, const TensorEntry& entry, const at::TensorOptions& options) {
@@ -73,7 +95,7 @@ at::Tensor compose(const Segments& segments, const TensorEntry& entry, const at:
   }
   if (pages) {
     uint64_t reserved = (entry.nbytes + page - 1) / page * page;
-    void* base = ::mmap(nullptr, reserved, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void* base = reserve(reserved, huge_pages(entry.extents) && reserved >= kHugePage ? kHugePage : page, page);
     if (base == MAP_FAILED)
       throw ShmError("cannot reserve " + std::to_string(reserved) + " bytes for " + entry.name + ": " + std::strerror(errno));
     auto whole = std::make_shared<const Mapping>(base, reserved, entry.name);  // unmapped with the last tensor
