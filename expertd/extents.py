@@ -16,6 +16,11 @@ from dataclasses import dataclass
 from .errors import ProtocolError
 
 
+# A stack of more ranges than this is written whole again (compaction): a reader maps each range, and a long run of
+# generations must not approach the kernel's limit on a process's mappings (`vm.max_map_count`).
+MAX_EXTENTS = 64
+
+
 @dataclass(frozen=True)
 class Extent:
     segment: str

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from expertd.extents import Extent, mappable, places, replaced
+from expertd.extents import MAX_EXTENTS, Extent, mappable, places, replaced
 from expertd.index import TensorEntry, checksum, combined_checksum, tensor_bytes
 from expertd.shm import DTYPES, same_bytes
 
@@ -26,7 +26,6 @@ from .dequant import write_part
 
 log = logging.getLogger("expertd.updates")
 
-MAX_EXTENTS = 64  # a stack of more ranges than this is written whole again (one range)
 
 
 def part_bytes(push, staged: dict, entry: TensorEntry, parts: int, device) -> list[torch.Tensor]:

@@ -12,11 +12,10 @@ them (`Generation.segments`). Such a variant is not recorded for a successor, wh
 
 from __future__ import annotations
 
-from expertd.extents import mappable, places, reach, replaced, split
+from expertd.extents import MAX_EXTENTS, mappable, places, reach, replaced, split
 from expertd.index import TensorEntry, checksum, combined_checksum, tensor_bytes
 
 from .arena import Arena
-from .expert_ranges import MAX_EXTENTS
 from .variants import Planned, Variant
 
 
