@@ -29,6 +29,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+from bench_expert_ranges import mappings  # noqa: E402
 from helpers.daemon import DaemonProcess  # noqa: E402
 from run_all import machine  # noqa: E402
 
@@ -41,11 +42,6 @@ def checkpoint(args) -> str:
         generate(folder, "dsv3-counts", hidden_size=args.hidden, moe_intermediate_size=args.moe_intermediate,
                  q_lora_rank=64, kv_lora_rank=64, num_nextn_predict_layers=0)
     return folder
-
-
-def mappings() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(1 for _ in f)
 
 
 def run(folder: str, args, ranges: bool) -> list[dict]:

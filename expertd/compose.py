@@ -90,8 +90,8 @@ def _map(segments: dict[str, torch.Tensor], pieces: list[Extent], total: int, na
     last view composed of tensor `name` is alive and has some of these ranges at the same places (a newer generation
     of the stack: its unchanged experts), their page tables move to the new view (`MREMAP_DONTUNMAP`: the old view
     stays valid and refaults if read), so a forward does not fault the unchanged experts' pages in again."""
-    huge = all(e.offset % HUGE_PAGE == 0 for e in pieces) and all(e.nbytes % HUGE_PAGE == 0 for e in pieces[:-1])
-    reservation = _Reservation((total + PAGE - 1) // PAGE * PAGE, HUGE_PAGE if huge and total >= HUGE_PAGE else PAGE)
+    huge = total >= HUGE_PAGE and mappable(pieces, HUGE_PAGE)
+    reservation = _Reservation((total + PAGE - 1) // PAGE * PAGE, HUGE_PAGE if huge else PAGE)
     before = _last.get(name)
     old = before[1]() if before is not None else None
     kept = _same_places(before[0], pieces) if old is not None and old.length == reservation.length else []

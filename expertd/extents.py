@@ -120,7 +120,6 @@ def mappable(extents: list[Extent], unit: int) -> bool:
     return all(e.offset % unit == 0 for e in extents) and all(e.nbytes % unit == 0 for e in extents[:-1])
 
 
-
 def position(extents: list[Extent], segment: str, offset: int) -> int:
     """Where byte `offset` of `segment` lies in the tensor `extents` make (a view's start within its base)."""
     at = 0

@@ -140,9 +140,9 @@ def _placed(sizes: dict[str, int], shm_dir: str) -> Placed:
 def repair(entry: TensorEntry, data, segment_size: int, shm_dir: str, gid: int | None) -> bool:
     """Write `data` (a tensor rebuilt from the checkpoint) over `entry` in its segment — made anew, or back to its
     size, if it went — when it hashes to the recorded checksum; False (nothing written) when it does not."""
-    raw = tensor_bytes(data.contiguous())
     if entry.extents:  # ranges of older generations' segments too: never rewritten in place (not adopted)
         return False
+    raw = tensor_bytes(data.contiguous())
     if entry.checksum is None or len(raw) != entry.nbytes or \
             bytes_checksum(raw, checksum_parts(entry.checksum)) != entry.checksum:
         return False

@@ -178,11 +178,12 @@ class Build:
         else:
             yield from self._parts(slot, planned)
 
-    def _place(self, slot: int, planned, pending: int, shape=None):
-        """A served tensor's place in a fresh segment (of `shape`: its changed parts only), and a writable tensor
-        over it; its slot awaits `pending` results."""
-        shape = planned.shape if shape is None else shape
-        nbytes = planned.nbytes if shape is planned.shape else planned.nbytes // len(planned.sources) * shape[0]
+    def _place(self, slot: int, planned, pending: int, changed: int | None = None):
+        """A served tensor's place in a fresh segment (with `changed`: that many of its parts only, as a
+        [changed, *source_shape] block), and a writable tensor over it; its slot awaits `pending` results."""
+        shape, nbytes = planned.shape, planned.nbytes
+        if changed is not None:
+            shape, nbytes = (changed, *planned.source_shape), nbytes // len(planned.sources) * changed
         where = self.arena.add(nbytes, slot, reserve=planned.whole)
         out = self.arena.tensor(where, shape, planned.dtype)
         self.slots[slot] = [where, out, [None] * pending, pending]
@@ -201,7 +202,7 @@ class Build:
         step = planned.nbytes // n
         changed = self._changed_only(slot, planned)
         if changed is not None:  # only they are written, into a segment of their size
-            where, chunks = self._place(slot, planned, len(changed), (len(changed), *planned.source_shape))
+            where, chunks = self._place(slot, planned, len(changed), len(changed))
             items = [Part(planned.sources[k], chunks, j, where, j * step, step) for j, k in enumerate(changed)]
             self.changed[slot] = changed
             self.advance((n - len(changed)) * step)

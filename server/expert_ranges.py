@@ -27,7 +27,6 @@ from .dequant import write_part
 log = logging.getLogger("expertd.updates")
 
 
-
 def part_bytes(push, staged: dict, entry: TensorEntry, parts: int, device) -> list[torch.Tensor]:
     """The new bytes (uint8) of each part `push` writes: views of the staged tensor where it is the served bytes
     as they are (plain, the served dtype), else decoded into private memory as the whole path writes them."""
@@ -86,18 +85,19 @@ def write_changed(stacks: list[Changed], old, arena, sums: dict[str, list[str]])
     entries, at = [], 0
     for c in stacks:
         entry = c.entry
+        if not c.parts:  # pushed as it is served: the same entry, its parts' checksums as they were
+            entries.append(entry)
+            continue
         each = part_sums(entry, old, sums.get(entry.name))
-        if c.parts:
-            for k, data in c.parts.items():
-                out[at: at + data.numel()].copy_(data)
-                each[k] = checksum(tensor_bytes(data))
-                at += data.numel()
-            extents = layout(entry, list(c.parts), where.segment, where.offset + at - c.nbytes)
-            entry = TensorEntry(entry.name, extents[0].segment, extents[0].offset, entry.nbytes, list(entry.shape),
-                                entry.dtype, list(entry.sources), checksum=combined_checksum(each),
-                                experts=entry.experts, extents=extents)
+        for k, data in c.parts.items():
+            out[at: at + data.numel()].copy_(data)
+            each[k] = checksum(tensor_bytes(data))
+            at += data.numel()
+        extents = layout(entry, list(c.parts), where.segment, where.offset + at - c.nbytes)
         sums[entry.name] = each
-        entries.append(entry)
+        entries.append(TensorEntry(entry.name, extents[0].segment, extents[0].offset, entry.nbytes, list(entry.shape),
+                                   entry.dtype, list(entry.sources), checksum=combined_checksum(each),
+                                   experts=entry.experts, extents=extents))
     del out
     return entries
 

@@ -16,7 +16,7 @@ from expertd.extents import MAX_EXTENTS, mappable, places, reach, replaced, spli
 from expertd.index import TensorEntry, checksum, combined_checksum, tensor_bytes
 
 from .arena import Arena
-from .variants import Planned, Variant
+from .variants import Planned, Variant, mapped_sources
 
 
 def older_forms(gens, gen) -> dict[tuple, Variant]:
@@ -58,8 +58,7 @@ def make_changed(gen, planned: Planned, old: Variant, changed: list[int], owner:
     import copy
 
     from expertd.derived import gather_into
-    from expertd.segments import map_segment
-    from expertd.shm import segment_bytes, to_dtype, view
+    from expertd.shm import to_dtype, view
 
     shm_dir, entry, blocks = gen.index.shm_dir, planned.entry, planned.gather.blocks
     arena = Arena(gen.index.namespace, f"v{gen.number}", group=group, shm_dir=shm_dir)
@@ -68,9 +67,7 @@ def make_changed(gen, planned: Planned, old: Variant, changed: list[int], owner:
     one = copy.copy(planned.gather)
     one.blocks = 1  # each changed block gathered on its own, by the same index and strided form
     try:
-        sizes = {s.name: s.nbytes for s in gen.index.segments}
-        source = {x.segment: segment_bytes(map_segment(x.segment, sizes[x.segment], shm_dir=shm_dir))
-                  for x in places(entry)}
+        source = mapped_sources(gen, [entry])
         src = view(source, entry).reshape(blocks, -1)
         out = arena.tensor(placement, (len(changed), *planned.shape[1:]), dtype)
         sums = old_sums(old, blocks, shm_dir)

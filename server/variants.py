@@ -175,8 +175,7 @@ def make(gen, planned: Planned, owner: str, placed: int, group: str | None, shou
     """Make one variant into a segment of its own of generation `gen`: the served tensor cast, or gathered by its
     index streamed from the sources where they lie. Touches no table (it may run on a job's thread)."""
     from expertd.derived import gather_into
-    from expertd.segments import map_segment
-    from expertd.shm import segment_bytes, to_dtype, view
+    from expertd.shm import to_dtype, view
 
     shm_dir, entry = gen.index.shm_dir, planned.entry
     arena = Arena(gen.index.namespace, f"v{gen.number}", group=group, shm_dir=shm_dir)
@@ -184,9 +183,7 @@ def make(gen, planned: Planned, owner: str, placed: int, group: str | None, shou
     nbytes = math.prod(planned.shape) * target.itemsize
     placement = arena.add(nbytes, gen.next_variant())
     try:
-        sizes = {s.name: s.nbytes for s in gen.index.segments}
-        source = {x.segment: segment_bytes(map_segment(x.segment, sizes[x.segment], shm_dir=shm_dir))
-                  for e in (entry, *planned.more) for x in places(e)}  # every extent's segment
+        source = mapped_sources(gen, [entry, *planned.more])
         out = arena.tensor(placement, tuple(planned.shape), target)
         if planned.gather is None:
             out.copy_(view(source, entry))
@@ -202,6 +199,17 @@ def make(gen, planned: Planned, owner: str, placed: int, group: str | None, shou
     made = TensorEntry(entry.name, placement.segment, 0, nbytes, list(planned.shape), planned.dtype, [entry.name],
                        checksum=checksum)
     return Variant(entry, made, planned.key, tuple(planned.more), owner, placed, planned.form, sums)
+
+
+def mapped_sources(gen, entries: list[TensorEntry]) -> dict:
+    """The segments `entries` (served tensors of generation `gen`) lie in, every range's, mapped read-only as uint8
+    tensors: what `expertd.shm.view` reads them from."""
+    from expertd.segments import map_segment
+    from expertd.shm import segment_bytes
+
+    sizes = {s.name: s.nbytes for s in gen.index.segments}
+    return {x.segment: segment_bytes(map_segment(x.segment, sizes[x.segment], shm_dir=gen.index.shm_dir))
+            for e in entries for x in places(e)}
 
 
 def block_sums(out, planned: Planned, unit: int) -> list[str] | None:

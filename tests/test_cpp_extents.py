@@ -26,12 +26,18 @@ def paged(tmp_path_factory) -> str:
     return folder
 
 
+def push_negated(client: ExpertClient):
+    """Push EXPERT's part negated and refresh onto it (the stack then three ranges): the part as it was."""
+    part = client.tensors()[EXPERT].clone()
+    client.update({EXPERT: -part})
+    client.refresh()
+    return part
+
+
 def test_the_cpp_client_maps_a_stack_of_several_segments_as_python_does(cpp_build, start_daemon, paged):  # noqa: F811
     d = start_daemon(paged, expert_ranges=True)
     with ExpertClient(d.endpoint, heartbeat=False) as client:
-        part = client.tensors()[EXPERT].clone()
-        client.update({EXPERT: -part})
-        client.refresh()
+        part = push_negated(client)
         (entry,) = [t for t in client.index().tensors if t.name == STACK]
         assert entry.extents and len(entry.extents) == 3
         got = dump_json(cpp_build, d.endpoint)
@@ -52,9 +58,7 @@ def test_the_cpp_client_refreshes_onto_more_ranges_and_its_old_views_stay(cpp_bu
     segments: the new bytes are the daemon's, every view taken before reads what it read."""
     d = start_daemon(paged, expert_ranges=True, max_generations=4)
     with ExpertClient(d.endpoint, heartbeat=False) as client:
-        part = client.tensors()[EXPERT].clone()
-        client.update({EXPERT: -part})
-        client.refresh()
+        push_negated(client)
         env = {k: v for k, v in os.environ.items() if not k.startswith("EXPERTD_")}
         proc = subprocess.Popen([str(cpp_build / "expertd-cpp-dump"), d.endpoint, "--json", "--hold-s", "3",
                                  "--refresh"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -85,9 +89,7 @@ def test_the_cpp_client_maps_ranges_of_whole_2mib_pages_into_a_2mib_aligned_view
     generate_model_type(folder, "qwen3_moe", fp8=False, hidden_size=1024, moe_intermediate_size=1024)
     d = start_daemon(folder, expert_ranges=True)
     with ExpertClient(d.endpoint, heartbeat=False) as client:
-        part = client.tensors()[EXPERT].clone()
-        client.update({EXPERT: -part})
-        client.refresh()
+        push_negated(client)
         (entry,) = [t for t in client.index().tensors if t.name == STACK]
         assert len(entry.extents) == 3 and all(x.offset % (2 << 20) == 0 for x in entry.extents)
         got = dump_json(cpp_build, d.endpoint)

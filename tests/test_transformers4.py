@@ -43,16 +43,21 @@ WORKER = textwrap.dedent(
 )
 
 
+def run_worker(tf4_python: str, tmp_path, endpoint: str, reference: str) -> dict:
+    """WORKER in the 4.57 venv against `endpoint`, its reference folder `reference`: what it printed."""
+    script = tmp_path / "worker4.py"
+    script.write_text(WORKER)
+    proc = subprocess.run([tf4_python, str(script), endpoint, reference, json.dumps(INPUT_IDS)],
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_transformers4_worker_gets_per_expert_modules_with_exact_logits(tf4_python, tiny_checkpoint, start_daemon,
                                                                         tmp_path):
     reference = write_reference_bf16(tiny_checkpoint, str(tmp_path / "bf16"))
     daemon = start_daemon(tiny_checkpoint)
-    script = tmp_path / "worker4.py"
-    script.write_text(WORKER)
-    proc = subprocess.run([tf4_python, str(script), daemon.endpoint, reference, json.dumps(INPUT_IDS)],
-                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_worker(tf4_python, tmp_path, daemon.endpoint, reference)
     assert got["transformers"].startswith("4.57")
     assert got["names"] == got["ref_names"]  # the model 4.57 builds: per-expert modules
     assert "model.layers.1.mlp.experts.3.gate_proj.weight" in got["names"]
@@ -84,12 +89,7 @@ def test_a_transformers4_worker_reads_a_stack_of_ranges(tf4_python, start_daemon
     changed = write_reference_bf16(paged, str(tmp_path / "changed"))
     weights = load_file(f"{changed}/model.safetensors")
     save_file({**weights, expert: value.contiguous()}, f"{changed}/model.safetensors")
-    script = tmp_path / "worker4.py"
-    script.write_text(WORKER)
-    proc = subprocess.run([tf4_python, str(script), daemon.endpoint, changed, json.dumps(INPUT_IDS)],
-                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_worker(tf4_python, tmp_path, daemon.endpoint, changed)
     assert got["transformers"].startswith("4.57") and expert in got["names"]
     assert got["equal"] == {"load_model": True, "restore": True, "from_pretrained": True}
     assert got["private"] == []

@@ -60,11 +60,12 @@ std::vector<Run> runs(uint64_t at, const Extent& e, const std::vector<Extent>& o
 
 constexpr uint64_t kHugePage = 2ull << 20;
 
-// Whether every range starts on a 2 MiB boundary of its segment and every one but the last is whole 2 MiB pages (a
-// huge-page tmpfs's): the view then starts on a 2 MiB boundary too, so the pages map as huge pages.
-bool huge_pages(const std::vector<Extent>& extents) {
+// Whether the ranges map into one contiguous range with pages of `unit` bytes: every one starts on a page of its
+// segment and every one but the last is whole pages (Python's `expertd.extents.mappable`). At 2 MiB (a huge-page
+// tmpfs's ranges) the view starts on a 2 MiB boundary too, so the pages map as huge pages.
+bool mappable(const std::vector<Extent>& extents, uint64_t unit) {
   for (std::size_t k = 0; k < extents.size(); ++k)
-    if (extents[k].offset % kHugePage || (k + 1 < extents.size() && extents[k].nbytes % kHugePage)) return false;
+    if (extents[k].offset % unit || (k + 1 < extents.size() && extents[k].nbytes % unit)) return false;
   return true;
 }
 
@@ -83,19 +84,17 @@ void* reserve(uint64_t length, uint64_t align, uint64_t page) {
 
 at::Tensor compose(const Segments& segments, const TensorEntry& entry, const at::TensorOptions& options) {
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  bool pages = true;
-  for (std::size_t k = 0; k < entry.extents.size(); ++k) {
-    const Extent& e = entry.extents[k];
+  bool pages = mappable(entry.extents, page);
+  for (const Extent& e : entry.extents) {
     auto it = segments.find(e.segment);
     if (it == segments.end() || e.offset + e.nbytes > it->second->size() || e.offset + e.nbytes < e.offset)
       throw ShmError("index entry " + entry.name + ": its extent in " + e.segment + " lies outside the segment");
-    uint64_t length = (e.nbytes + page - 1) / page * page;
-    pages = pages && e.offset % page == 0 && (k + 1 == entry.extents.size() || e.nbytes % page == 0) &&
-            e.offset + length <= it->second->size();
+    pages = pages && e.offset + (e.nbytes + page - 1) / page * page <= it->second->size();  // its last page too
   }
   if (pages) {
     uint64_t reserved = (entry.nbytes + page - 1) / page * page;
-    void* base = reserve(reserved, huge_pages(entry.extents) && reserved >= kHugePage ? kHugePage : page, page);
+    bool huge = reserved >= kHugePage && mappable(entry.extents, kHugePage);
+    void* base = reserve(reserved, huge ? kHugePage : page, page);
     if (base == MAP_FAILED)
       throw ShmError("cannot reserve " + std::to_string(reserved) + " bytes for " + entry.name + ": " + std::strerror(errno));
     auto whole = std::make_shared<const Mapping>(base, reserved, entry.name);  // unmapped with the last tensor
