@@ -114,6 +114,27 @@ def reach(entries) -> dict[str, int]:
     return out
 
 
+def overlap(extents, others) -> int:
+    """How many bytes of `extents` also lie in `others` (ranges of the same segments; each byte counted once)."""
+    by_segment: dict[str, list[tuple[int, int]]] = {}
+    for o in others:
+        by_segment.setdefault(o.segment, []).append((o.offset, o.offset + o.nbytes))
+    runs: dict[str, list[tuple[int, int]]] = {}
+    for segment, spans in by_segment.items():  # merged, so a byte in several of `others` counts once
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(spans):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        runs[segment] = merged
+    total = 0
+    for e in extents:
+        for start, end in runs.get(e.segment, ()):
+            total += max(0, min(end, e.offset + e.nbytes) - max(start, e.offset))
+    return total
+
+
 def mappable(extents: list[Extent], unit: int) -> bool:
     """Whether the extents map into one contiguous range with pages of `unit` bytes: every extent starts on a page of
     its segment, and every one but the last is whole pages."""

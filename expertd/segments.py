@@ -70,6 +70,11 @@ def map_segment(name: str, nbytes: int, writable: bool = False, shared_write: bo
 def pieces_checksum(read, extents: list[Extent], parts: int) -> str:
     """The index's checksum of the bytes `extents` make (`read(extent)`: that range's bytes as a buffer), combined
     from `parts` equal parts as `expertd.index.tensor_checksum` does, hashed range by range (nothing concatenated)."""
+    return combined_checksum(pieces_sums(read, extents, parts))
+
+
+def pieces_sums(read, extents: list[Extent], parts: int) -> list[str]:
+    """The checksum of each of `parts` equal parts of the bytes `extents` make (`pieces_checksum` combines them)."""
     import xxhash
 
     sums = []
@@ -83,7 +88,7 @@ def pieces_checksum(read, extents: list[Extent], parts: int) -> str:
                 if isinstance(data, memoryview):
                     data.release()
         sums.append(checksum_text(h.intdigest()))
-    return combined_checksum(sums)
+    return sums
 
 
 class Placed:
@@ -106,6 +111,10 @@ class Placed:
     def checksum(self, entry) -> str:
         """The checksum of `entry`'s bytes as the index records it (its number of parts), hashed range by range."""
         return pieces_checksum(self.read, places(entry), checksum_parts(entry.checksum))
+
+    def part_sums(self, entry) -> list[str]:
+        """The checksum of each of the parts `entry`'s recorded checksum is combined of (`combined_checksum`)."""
+        return pieces_sums(self.read, places(entry), checksum_parts(entry.checksum))
 
     def close(self) -> None:
         for mapping in self.maps.values():

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from expertd.extents import places
-from expertd.index import TensorEntry, TensorIndex, bytes_checksum, checksum_parts, tensor_bytes
+from expertd.index import TensorEntry, TensorIndex, bytes_checksum, checksum_parts, combined_checksum, tensor_bytes
 from expertd.segments import OPEN_FLAGS, Placed, segment_path
 
 from . import ledger, variant_records
@@ -50,6 +50,7 @@ class Adopted:
     repaired: list[str] = field(default_factory=list)  # tensors rebuilt from the checkpoint
     variants: dict[int, dict] = field(default_factory=dict)  # generation -> its variants that passed (name -> Variant)
     rerecord: set[int] = field(default_factory=set)  # generations whose variants record lists more than passed
+    sums: dict[int, dict] = field(default_factory=dict)  # generation -> its stacks' parts' checksums (`Built.sums`)
     seconds: float = 0.0
 
 
@@ -102,9 +103,12 @@ def segment_problem(name: str, nbytes: int, namespace: str, shm_dir: str, gid: i
     return None
 
 
-def damaged(index: TensorIndex, mode: str, threads: int, gid: int | None) -> tuple[list[str], str | None]:
+def damaged(index: TensorIndex, mode: str, threads: int, gid: int | None,
+            sums: dict[str, list[str]]) -> tuple[list[str], str | None]:
     """(names of tensors whose bytes are missing, short or — with mode "full" — fail their checksum; why the
-    generation may not be adopted at all, or None)."""
+    generation may not be adopted at all, or None). With mode "full", `sums` gets each verified tensor's parts'
+    checksums where its checksum is combined of several (`Built.sums`: the first push into a stack after the
+    handover then hashes only the parts it changes)."""
     bad_segments = set()
     for seg in index.segments:
         problem = segment_problem(seg.name, seg.nbytes, index.namespace, index.shm_dir, gid)
@@ -120,7 +124,11 @@ def damaged(index: TensorIndex, mode: str, threads: int, gid: int | None) -> tup
 
     pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="expertd-adopt")
     with _placed(sizes, index.shm_dir) as placed, pool:
-        bad += [t.name for t, got in zip(todo, pool.map(placed.checksum, todo)) if got != t.checksum]
+        for t, each in zip(todo, pool.map(placed.part_sums, todo)):
+            if combined_checksum(each) != t.checksum:
+                bad.append(t.name)
+            elif len(each) > 1:
+                sums[t.name] = each
     return bad, None
 
 
@@ -188,7 +196,8 @@ def adopt(manifest: dict | None, *, namespace: str, run_dir: str, conditions: di
     damage: dict[int, list[str]] = {}
     for record in records:
         problem = record_refusal(record, conditions)
-        bad, problem = ([], problem) if problem is not None else damaged(record.index, mode, threads, gid)
+        sums = out.sums.setdefault(record.number, {})
+        bad, problem = ([], problem) if problem is not None else damaged(record.index, mode, threads, gid, sums)
         if problem is not None:
             log.warning("not adopting generation %d: %s", record.number, problem)
             continue

@@ -25,7 +25,7 @@ from expertd.shm import segment_bytes, view
 from .arena import Arena
 from .built import Cancelled
 from .compute import build_whole
-from .expert_ranges import MAX_EXTENTS, layout, part_sums, whole_pages
+from .expert_ranges import MAX_EXTENTS, layout, part_sums, say_unpaged, whole_pages
 from .filling import OrderedPool, batches, fill, source_digest
 from .layout import Plan
 from .parts import Part
@@ -101,6 +101,7 @@ class Build:
         self.digests: list[list[str] | None] = [None] * len(plan.tensors)  # its sources' digests now
         self.slots: dict[int, list] = {}  # slot -> [placement, out, results per part, parts pending]
         self.changed: dict[int, list[int]] = {}  # slot -> the parts written, where only those are (`ranges`)
+        self.unpaged: list[TensorEntry] = []  # changed stacks written whole: their parts are not whole pages
         self.unmapping = []  # a finished tensor's writable mapping is dropped on the pool while others fill
         self.config = None  # the model config, for computed tensors, made once
         self.old: PreviousBytes | None = None  # the previous generation's bytes, mapped once
@@ -227,7 +228,7 @@ class Build:
             return None
         now, before = self.digests[slot], self.previous.parts[planned.name]
         changed = [k for k in range(len(now)) if now[k] != before[k]]
-        if not changed or len(changed) == len(now) or not whole_pages(entry, self.arena):
+        if not changed or len(changed) == len(now) or not whole_pages(entry, self.arena, self.unpaged):
             return None
         return changed if len(layout(entry, changed, "")) <= MAX_EXTENTS else None
 
@@ -282,6 +283,7 @@ class Build:
             count += 1
         slots.clear()
         self.written, self.count = written, count
+        say_unpaged(self.unpaged, self.arena, "reload")
         return entries, parts, sums
 
     def _ranged(self, slot: int, planned, where, results) -> tuple[TensorEntry, list[str], list[str]]:

@@ -59,9 +59,9 @@ class DaemonConfig:
     max_derived_files: int = 4096
     max_derived_bytes_per_reader: int | None = None  # one uid's (ipc://) or CURVE key's (tcp://); None: the daemon's
     max_derived_files_per_reader: int | None = None
-    # a push that changes some experts of a stack writes those experts only; the others stay in the older generation's
-    # segment (the index then lists the stack's ranges: schema 3, which the Python client maps as one view)
-    expert_ranges: bool = False
+    # a push or reload that changes some experts of a stack writes those experts only; the others stay in the older
+    # generation's segment (the index then lists the stack's ranges: schema 3, which every client maps as one view)
+    expert_ranges: bool = True
 
     @property
     def index_path(self) -> str:

@@ -55,12 +55,14 @@ class Changed:
         return sum(t.numel() for t in self.parts.values())
 
 
-def changed_parts(entry: TensorEntry, pushes: list, staged: dict, old, arena, device) -> Changed | None:
+def changed_parts(entry: TensorEntry, pushes: list, staged: dict, old, arena, device,
+                  unpaged: list[TensorEntry]) -> Changed | None:
     """What `pushes` (the update's pushes into stack `entry`) change of it, decided by the parts' bytes: a copy of
     those parts' bytes (a decoded push's others dropped); empty where nothing changes. None where the parts are not
-    whole pages, all of them change, or the ranges would pass MAX_EXTENTS: the caller writes the stack whole."""
+    whole pages (the entry then added to `unpaged`, for `say_unpaged`), all of them change, or the ranges would pass
+    MAX_EXTENTS: the caller writes the stack whole."""
     n = len(entry.sources)
-    if not whole_pages(entry, arena):
+    if not whole_pages(entry, arena, unpaged):
         return None
     new: dict[int, torch.Tensor] = {}
     for push in pushes:
@@ -117,18 +119,26 @@ def part_sums(entry: TensorEntry, old, sums: list[str] | None) -> list[str]:
     return [checksum(tensor_bytes(old.part(entry, k, n))) for k in range(n)]
 
 
-def whole_pages(entry: TensorEntry, arena) -> bool:
+def whole_pages(entry: TensorEntry, arena, unpaged: list[TensorEntry]) -> bool:
     """Whether the stack's parts can be ranges of their own: two or more, each whole pages of the arena's folder, the
-    old ranges starting on pages (else one log line: the stack is written whole)."""
+    old ranges starting on pages. A stack of parts that are not is added to `unpaged`: it is written whole."""
     n, unit = len(entry.sources), arena.shm.unit
     if n < 2:
         return False
-    chunk = entry.nbytes // n
-    if chunk % unit or not mappable(places(entry), unit):
-        log.info("%s: its %d parts of %d bytes are not whole pages of %s (%d bytes): written whole", entry.name, n,
-                 chunk, arena.shm_dir, unit)
+    if entry.nbytes // n % unit or not mappable(places(entry), unit):
+        unpaged.append(entry)
         return False
     return True
+
+
+def say_unpaged(unpaged: list[TensorEntry], arena, what: str) -> None:
+    """One log line for a push's or reload's stacks that were written whole: their parts are not whole pages."""
+    if unpaged:
+        first = unpaged[0]
+        n = len(first.sources)
+        log.info("%s: %d changed expert stack(s) written whole, their experts' parts not whole pages of %s (%d bytes): "
+                 "%s has %d parts of %d bytes", what, len(unpaged), arena.shm_dir, arena.shm.unit, first.name, n,
+                 first.nbytes // n)
 
 
 def layout(entry: TensorEntry, changed: list[int], segment: str, offset: int = 0) -> list[Extent]:

@@ -16,7 +16,7 @@ import logging
 import time
 
 from expertd import index_segment
-from expertd.extents import Extent, places
+from expertd.extents import Extent, overlap, places
 from expertd.errors import GenerationGone, GenerationLimit, NotReady
 from expertd.index import TensorIndex
 from expertd.protocol import pack
@@ -254,8 +254,8 @@ class Generations:
         latest_places = self.latest.places() if self.latest else set()
         pinned = self.leases.pinned()
         rows = []
-        for n, gen in sorted(self.live.items(), reverse=True):
-            shared = sum(x.nbytes for t in gen.index.tensors for x in places(t) if x in latest_places)
+        for n, gen in sorted(self.live.items(), reverse=True):  # a stack of ranges shares the ranges it kept
+            shared = overlap(gen.places(), latest_places)
             rows.append({
                 "generation": n, "tensors": len(gen.index.tensors), "bytes": gen.nbytes,
                 "bytes_shared_with_latest": shared,

@@ -117,7 +117,8 @@ class WeightService:
         """Serve the adopted generations under their numbers, re-grant the predecessor's leases, hold every adopted
         generation a lease timeout for workers that re-take theirs, then check the checkpoint in the background:
         a changed one becomes the next generation (incrementally). Their variants are served again too."""
-        gens = [Generation(Built(adopt.arena_of(r, self.cfg.group), r.index, r.parts, r.known),
+        gens = [Generation(Built(adopt.arena_of(r, self.cfg.group), r.index, r.parts, r.known,
+                                 sums=adopted.sums.get(r.number, {})),
                            place_index(r.index, self.cfg.group)) for r in adopted.records]
         variant_segments = {v.entry.segment for mine in adopted.variants.values() for v in mine.values()}
         for gen in gens:

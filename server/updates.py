@@ -34,7 +34,7 @@ from .arena import Arena, placed_size
 from .building import PreviousBytes
 from .built import Built
 from .dequant import write_part
-from .expert_ranges import Changed, changed_parts, part_checksums, write_changed
+from .expert_ranges import Changed, changed_parts, part_checksums, say_unpaged, write_changed
 from .loader import segments_of
 
 log = logging.getLogger("expertd.updates")
@@ -289,13 +289,14 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
     arena = Arena(index.namespace, generation, group=group, shm_dir=index.shm_dir)
     entries, parts, sums, written = [], dict(previous.parts), dict(previous.sums), 0
     ranged: list[tuple[int, Changed]] = []  # (its place in `entries`, what the update changes of the stack)
+    unpaged: list[TensorEntry] = []  # stacks written whole: their parts are not whole pages
     try:
         for entry in index.tensors:
             pushes = by_target.get(entry.name)
             if not pushes:
                 entries.append(entry)
                 continue
-            change = changed_parts(entry, pushes, staged, old, arena, device) if ranges else None
+            change = changed_parts(entry, pushes, staged, old, arena, device, unpaged) if ranges else None
             if change is not None:  # only the changed parts written, after the loop, all into one segment
                 ranged.append((len(entries), change))
                 entries.append(entry)
@@ -324,6 +325,7 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
             del out, chunks, dest
         for (at, _), entry in zip(ranged, write_changed([c for _, c in ranged], old, arena, sums)):
             entries[at] = entry
+        say_unpaged(unpaged, arena, f"generation {generation}'s push")
         arena.unmap()
         new_index = TensorIndex(generation=generation, namespace=index.namespace, model_type=index.model_type,
                                 layout=index.layout, config=index.config,

@@ -1,31 +1,25 @@
 """A changed expert costs its own bytes (issue 39, the Python client's part): a push that changes some experts of a
 stack writes those experts only, the new generation's stack is the older segments' ranges with theirs replaced
-(index schema 3), and a reader maps the ranges as one contiguous read-only view. Real daemon, real shm segments."""
+(index schema 3), and a reader maps the ranges as one contiguous read-only view (the views themselves:
+tests/test_extents_views.py). Real daemon, real shm segments."""
 
 from __future__ import annotations
 
 import glob
 import json
-import mmap
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from expertd.client import ExpertClient
-from expertd.client.residency import shared_ranges
-from expertd.errors import ProtocolError
-from expertd.extents import Extent, cut, merge
-from expertd.index import TensorEntry, TensorIndex, derive_views, tensor_checksum
-from expertd.shm import map_segments, view
+from expertd.index import tensor_checksum
 from expertd.tools.generate import generate_model_type
-from expertd.index import SegmentEntry
 from helpers.daemon import expertd_cmd
+from helpers.derived_cases import in_shared_memory
 from helpers.polling import wait_until
 
-PAGE = mmap.PAGESIZE
 STACK = "model.layers.1.mlp.experts.gate_up_proj"  # [E, 2I, H]: parts gate and up of each expert
 EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"  # one part of it: I x H bf16 = 64 KiB
 
@@ -38,134 +32,13 @@ def paged(tmp_path_factory) -> str:
     return folder
 
 
-def in_one_shared_range(t: torch.Tensor) -> bool:
-    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    return any(a <= lo and hi <= b for a, b in shared_ranges("/dev/shm"))
-
-
 def shm_bytes(namespace: str) -> int:
     return sum(os.path.getsize(p) for p in glob.glob(f"/dev/shm/{namespace}.*"))
 
 
-def test_extents_round_trip_in_schema_3_and_bad_ones_are_refused():
-    extents = [Extent("/a", 0, 2 * PAGE), Extent("/b", PAGE, PAGE), Extent("/a", 3 * PAGE, PAGE)]
-    entry = TensorEntry("t", "/a", 0, 4 * PAGE, [4, PAGE // 2], "torch.bfloat16", ["t.0", "t.1", "t.2", "t.3"],
-                        extents=extents)
-    plain = TensorEntry("u", "/c", 0, PAGE, [PAGE // 2], "torch.bfloat16", ["u"])
-    index = TensorIndex(1, "ns", "qwen3_moe", "hf", {}, [SegmentEntry(s, 8 * PAGE) for s in "/a /b /c".split()],
-                        [entry, plain], None)
-    wire = index.to_dict()
-    assert wire["schema"] == 3 and "extents" not in wire["tensors"][1]
-    back = TensorIndex.from_dict(wire)
-    assert back.tensors[0].extents == extents and back.tensors[1].extents is None
-    assert TensorIndex.from_dict({**wire, "tensors": [wire["tensors"][1]]}).to_dict()["schema"] == 2
-    views = derive_views(back.tensors)  # expert k: its part of the ranges
-    assert [v.extents for v in views[:2]] == [None, None] and (views[0].segment, views[0].offset) == ("/a", 0)
-    assert (views[2].segment, views[2].offset, views[3].offset) == ("/b", PAGE, 3 * PAGE)
-    assert merge([Extent("/a", 0, PAGE), Extent("/a", PAGE, PAGE), Extent("/b", 0, PAGE)]) == [
-        Extent("/a", 0, 2 * PAGE), Extent("/b", 0, PAGE)]
-    assert cut(extents, PAGE, 2 * PAGE) == [Extent("/a", PAGE, PAGE), Extent("/b", PAGE, PAGE)]
-    for bad, says in (([["/a", 0, PAGE]], "at least two"), ([["/a", 0, PAGE], ["/b", 0, 2 * PAGE]], "hold"),
-                      ([["/a", -1, 2 * PAGE], ["/b", 0, 2 * PAGE]], "is not"), ([["/a", 0, 0], ["/b", 0, 4 * PAGE]],
-                                                                                 "is not")):
-        with pytest.raises(ProtocolError, match=says):
-            TensorIndex.from_dict({**wire, "tensors": [{**wire["tensors"][0], "extents": bad}]})
-
-
-def test_a_tensor_of_several_segments_is_one_read_only_view_of_their_pages(namespace):
-    names = [f"/{namespace}.x.{k}" for k in range(2)]
-    data = [torch.randint(0, 255, (8 * PAGE,), dtype=torch.uint8) for _ in names]
-    for name, d in zip(names, data):
-        with open(f"/dev/shm{name}", "wb") as f:
-            f.write(d.numpy().tobytes())
-    try:
-        segments = map_segments([SegmentEntry(n, 8 * PAGE) for n in names])
-        extents = [Extent(names[0], 0, 2 * PAGE), Extent(names[1], 5 * PAGE, PAGE), Extent(names[0], 6 * PAGE, 100)]
-        entry = TensorEntry("t", names[0], 0, 3 * PAGE + 100, [3 * PAGE + 100], "torch.uint8", extents=extents)
-        t = view(segments, entry)
-        assert torch.equal(t, torch.cat([data[0][:2 * PAGE], data[1][5 * PAGE:6 * PAGE], data[0][6 * PAGE:][:100]]))
-        assert in_one_shared_range(t)  # the daemon's pages, mapped as one range: no copy
-        del segments
-        for name in names:
-            os.unlink(f"/dev/shm{name}")  # the view outlives the segments' mappings and files
-        assert int(t[2 * PAGE]) == int(data[1][5 * PAGE])
-        lo = t.data_ptr()
-        del t
-        assert not any(a <= lo < b for a, b in shared_ranges("/dev/shm"))  # unmapped with its last tensor
-    finally:
-        for name in names:
-            if os.path.exists(f"/dev/shm{name}"):
-                os.unlink(f"/dev/shm{name}")
-
-
-def resident(t: torch.Tensor) -> int:
-    """Bytes of `t`'s range present in this process's page tables (smaps Rss of the mappings inside it)."""
-    lo, hi, total = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), 0
-    with open("/proc/self/smaps") as f:
-        inside = False
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                a, b = (int(x, 16) for x in head.split("-"))
-                inside = lo <= a and b <= hi
-            elif inside and head == "Rss:":
-                total += int(line.split()[1]) << 10
-    return total
-
-
-def test_a_newer_view_of_a_stack_takes_the_unchanged_ranges_page_tables(namespace):
-    """A stack of 8 parts viewed, read whole; its next generation (part 5 in another segment) viewed under the same
-    name: the unchanged parts' page tables move to the new view (nothing to fault in again but part 5), the new view
-    reads the new bytes and the old one still reads the old."""
-    names = [f"/{namespace}.p.{k}" for k in range(2)]
-    data = [torch.randint(0, 255, (8 * 4 * PAGE,), dtype=torch.uint8) for _ in names]
-    for name, d in zip(names, data):
-        with open(f"/dev/shm{name}", "wb") as f:
-            f.write(d.numpy().tobytes())
-    try:
-        segments = map_segments([SegmentEntry(n, 32 * PAGE) for n in names])
-        part = 4 * PAGE
-        first = [Extent(names[0], 0, 4 * part), Extent(names[1], 0, part), Extent(names[0], 5 * part, 3 * part)]
-        second = [Extent(names[0], 0, 4 * part), Extent(names[1], 3 * part, part), Extent(names[0], 5 * part, 3 * part)]
-        entry = lambda extents: TensorEntry("stack", names[0], 0, 8 * part, [8 * part], "torch.uint8",  # noqa: E731
-                                            extents=extents)
-        old = view(segments, entry(first))
-        want_old = torch.cat([data[0][:4 * part], data[1][:part], data[0][5 * part:]])
-        assert torch.equal(old, want_old) and resident(old) == 8 * part  # read whole: every page present
-        new = view(segments, entry(second))
-        assert resident(new) == 7 * part  # the unchanged parts' pages came with their page tables
-        assert torch.equal(new, torch.cat([data[0][:4 * part], data[1][3 * part:4 * part], data[0][5 * part:]]))
-        assert torch.equal(old, want_old) and in_one_shared_range(new) and in_one_shared_range(old)
-    finally:
-        for name in names:
-            os.unlink(f"/dev/shm{name}")
-
-
-def test_a_write_into_the_composed_view_is_sigsegv(namespace):
-    code = f"""
-import os, torch
-from expertd.extents import Extent
-from expertd.index import SegmentEntry, TensorEntry
-from expertd.shm import map_segments, view
-names = ["/{namespace}.w.0", "/{namespace}.w.1"]
-for n in names:
-    with open("/dev/shm" + n, "wb") as f:
-        f.write(bytes(2 * {PAGE}))
-segments = map_segments([SegmentEntry(n, 2 * {PAGE}) for n in names])
-for n in names:
-    os.unlink("/dev/shm" + n)
-t = view(segments, TensorEntry("t", names[0], 0, 2 * {PAGE}, [2 * {PAGE}], "torch.uint8",
-                               extents=[Extent(names[0], 0, {PAGE}), Extent(names[1], {PAGE}, {PAGE})]))
-print("mapped", flush=True)
-t[{PAGE} + 1] = 7
-print("written", flush=True)
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == -11 and "mapped" in done.stdout and "written" not in done.stdout, done
-
-
 def test_a_push_of_one_expert_writes_that_expert_and_readers_see_each_generation(paged, start_daemon, namespace):
-    daemon = start_daemon(paged, expert_ranges=True, max_generations=4)
+    """`expert_ranges` as configured by default."""
+    daemon = start_daemon(paged, max_generations=4)
     with ExpertClient(daemon.endpoint, heartbeat=False) as old, ExpertClient(daemon.endpoint, heartbeat=False) as c:
         before = {n: t.clone() for n, t in c.served_tensors().items()}
         part = c.tensors()[EXPERT].clone()
@@ -182,10 +55,12 @@ def test_a_push_of_one_expert_writes_that_expert_and_readers_see_each_generation
         e, half = 3, want.shape[1] // 2
         want[e, half:] = -part
         assert torch.equal(served[STACK], want)
-        assert in_one_shared_range(served[STACK])
+        assert in_shared_memory(served[STACK], "/dev/shm")
         assert all(torch.equal(served[n], before[n]) for n in before if n != STACK)
         assert torch.equal(c.tensors()[EXPERT], -part)
         assert c.verify() == [] and tensor_checksum(served[STACK], len(entry.sources)) == entry.checksum
+        rows = {g["generation"]: g for g in daemon.status()["generations"]}  # 1 shares all but the pushed part
+        assert rows[1]["bytes_shared_with_latest"] == rows[1]["bytes"] - part.numel() * part.element_size(), rows
         assert torch.equal(old.served_tensors()[STACK], before[STACK])  # a reader still on generation 1
         assert new_index.generation == 2
         # logits: transformers' own model with that expert changed, and the unchanged one for the old reader
@@ -230,25 +105,40 @@ def test_generations_of_ranges_share_segments_until_none_uses_them(paged, start_
     assert not any(os.path.exists(f"/dev/shm{s}") for s in segments)
 
 
+def test_with_expert_ranges_off_a_push_of_one_expert_writes_the_stack_whole(paged, start_daemon, namespace):
+    daemon = start_daemon(paged, expert_ranges=False)
+    with ExpertClient(daemon.endpoint, heartbeat=False) as c, ExpertClient(daemon.endpoint, heartbeat=False):
+        part = c.tensors()[EXPERT].clone()
+        c.update({EXPERT: -part})
+        c.refresh()
+        (entry,) = [t for t in c.index().tensors if t.name == STACK]
+        assert entry.extents is None and c.index().to_dict()["schema"] == 2 and torch.equal(c.tensors()[EXPERT], -part)
+        rows = {g["generation"]: g for g in daemon.status()["generations"]}
+        assert rows[1]["bytes_shared_with_latest"] == rows[1]["bytes"] - entry.nbytes, rows
+
+
 def test_a_stack_whose_parts_are_not_whole_pages_is_written_whole(tiny_checkpoint, start_daemon, namespace, tmp_path):
     with open(tmp_path / "daemon.log", "w") as log:
         daemon = start_daemon(tiny_checkpoint, expert_ranges=True, stderr=log)
     with ExpertClient(daemon.endpoint, heartbeat=False) as c:
-        stack = next(t for t in c.index().tensors if len(t.sources) > 1)
-        value = c.served_tensors()[stack.name].clone()
-        value[0] = value[0] * 2
-        c.update({stack.name: value})
+        stacks = [t for t in c.index().tensors if len(t.sources) > 1][:2]
+        values = {t.name: c.served_tensors()[t.name].clone() for t in stacks}
+        for value in values.values():
+            value[0] = value[0] * 2
+        c.update(values)
         c.refresh()
-        (entry,) = [t for t in c.index().tensors if t.name == stack.name]
-        assert entry.extents is None and torch.equal(c.served_tensors()[stack.name], value)
+        for t in c.index().tensors:
+            if t.name in values:
+                assert t.extents is None and torch.equal(c.served_tensors()[t.name], values[t.name])
     said = [line for line in (tmp_path / "daemon.log").read_text().splitlines() if "not whole pages" in line]
-    assert len(said) == 1 and stack.name in said[0], said
+    assert len(said) == 1 and stacks[0].name in said[0] and "2 changed expert stack(s)" in said[0], said
 
 
 def test_a_successor_adopts_a_generation_of_ranges(paged, start_daemon, namespace):
     """kill -9 after a push that wrote one expert: the next daemon adopts generation 2, its stack still the ranges
     of both generations' segments (each verified range by range), the same bytes; its own push into the stack then
-    sums it right."""
+    sums it right, from the parts' checksums it verified at adoption: a part changed behind its back after that is
+    not laundered into the new generation's checksum (verify names the stack until the byte is put back)."""
     first = start_daemon(paged, expert_ranges=True)
     with ExpertClient(first.endpoint, heartbeat=False) as c:
         part = c.tensors()[EXPERT].clone()
@@ -265,9 +155,21 @@ def test_a_successor_adopts_a_generation_of_ranges(paged, start_daemon, namespac
         assert adopted.extents == entry.extents and c.verify() == []
         assert torch.equal(c.served_tensors()[STACK], want) and torch.equal(c.tensors()[EXPERT], -part)
         wait_until(lambda: second.status()["job"]["state"] != "building", "the successor's check of the checkpoint")
-        c.update({EXPERT: part * 3})  # the successor knows no part's checksum: it hashes the stack's own bytes
-        c.refresh()
-        assert torch.equal(c.tensors()[EXPERT], part * 3) and c.verify() == []
+        first_range = adopted.extents[0]  # expert 0's gate lies here, in generation 1's segment: not pushed below
+        with open(f"/dev/shm{first_range.segment}", "r+b") as f:
+            f.seek(first_range.offset)
+            byte = f.read(1)
+            f.seek(first_range.offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        try:
+            c.update({EXPERT: part * 3})
+            c.refresh()
+            assert torch.equal(c.tensors()[EXPERT], part * 3) and c.verify() == [STACK]
+        finally:
+            with open(f"/dev/shm{first_range.segment}", "r+b") as f:
+                f.seek(first_range.offset)
+                f.write(byte)
+        assert c.verify() == []
 
 
 def test_a_reload_whose_checkpoint_differs_in_two_experts_writes_those_experts(paged, start_daemon, namespace,
@@ -345,7 +247,7 @@ def test_a_derived_layout_of_a_stack_of_ranges_derives_only_the_changed_experts(
         want = new.reshape(len(new), -1)[:, index].reshape(new.shape)
         assert torch.equal(second, want) and not torch.equal(second, first)
         assert grown == block * new.element_size(), (grown, block)  # expert 3's block, not the stack
-        assert in_one_shared_range(second)
+        assert in_shared_memory(second, "/dev/shm")
         del first
         wait_until(lambda: [g["generation"] for g in daemon.status()["generations"]] == [2], "generation 1 retires")
         with ExpertClient(daemon.endpoint, heartbeat=False) as fresh:
@@ -368,32 +270,6 @@ def test_a_push_into_several_stacks_writes_their_changed_parts_into_one_segment(
         ranged = [t for t in c.index().tensors if t.extents]
         assert len(ranged) == 2 and len({x.segment for t in ranged for x in t.extents} - first) == 1, ranged
         assert all(torch.equal(c.tensors()[n], v) for n, v in values.items()) and c.verify() == []
-
-
-def test_on_a_huge_page_tmpfs_a_changed_expert_is_its_own_huge_pages_and_the_view_maps_them(tmp_path, namespace):
-    """`shm_dir` a tmpfs mounted huge=always (a private mount namespace), experts' parts of 2 MiB: a push of one part
-    writes it as its own huge page and the stack's ranges stay on 2 MiB boundaries; the reader's view starts on one,
-    is the daemon's shared pages (no copy), maps them by huge pages once read, and the logits are transformers'."""
-    import json
-    import shutil
-
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("mounting a huge-page tmpfs needs root and util-linux unshare (CI has both)")
-    folder, huge = str(tmp_path / "ckpt"), tmp_path / "huge"
-    generate_model_type(folder, "qwen3_moe", fp8=False, hidden_size=1024, moe_intermediate_size=1024)  # 2 MiB parts
-    huge.mkdir()
-    scenario = os.path.join(os.path.dirname(__file__), "helpers", "ranges_huge_scenario.py")
-    script = (f"mount -t tmpfs -o size=512m,huge=always expertd-huge {huge} || exit 97; "
-              f"exec {sys.executable} {scenario} {folder} {tmp_path} {namespace} {huge}")
-    out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=600)
-    if out.returncode == 97:
-        pytest.skip(f"this kernel cannot mount a huge=always tmpfs: {out.stderr.strip()}")
-    assert out.returncode == 0, out.stderr[-4000:]
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(seen["extents"]) == 3 and all(o % (2 << 20) == 0 and n % (2 << 20) == 0 for _, o, n in seen["extents"])
-    assert seen["equal"] and seen["shared"] and seen["aligned"], seen
-    assert seen["huge_kb"] > 0, seen  # huge pages in the composed view (every range but a PTE-mapped edge)
-    assert seen["logits_equal"] and seen["verify"] == [] and seen["stop"] == 0, seen
 
 
 def test_a_model_refreshed_over_generations_of_ranges_computes_each_ones_logits(paged, start_daemon):
