@@ -262,7 +262,7 @@ def derive_views(tensors: list[TensorEntry]) -> list[TensorEntry]:
             continue  # computed by a conversion (no views), or served under its own checkpoint name
         if n == 1:  # served under the model's name for a renamed checkpoint tensor: the whole of it
             views.append(TensorEntry(t.sources[0], t.segment, t.offset, t.nbytes, list(t.shape), t.dtype,
-                                     list(t.sources), t.name))
+                                     list(t.sources), t.name, extents=t.extents))
             continue
         if t.nbytes % n or not t.shape or n % t.shape[0] or t.shape[1] % (n // t.shape[0]):
             raise ProtocolError(f"fused tensor {t.name} {t.shape} cannot hold {n} equal sources")

@@ -2,13 +2,14 @@
 one's ranges with the changed experts' replaced (`expertd.extents`).
 
 A served expert stack is one tensor of n equal parts (one per checkpoint source: an expert, or an expert's
-projection). Where a part is a whole number of the shm folder's pages and the old stack's ranges start on pages, the
-changed parts' bytes go into a new segment and every unchanged part stays where it is, in whatever older
-generation's segment holds it: a new generation costs the changed experts' bytes, not the stack's. Which parts
-changed is decided by their bytes (a pushed part equal to what is served changes nothing); the changed parts of
-every stack a push changes go into one segment (`write_changed`: one file and one mapping per reader). A stack whose
-ranges would pass MAX_EXTENTS is written whole into one segment instead (compaction: a reader maps each range, and a
-long run of generations must not approach the kernel's limit on a process's mappings, `vm.max_map_count`).
+projection; a stack the checkpoint stores fused, as gpt-oss does, one per expert: `stack_parts`). Where a part is a
+whole number of the shm folder's pages and the old stack's ranges start on pages, the changed parts' bytes go into a
+new segment and every unchanged part stays where it is, in whatever older generation's segment holds it: a new
+generation costs the changed experts' bytes, not the stack's. Which parts changed is decided by their bytes (a pushed
+part equal to what is served changes nothing); the changed parts of every stack a push changes go into one segment
+(`write_changed`: one file and one mapping per reader). A stack whose ranges would pass MAX_EXTENTS is written whole
+into one segment instead (compaction: a reader maps each range, and a long run of generations must not approach the
+kernel's limit on a process's mappings, `vm.max_map_count`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ from expertd.shm import DTYPES, same_bytes
 from .dequant import write_part
 
 log = logging.getLogger("expertd.updates")
+
+
+def stack_parts(entry: TensorEntry) -> int:
+    """How many equal parts a served tensor has for `expert_ranges`: one per checkpoint source, or for an expert
+    stack the checkpoint stores fused (one source, [E, R, C], experts outermost: gpt-oss), one per expert."""
+    n = len(entry.sources)
+    if n == 1 and ".experts." in entry.name and len(entry.shape) == 3 and entry.shape[0] > 1:
+        return entry.shape[0]
+    return n
 
 
 def part_bytes(push, staged: dict, entry: TensorEntry, parts: int, device) -> list[torch.Tensor]:
@@ -61,7 +71,7 @@ def changed_parts(entry: TensorEntry, pushes: list, staged: dict, old, arena, de
     those parts' bytes (a decoded push's others dropped); empty where nothing changes. None where the parts are not
     whole pages (the entry then added to `unpaged`, for `say_unpaged`), all of them change, or the ranges would pass
     MAX_EXTENTS: the caller writes the stack whole."""
-    n = len(entry.sources)
+    n = stack_parts(entry)
     if not whole_pages(entry, arena, unpaged):
         return None
     new: dict[int, torch.Tensor] = {}
@@ -113,7 +123,7 @@ def part_checksums(t: torch.Tensor, parts: int) -> list[str]:
 
 def part_sums(entry: TensorEntry, old, sums: list[str] | None) -> list[str]:
     """The checksum of each of the stack's parts: `sums` where they make its checksum, else hashed from its bytes."""
-    n = len(entry.sources)
+    n = stack_parts(entry)
     if sums is not None and len(sums) == n and combined_checksum(sums) == entry.checksum:
         return list(sums)
     return [checksum(tensor_bytes(old.part(entry, k, n))) for k in range(n)]
@@ -122,7 +132,7 @@ def part_sums(entry: TensorEntry, old, sums: list[str] | None) -> list[str]:
 def whole_pages(entry: TensorEntry, arena, unpaged: list[TensorEntry]) -> bool:
     """Whether the stack's parts can be ranges of their own: two or more, each whole pages of the arena's folder, the
     old ranges starting on pages. A stack of parts that are not is added to `unpaged`: it is written whole."""
-    n, unit = len(entry.sources), arena.shm.unit
+    n, unit = stack_parts(entry), arena.shm.unit
     if n < 2:
         return False
     if entry.nbytes // n % unit or not mappable(places(entry), unit):
@@ -135,7 +145,7 @@ def say_unpaged(unpaged: list[TensorEntry], arena, what: str) -> None:
     """One log line for a push's or reload's stacks that were written whole: their parts are not whole pages."""
     if unpaged:
         first = unpaged[0]
-        n = len(first.sources)
+        n = stack_parts(first)
         log.info("%s: %d changed expert stack(s) written whole, their experts' parts not whole pages of %s (%d bytes): "
                  "%s has %d parts of %d bytes", what, len(unpaged), arena.shm_dir, arena.shm.unit, first.name, n,
                  first.nbytes // n)
@@ -143,4 +153,4 @@ def say_unpaged(unpaged: list[TensorEntry], arena, what: str) -> None:
 
 def layout(entry: TensorEntry, changed: list[int], segment: str, offset: int = 0) -> list[Extent]:
     """The new stack's ranges: the changed parts back to back in `segment` from `offset`, the others where they are."""
-    return replaced(places(entry), len(entry.sources), changed, segment, offset)
+    return replaced(places(entry), stack_parts(entry), changed, segment, offset)

@@ -275,8 +275,8 @@ def _renamed(param: str, shape: tuple[int, ...], name: str, sources: _Sources,
     which it serves its ranks' rows: the stored tensor and its aux must have the experts outermost too, so each
     rank's experts are one contiguous run of their bytes."""
     src = sources(name, shape, f"the model's {param!r}")
-    if partition is None:
-        return PlannedTensor(param, shape, served_dtype(src), [src])
+    if partition is None:  # an expert stack is read expert by expert: a reload rewrites only the experts that changed
+        return PlannedTensor(param, shape, served_dtype(src), _by_expert(param, shape, src))
     share = partition.block(shape[0], param)
     for info in (src.info, src.scale):
         if info is not None and share.stack_rows(info.shape) is None:
@@ -285,6 +285,16 @@ def _renamed(param: str, shape: tuple[int, ...], name: str, sources: _Sources,
                              file=info.file, tensor=info.name)
     return PlannedTensor(param, (share.count, *shape[1:]), served_dtype(src),
                          [src.rows(first, count) for first, count in share.stack_rows(src.info.shape)], experts=share)
+
+
+def _by_expert(param: str, shape: tuple[int, ...], src: Source) -> list[Source]:
+    """A pre-fused expert stack [E, R, C] (gpt-oss) as E sources, one per expert's rows, where its stored tensor and
+    aux have the experts outermost: each expert is then a part of its own (digested, compared with the previous
+    generation's and written on its own, `expert_ranges`). Else the one source."""
+    experts = shape[0] if len(shape) == 3 and ".experts." in param else 0
+    if experts < 2 or any(info is not None and tuple(info.shape[:1]) != (experts,) for info in (src.info, src.scale)):
+        return [src]
+    return [src.rows(e, 1) for e in range(experts)]
 
 
 def _stacked(param: str, shape: tuple[int, ...], names: list[str], per_expert: int, sources: _Sources,

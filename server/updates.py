@@ -34,7 +34,7 @@ from .arena import Arena, placed_size
 from .building import PreviousBytes
 from .built import Built
 from .dequant import write_part
-from .expert_ranges import Changed, changed_parts, part_checksums, say_unpaged, write_changed
+from .expert_ranges import Changed, changed_parts, part_checksums, say_unpaged, stack_parts, write_changed
 from .loader import segments_of
 
 log = logging.getLogger("expertd.updates")
@@ -317,7 +317,8 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
                 write_part(dest.view(p.served_shape), staged[p.name], scale, name=p.name, block=p.block, kind=p.kind,
                            device=device)
             parts[entry.name] = _marked(parts.get(entry.name), pushes, staged, n)
-            sums[entry.name] = each_part = part_checksums(out, n)  # the next push into it hashes its changed parts
+            each_part = part_checksums(out, stack_parts(entry))  # the next push into it hashes its changed parts
+            sums[entry.name] = each_part
             entries.append(TensorEntry(entry.name, where.segment, where.offset, entry.nbytes, list(entry.shape),
                                        entry.dtype, list(entry.sources), checksum=combined_checksum(each_part),
                                        experts=entry.experts))

@@ -22,6 +22,7 @@ from helpers.polling import wait_until
 
 STACK = "model.layers.1.mlp.experts.gate_up_proj"  # [E, 2I, H]: parts gate and up of each expert
 EXPERT = "model.layers.1.mlp.experts.3.up_proj.weight"  # one part of it: I x H bf16 = 64 KiB
+OSS_STACK = "model.layers.1.mlp.experts.gate_up_proj"  # gpt-oss: [E, H, 2I], stored fused
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +254,74 @@ def test_a_derived_layout_of_a_stack_of_ranges_derives_only_the_changed_experts(
         with ExpertClient(daemon.endpoint, heartbeat=False) as fresh:
             (again,) = fresh.derived([item])
             assert torch.equal(again, want)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> str:
+    """gpt-oss as released (MXFP4 blocks and scales, each layer's experts fused [E, ...]), experts of whole pages."""
+    from expertd.tools.requantize import write_mxfp4
+
+    folder = str(tmp_path_factory.mktemp("gpt_oss") / "mxfp4")
+    generate_model_type(folder, "gpt_oss", fp8=False, hidden_size=256, intermediate_size=128)  # 128 KiB experts
+    write_mxfp4(folder)
+    return folder
+
+
+def test_a_push_of_one_gpt_oss_expert_writes_that_expert(gpt_oss, start_daemon, namespace):
+    """One source per gpt-oss stack, so the stack's parts are its experts. A push that changes expert 2 of a gate/up
+    stack writes that expert's 128 KiB; the logits are transformers' own MXFP4 load with that expert changed."""
+    from transformers import AutoModelForCausalLM
+
+    daemon = start_daemon(gpt_oss)
+    with ExpertClient(daemon.endpoint, heartbeat=False) as c:
+        value = c.served_tensors()[OSS_STACK].clone()
+        value[2] = -value[2]
+        grown = shm_bytes(namespace)
+        c.update({OSS_STACK: value})
+        c.refresh()
+        grown = shm_bytes(namespace) - grown
+        (entry,) = [t for t in c.index().tensors if t.name == OSS_STACK]
+        assert entry.sources == [OSS_STACK] and len(entry.extents) == 3 and entry.checksum.startswith("xxh3_64x8:")
+        assert grown <= value[2].numel() * 2 + os.path.getsize(f"/dev/shm{daemon.status()['index_segment']}"), grown
+        assert torch.equal(c.served_tensors()[OSS_STACK], value) and c.verify() == []
+        reference = AutoModelForCausalLM.from_pretrained(gpt_oss, dtype=torch.bfloat16).eval()
+        ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+        with torch.no_grad():
+            dict(reference.named_parameters())[OSS_STACK].data[2] = value[2]
+            assert torch.equal(c.load_model()(ids).logits, reference(ids).logits)
+
+
+def test_a_reload_onto_a_gpt_oss_checkpoint_with_one_expert_changed_writes_that_expert(gpt_oss, start_daemon,
+                                                                                      tmp_path):
+    """The checkpoint's fused MXFP4 blocks differ in expert 5's rows only: the reload reads and writes that expert
+    (the stack is read expert by expert); served bytes and logits are transformers' own MXFP4 load of the new folder."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from helpers.checkpoints import INDEX, edit_checkpoint
+
+    blocks = OSS_STACK + "_blocks"
+    with open(os.path.join(gpt_oss, INDEX)) as f:
+        stored = load_file(os.path.join(gpt_oss, json.load(f)["weight_map"][blocks]))[blocks]
+    new = stored.clone()
+    new[5] = new[5] ^ 0x11
+    changed = edit_checkpoint(gpt_oss, str(tmp_path / "changed"), replace={blocks: new})
+    daemon = start_daemon(gpt_oss)
+    with ExpertClient(daemon.endpoint, heartbeat=False) as c:
+        part = c.served_tensors()[OSS_STACK][5].numel() * 2
+        reloaded = subprocess.run(expertd_cmd("reload", "--config", daemon.config, "--checkpoint", changed),
+                                  capture_output=True, text=True, timeout=120)
+        assert reloaded.returncode == 0, reloaded.stderr
+        job = daemon.status()["job"]
+        assert job["bytes_written"] == part and job["tensors_written"] == 1, job
+        c.refresh()
+        (entry,) = [t for t in c.index().tensors if t.name == OSS_STACK]
+        assert len(entry.extents) == 3 and c.verify() == []
+        want = AutoModelForCausalLM.from_pretrained(changed, dtype=torch.bfloat16).eval()
+        ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+        with torch.no_grad():
+            assert torch.equal(c.served_tensors()[OSS_STACK], dict(want.named_parameters())[OSS_STACK])
+            assert torch.equal(c.load_model()(ids).logits, want(ids).logits)
 
 
 def test_a_push_into_several_stacks_writes_their_changed_parts_into_one_segment(paged, start_daemon, namespace):
