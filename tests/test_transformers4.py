@@ -69,27 +69,31 @@ def test_transformers4_worker_gets_per_expert_modules_with_exact_logits(tf4_pyth
 
 
 def test_a_transformers4_worker_reads_a_stack_of_ranges(tf4_python, start_daemon, tmp_path):
-    """`expert_ranges`: a push of one expert's part makes layer 1's gate/up stack ranges of two generations'
-    segments; a 4.57 worker's per-expert modules are those ranges' slots themselves (no copy), and its logits equal
-    4.57's own from_pretrained of the checkpoint with that expert changed."""
+    """`expert_ranges`: pushes of one expert's part each (three generations, two stacks of layer 1) make the stacks
+    ranges of several generations' segments; after each, a 4.57 worker's per-expert modules are those ranges' slots
+    themselves (no copy), and its logits equal 4.57's own from_pretrained of the checkpoint with every change so far."""
     from safetensors.torch import load_file, save_file
 
     from expertd.client import ExpertClient
     from expertd.tools.generate import generate
 
-    expert = "model.layers.1.mlp.experts.3.up_proj.weight"  # 128 x 256 bf16 once dequantized: whole pages
     paged = str(tmp_path / "paged")
-    generate(paged, "tiny", hidden_size=256, moe_intermediate_size=128)  # DeepSeek-V3, FP8 blocks
-    daemon = start_daemon(paged, expert_ranges=True)
-    with ExpertClient(daemon.endpoint, heartbeat=False) as c:
-        value = -c.tensors()[expert].clone()
-        c.update({expert: value})
-        c.refresh()
-        assert [t.name for t in c.index().tensors if t.extents] == ["model.layers.1.mlp.experts.gate_up_proj"]
-    changed = write_reference_bf16(paged, str(tmp_path / "changed"))
-    weights = load_file(f"{changed}/model.safetensors")
-    save_file({**weights, expert: value.contiguous()}, f"{changed}/model.safetensors")
-    got = run_worker(tf4_python, tmp_path, daemon.endpoint, changed)
-    assert got["transformers"].startswith("4.57") and expert in got["names"]
-    assert got["equal"] == {"load_model": True, "restore": True, "from_pretrained": True}
-    assert got["private"] == []
+    generate(paged, "tiny", hidden_size=256, moe_intermediate_size=128)  # DeepSeek-V3, FP8 blocks: 64 KiB parts
+    daemon = start_daemon(paged)
+    changes = {}
+    for k, expert in enumerate(("model.layers.1.mlp.experts.3.up_proj.weight",
+                                "model.layers.1.mlp.experts.6.down_proj.weight",
+                                "model.layers.1.mlp.experts.0.gate_proj.weight")):
+        with ExpertClient(daemon.endpoint, heartbeat=False) as c:
+            changes[expert] = -c.tensors()[expert].clone()
+            c.update({expert: changes[expert]})
+            c.refresh()
+            ranged = {t.name for t in c.index().tensors if t.extents}
+        assert ranged == {f"model.layers.1.mlp.experts.{n}_proj" for n in ("gate_up", "down")[:min(k + 1, 2)]}
+        changed = write_reference_bf16(paged, str(tmp_path / f"changed{k}"))
+        weights = load_file(f"{changed}/model.safetensors")
+        save_file({**weights, **{n: v.contiguous() for n, v in changes.items()}}, f"{changed}/model.safetensors")
+        got = run_worker(tf4_python, tmp_path, daemon.endpoint, changed)
+        assert got["transformers"].startswith("4.57") and expert in got["names"]
+        assert got["equal"] == {"load_model": True, "restore": True, "from_pretrained": True}, k
+        assert got["private"] == []
