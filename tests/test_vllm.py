@@ -40,9 +40,9 @@ FOLDER_KEYS = {"deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmo
 # what a trainer's update changes before the refresh: an expert stack (vLLM packs it), a projection vLLM fuses
 # (q_proj into qkv_proj, which oneDNN packs on AVX-512) and a norm it uses as served
 REFRESHED = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
-# with `expert_ranges`: the up and down parts of half of each layer's experts (checkpoint names): ranges
-RANGED = [f"model.layers.{n}.mlp.experts.{e}.{p}.weight" for n in (0, 1) for e in (1, 2, 5, 6)
-          for p in ("up_proj", "down_proj")]
+# with `expert_ranges`: the up and down parts of half of each layer's experts (checkpoint names), then two gates
+RANGED, RANGED_AGAIN = ([f"model.layers.{n}.mlp.experts.{e}.{p}.weight" for n in (0, 1) for e in es for p in ps]
+                        for es, ps in (((1, 2, 5, 6), ("up_proj", "down_proj")), ((0, 3), ("gate_proj",))))
 TOKEN = "vllm-engines-read-token-0123"
 pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
 
@@ -138,7 +138,7 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
              "extra": {**ep["follow"], "follow": True}, "refresh": {"tensors": REFRESHED, "seed": 3}},
             {"name": "ranges", "model": model_folder(ckpt["paged"], str(root / "no-weights-paged")),
              "load_format": "expertd", "extra": ep["ranges"], "residency": True,
-             "refresh": {"tensors": RANGED, "seed": 3, "fresh": {"map": False}}},
+             "refresh": {"tensors": RANGED, "seed": 3, "fresh": {"map": False}, "again": (RANGED_AGAIN, 4)}},
             {"name": "refresh-limited", "model": bf16_config("refresh-limited"), "load_format": "expertd",
              "extra": {**ep["refresh-limited"], "follow": True},
              "refresh": {"tensors": REFRESHED, "seed": 3, "hold": True},
@@ -165,16 +165,14 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
 
 def test_greedy_tokens_equal_vllms_own_load_of_the_bf16_folder(runs):
     """A model folder with config files only: every weight comes from the daemon, the tokens are vLLM's own."""
-    reference = runs["vllm-bf16"]["tokens"]
-    assert len(reference) == len(PROMPTS) and all(len(t) == MAX_TOKENS for t in reference)
-    assert len({tuple(t) for t in reference}) == len(PROMPTS)  # the prompts lead to different continuations
+    reference = runs["vllm-bf16"]["tokens"]  # the prompts lead to different continuations, each MAX_TOKENS long
+    assert len({tuple(t) for t in reference if len(t) == MAX_TOKENS}) == len(reference) == len(PROMPTS)
     assert runs["expertd-bf16"]["tokens"] == reference
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_other_families_from_a_weightless_folder_equal_vllms_own_load(runs, family):
-    assert "error" not in runs[f"expertd-{family}"], runs[f"expertd-{family}"]
-    assert runs[f"expertd-{family}"]["tokens"] == runs[f"vllm-{family}"]["tokens"]
+    assert runs[f"expertd-{family}"].get("tokens") == runs[f"vllm-{family}"]["tokens"], runs[f"expertd-{family}"]
 
 
 @pytest.mark.parametrize("engine", [f"expertd-{name}" for name in ("bf16", *QUANTIZED, *FAMILIES)])
@@ -335,10 +333,12 @@ def test_refresh_after_an_update_equals_a_fresh_engine_on_the_new_generation(run
 def test_an_engine_on_stacks_of_ranges_refreshes_onto_a_fresh_engines_tokens(runs):
     """`expert_ranges`: an update of one expert's part in two layers makes those stacks ranges; the refresh maps the
     daemon's layouts of the new stacks (changed experts' blocks derived only) and generates a fresh engine's tokens;
-    that engine loads every weight itself (`map: false`), binding stacks where vLLM's packing equals the daemon's."""
+    that engine loads every weight itself (`map: false`), binding stacks where vLLM's packing equals the daemon's.
+    A second update (two experts' gates) and refresh on the same engine: a fresh engine's tokens again."""
     run = runs["ranges"]
     assert "error" not in run, run
     assert run["tokens_after"] == run["fresh_tokens"] != run["tokens"]
+    assert run["tokens_again"] == run["fresh_tokens_again"] != run["tokens_after"]
     assert len(run["refreshed"]["remapped"]) == 4 and all(map(is_expert, run["refreshed"]["remapped"])), run
     with ExpertClient(runs["endpoints"]["ranges"], heartbeat=False) as client:
         stacks = [t.name for t in client.index().tensors if t.extents]
