@@ -5,8 +5,9 @@ daemon serves the weights needs neither for most of them: what the engine uses a
 value-independent rearrangement (the experts' packed layout, fused q/k/v), is already in shared memory or made
 there once per host. So the load goes:
 
-1. `dry_feeds`: the model's own `load_weights` runs over every served tensor into meta twins of the parameters
-   (nothing read or written): which served tensors feed each parameter, and that every parameter is fed.
+1. `dry_feeds`: the model's own `load_weights` runs into meta twins of the parameters (nothing read or written) over
+   the served tensors of the first layer of each served kind and those outside layers: which served tensors feed
+   each parameter, and that every parameter is fed (the other layers' feeds: their first's, renamed).
 2. `plan`: layers whose parameters and feeds have the same names (up to the layer number), shapes and dtypes are
    of one kind; the first layer of each kind and the parameters outside layers are loaded for real, run through
    the engine's own post-load step and bound as a first engine binds them, every derived tensor checked byte for
@@ -79,21 +80,80 @@ def on_meta(model: nn.Module):
 
 def dry_feeds(model: nn.Module, state: EngineState, tensors: dict, endpoint: str, folder: str) -> set | None:
     """Record which served tensors feed each parameter (`state.feeds`) and every parameter as built
-    (`state.params`), by the model's own `load_weights` into meta twins; what it returned as loaded."""
+    (`state.params`), by the model's own `load_weights` into meta twins; what it returned as loaded.
+
+    It runs over the tensors outside layers and those of the first layer of each kind of served layer (the same
+    tensor names up to the layer number, shapes and dtypes: `served_kinds`); every other layer's feeds are its
+    first's, renamed, where its parameters are the first's renamed with the same shapes and dtypes. Where one is not
+    (a model whose layers of one served kind differ), it runs over every served tensor."""
     real = dict(model.named_parameters())
+    firsts = served_kinds(tensors)
+    fed = {n: t for n, t in tensors.items() if layer_of(n) is None or firsts.get(layer_of(n)) is None}
+    renamed = False, None
+    if len(fed) < len(tensors):
+        try:
+            renamed = _renamed_feeds(state, firsts, _dry_run(model, state, fed, endpoint, folder))
+        except (ModelMismatch, NotMappable):  # a load_weights that wants every layer's tensors: given them below
+            pass
+    done, loaded = renamed
+    if not done:
+        state.feeds.clear()
+        loaded = _dry_run(model, state, tensors, endpoint, folder)
+    for name, (_, shape, dtype) in list(state.params.items()):
+        state.params[name] = (real[name], shape, dtype)
+    return loaded
+
+
+def served_kinds(tensors: dict) -> dict[int, int | None]:
+    """layer -> the first layer whose served tensors have the same names (up to the layer number), shapes and
+    dtypes (None for that first layer itself)."""
+    kinds: dict[int, list] = {}
+    for name, t in tensors.items():
+        number = layer_of(name)
+        if number is not None:
+            kinds.setdefault(number, []).append((LAYER.sub("layers.#.", name), tuple(t.shape), t.dtype))
+    first: dict[tuple, int] = {}
+    out: dict[int, int | None] = {}
+    for number in sorted(kinds):
+        rep = first.setdefault(tuple(sorted(kinds[number], key=lambda k: k[0])), number)
+        out[number] = None if rep == number else rep
+    return out
+
+
+def _dry_run(model: nn.Module, state: EngineState, tensors: dict, endpoint: str, folder: str) -> set | None:
     with on_meta(model):
         with recording(model, state) as tagged:
             try:
-                loaded = model.load_weights(tagged(iter(tensors.items())))
+                return model.load_weights(tagged(iter(tensors.items())))
             except (KeyError, AssertionError) as exc:  # as the private load says it
                 raise ModelMismatch(f"the daemon at {endpoint} serves tensors that {folder}'s model "
                                     f"({type(model).__name__}) cannot take: {type(exc).__name__}: {exc}") from exc
             except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
                 raise NotMappable(f"its load_weights does not run on meta parameters ({type(exc).__name__}: "
                                   f"{str(exc)[:200]})") from exc
-    for name, (_, shape, dtype) in list(state.params.items()):
-        state.params[name] = (real[name], shape, dtype)
-    return loaded
+
+
+def _renamed_feeds(state: EngineState, firsts: dict[int, int | None], loaded: set | None) -> tuple[bool, set | None]:
+    """Each layer's feeds as its first's renamed (`dry_feeds`): (True, what was loaded so), or (False, None) where a
+    layer's parameters are not its first's renamed, with the same shapes and dtypes."""
+    by_layer: dict[int, list[str]] = {}
+    for name in state.params:
+        by_layer.setdefault(layer_of(name), []).append(name)
+    out = set(loaded) if loaded is not None else None
+    for number, rep in firsts.items():
+        if rep is None:
+            continue
+        mine = by_layer.get(number, [])
+        if sorted(in_layer(n, rep) for n in mine) != sorted(by_layer.get(rep, [])):
+            return False, None
+        for name in mine:
+            theirs = in_layer(name, rep)
+            if state.params[name][1:] != state.params[theirs][1:]:
+                return False, None
+            state.feeds[name] = {in_layer(f, number) for f in state.feeds.get(theirs, ())}
+            if out is not None and theirs in out:
+                out.add(name)
+    return True, out
 
 
 def kind(state: EngineState, names: list[str]) -> tuple:
