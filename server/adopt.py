@@ -224,7 +224,7 @@ def adopt(manifest: dict | None, *, namespace: str, run_dir: str, conditions: di
                   if isinstance(lease, dict) and lease.get("generation") in numbers]
     out.variants, out.rerecord = _variants(out.records, run_dir, mode, threads, gid)
     out.segments = {s.name for r in out.records for s in r.index.segments} | {
-        v.entry.segment for variants in out.variants.values() for v in variants.values()}
+        name for variants in out.variants.values() for v in variants.values() for name in _sizes(v)}
     out.seconds = time.perf_counter() - started
     return out
 
@@ -278,12 +278,12 @@ def _variants(records: list[ledger.Record], run_dir: str, mode: str, threads: in
             bad.append(f"{v.of.name} as {v.entry.dtype} {list(v.entry.shape)} in {v.entry.segment} "
                        f"({VARIANT_PROBLEMS.get(problem, problem)})")
             if problem in ("size", "checksum"):
-                dropped[v.entry.segment] = record.index.shm_dir
+                dropped[v.created] = record.index.shm_dir
         if bad:
             rerecord.add(record.number)
             log.warning("generation %d: %d variant(s) dropped (made again when a reader asks): %s", record.number,
                         len(bad), "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
-    in_use = {v.entry.segment for mine in kept.values() for v in mine.values()} | {
+    in_use = {name for mine in kept.values() for v in mine.values() for name in _sizes(v)} | {
         s.name for r in records for s in r.index.segments}
     for name, shm_dir in dropped.items():
         if name not in in_use:
@@ -298,7 +298,12 @@ VARIANT_PROBLEMS = {"missing": "its segment is missing", "size": "its segment is
 def _place(variant) -> tuple:
     """What verifying a variant checks: variants shared by generations (same bytes) are checked once."""
     e = variant.entry
-    return e.segment, e.offset, e.nbytes, e.checksum, variant.placed
+    return e.segment, e.offset, e.nbytes, e.checksum, variant.placed, tuple(e.extents or ())
+
+
+def _sizes(variant) -> dict[str, int]:
+    """Each segment a variant's bytes lie in -> its size: its own, or (with extents) each range's as recorded."""
+    return variant.sizes or {variant.entry.segment: variant.placed}
 
 
 def _verify_variants(todo: list, mode: str, threads: int, gid: int | None) -> dict[tuple, str | None]:
@@ -310,18 +315,20 @@ def _verify_variants(todo: list, mode: str, threads: int, gid: int | None) -> di
         place = _place(variant)
         if place in verdict:
             continue
-        problem = segment_problem(variant.entry.segment, variant.placed, index.namespace, index.shm_dir, gid)
+        sizes = _sizes(variant)
+        problem = next((p for p in (segment_problem(name, size, index.namespace, index.shm_dir, gid)
+                                    for name, size in sizes.items()) if p is not None), None)
         if problem is None and mode == "full":
             if variant.entry.checksum is None:
                 problem = "unsummed"
             else:
-                summed.append((place, variant.entry, variant.placed, index.shm_dir))
+                summed.append((place, variant.entry, sizes, index.shm_dir))
         verdict[place] = problem
 
     def check(item) -> tuple[tuple, str | None]:
-        place, entry, size, shm_dir = item
+        place, entry, sizes, shm_dir = item
         try:
-            with _placed({entry.segment: size}, shm_dir) as placed:
+            with _placed(sizes, shm_dir) as placed:
                 return place, None if placed.checksum(entry) == entry.checksum else "checksum"
         except OSError:  # gone or truncated since it was checked
             return place, "missing"

@@ -15,6 +15,7 @@ import time
 
 from expertd import messages, replies
 from expertd.errors import ExpertdError, ProtocolError
+from expertd.extents import places
 from expertd.procfs import default_threads
 
 from . import adopt, ledger
@@ -120,7 +121,8 @@ class WeightService:
         gens = [Generation(Built(adopt.arena_of(r, self.cfg.group), r.index, r.parts, r.known,
                                  sums=adopted.sums.get(r.number, {})),
                            place_index(r.index, self.cfg.group)) for r in adopted.records]
-        variant_segments = {v.entry.segment for mine in adopted.variants.values() for v in mine.values()}
+        variant_segments = {x.segment for mine in adopted.variants.values() for v in mine.values()
+                            for x in places(v.entry)}
         for gen in gens:
             mine = adopted.variants.get(gen.number, {})
             gen.adopt_variants(mine, variant_segments)

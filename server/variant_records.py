@@ -3,7 +3,9 @@ them with their generation instead of every reader waiting for them to be made a
 
 Per live generation that has variants, `{run_dir}/{namespace}.gen{N}.variants.json` lists each one: its derivation's
 name, its entry (segment, offset, bytes, shape, dtype, checksum), what it was made of (`of` and `also`: names in the
-generation's index), the reader whose request made it and the bytes its segment takes. It is small beside the
+generation's index), the reader whose request made it and the bytes its segment takes. A derived stack that keeps an
+older layout's blocks (`variant_ranges`) has its entry's `extents`, the segment it made and each of its segments'
+size (format 2; a daemon that reads format 1 only makes such variants again). It is small beside the
 generation's own record (a few hundred bytes a variant) and kept apart from it, so that the multi-MB index record is
 written once, at publish. `Recorder.flush` rewrites it between requests, never inside one: at most every
 RECORD_EVERY_S, for the generations whose variants changed (a generation's variants only ever grow). It is sealed
@@ -19,14 +21,17 @@ import os
 import time
 
 import expertd
+from expertd.extents import from_wire
 from expertd.index import TensorEntry, TensorIndex
+from expertd.segments import segment_path
 
 from . import hostpaths, ledger, sealed
 from .variants import Variant
 
 log = logging.getLogger("expertd.ledger")
 
-VARIANTS_VERSION = 1
+VARIANTS_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: no variant with extents
 RECORD_EVERY_S = 0.5  # a generation's variants record lags its variants by at most this (plus one request burst)
 ENTRY_FIELDS = ("name", "segment", "offset", "nbytes", "shape", "dtype", "sources", "checksum")
 
@@ -36,19 +41,27 @@ def purpose(namespace: str, number: int) -> str:
     return f"expertd ledger {namespace} generation {number} variants"
 
 
-def to_record(variant: Variant) -> dict:
+def to_record(variant: Variant, sizes: dict[str, int]) -> dict:
     e = variant.entry
-    return {"key": variant.key, "of": variant.of.name, "also": [a.name for a in variant.also],
-            "owner": variant.owner, "placed": variant.placed,
-            "entry": {"name": e.name, "segment": e.segment, "offset": e.offset, "nbytes": e.nbytes,
-                      "shape": list(e.shape), "dtype": e.dtype, "sources": list(e.sources), "checksum": e.checksum}}
+    out = {"key": variant.key, "of": variant.of.name, "also": [a.name for a in variant.also],
+           "owner": variant.owner, "placed": variant.placed,
+           "entry": {"name": e.name, "segment": e.segment, "offset": e.offset, "nbytes": e.nbytes,
+                     "shape": list(e.shape), "dtype": e.dtype, "sources": list(e.sources), "checksum": e.checksum}}
+    if e.extents:  # in older variants' segments too: each of them, and its size, for the successor to check
+        out["entry"]["extents"] = [x.to_wire() for x in e.extents]
+        out["made"], out["sizes"] = variant.made, {x.segment: sizes[x.segment] for x in e.extents}
+    return out
 
 
-def write(run_dir: str, namespace: str, number: int, variants) -> None:
+def write(run_dir: str, namespace: str, number: int, variants, shm_dir: str) -> None:
     """Record generation `number`'s variants, sealed under the run folder's key (atomically: whole or not at all)."""
+    sizes = {}
+    for x in (x for v in variants if v.entry.extents for x in v.entry.extents):
+        if x.segment not in sizes:
+            sizes[x.segment] = os.stat(segment_path(x.segment, shm_dir)).st_size
     sealed.write(ledger.variants_path(run_dir, namespace, number), {
         "variants": VARIANTS_VERSION, "expertd": expertd.__version__, "generation": number, "namespace": namespace,
-        "tensors": [to_record(v) for v in variants if not v.entry.extents],  # ranges: derived again if asked
+        "tensors": [to_record(v, sizes) for v in variants],
     }, purpose(namespace, number), sealed.ensure_key(run_dir, namespace))
 
 
@@ -66,9 +79,9 @@ def read(run_dir: str, index: TensorIndex) -> dict[str, Variant]:
         raise
     except (OSError, ValueError) as exc:  # UnsafePath (a key file that is not ours) is an OSError
         raise ValueError(f"{path}: unreadable ({exc})") from None
-    if data.get("variants") != VARIANTS_VERSION:
+    if data.get("variants") not in READABLE_VERSIONS:
         raise ValueError(f"{path}: variants record format {data.get('variants')!r}, this expertd reads "
-                         f"{VARIANTS_VERSION}")
+                         f"{', '.join(map(str, READABLE_VERSIONS))}")
     if data.get("generation") != number or data.get("namespace") != namespace:
         raise ValueError(f"{path}: records generation {data.get('generation')!r} of namespace "
                          f"{data.get('namespace')!r}, expected generation {number} of {namespace!r}")
@@ -85,17 +98,27 @@ def from_record(item: dict, served: dict[str, TensorEntry]) -> Variant:
     its generation does not serve."""
     e = item["entry"]
     entry = TensorEntry(**{f: e[f] for f in ENTRY_FIELDS})
+    sizes = made = None
+    if e.get("extents") is not None:
+        entry.extents = from_wire(e["extents"], str(entry.name), entry.nbytes)
+        sizes, made = item["sizes"], item["made"]
+        if not (isinstance(sizes, dict) and made in sizes and all(
+                isinstance(sizes.get(x.segment), int) and x.offset + x.nbytes <= sizes[x.segment]
+                for x in entry.extents) and (entry.segment, entry.offset) == (entry.extents[0].segment,
+                                                                              entry.extents[0].offset)):
+            raise ValueError(f"variant {str(item.get('key'))[:80]!r} of {entry.name!r}: bad extents")
     if not (isinstance(item["key"], str) and item["key"] and isinstance(entry.segment, str)
             and isinstance(entry.dtype, str) and isinstance(entry.offset, int) and entry.offset >= 0
             and isinstance(entry.nbytes, int) and entry.nbytes >= 0 and isinstance(item["placed"], int)
-            and entry.offset + entry.nbytes <= item["placed"] and isinstance(entry.shape, list)
+            and (entry.extents or entry.offset + entry.nbytes <= item["placed"]) and isinstance(entry.shape, list)
             and all(isinstance(d, int) and d >= 0 for d in entry.shape)
             and (entry.checksum is None or isinstance(entry.checksum, str))):
         raise ValueError(f"variant {str(item.get('key'))[:80]!r} of {entry.name!r}: a bad entry")
     sources = [served.get(name) for name in (item["of"], *item["also"])]
     if any(s is None for s in sources):
         raise ValueError(f"variant {item['key'][:80]!r}: made of tensors this generation does not serve")
-    return Variant(sources[0], entry, item["key"], tuple(sources[1:]), str(item["owner"]), item["placed"])
+    return Variant(sources[0], entry, item["key"], tuple(sources[1:]), str(item["owner"]), item["placed"],
+                   made=made or "", sizes=sizes)
 
 
 class Recorder:
@@ -127,7 +150,7 @@ class Recorder:
             hostpaths.check_folder(self.run_dir, "run folder")  # still the daemon's own, reached through no new link
             for gen in todo:
                 variants = list(gen.variants.values())
-                write(self.run_dir, self.namespace, gen.number, variants)
+                write(self.run_dir, self.namespace, gen.number, variants, gen.index.shm_dir)
                 self.recorded[gen.number] = len(variants)
         except OSError as exc:
             if not self._failing:

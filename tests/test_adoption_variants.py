@@ -232,3 +232,43 @@ def test_a_tampered_or_planted_variants_record_is_never_read_and_its_segments_ar
     assert not glob.glob(f"/dev/shm/{namespace}*")
     key = sealed.key_path(folder, namespace)
     assert not os.path.exists(key) and not os.path.exists(path)
+
+
+def test_a_successor_adopts_a_derived_layout_that_keeps_an_older_layouts_blocks(start_daemon, namespace, tmp_path):
+    """`expert_ranges`: a push of one expert makes the stack ranges; the same gather asked on it derives that expert's
+    block only and lies in both layouts' segments (extents). After kill -9 the successor adopts it (its record lists
+    the extents and each segment's size; every range checked with `adopt_verify: full`): asked again, it is answered
+    from the same segments, nothing made anew, the bytes the reference gather makes."""
+    from expertd.leasing import pinned
+    from expertd.tools.generate import generate_model_type
+
+    paged, stack = str(tmp_path / "paged"), "model.layers.1.mlp.experts.gate_up_proj"
+    generate_model_type(paged, "qwen3_moe", fp8=False, hidden_size=256, moe_intermediate_size=128)  # 64 KiB parts
+    first = start_daemon(paged, max_generations=4)
+    with ExpertClient(first.endpoint, timeout=60) as client:
+        source = client.served_tensors()[stack]
+        block = source[0].numel()
+        index = torch.arange(block).flip(0)
+        item = derived.request(stack, derived.encode(index), block, tuple(source.shape))
+        gather(first.endpoint, client.lease, item)
+        expert = "model.layers.1.mlp.experts.3.up_proj.weight"
+        client.update({expert: -client.tensors()[expert]})
+        with pinned(client, 1):
+            client.refresh()
+            made = gather(first.endpoint, client.lease, item)
+        assert len(made["extents"]) == 3, made
+        new = client.served_tensors()[stack]
+        want = new.reshape(len(new), -1)[:, index].reshape(new.shape).clone()
+    generation = first.status()["generation"]
+    found = recorded(first, generation, 1)
+    assert [v.entry.extents for v in found.values()] and all(v.sizes for v in found.values())
+    before = variant_segments(namespace)
+    kill9(first)
+    second = start_daemon(paged, max_generations=4)
+    assert second.status()["generation"] == generation
+    with ExpertClient(second.endpoint, timeout=60) as client:
+        assert gather(second.endpoint, client.lease, item) == made
+        (out,) = client.derived([item])  # mapped as one view of its ranges, checked against its checksum
+        assert torch.equal(out, want)
+        del out
+    assert variant_segments(namespace) == before  # nothing made again
