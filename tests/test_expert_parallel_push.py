@@ -135,7 +135,8 @@ def test_a_partitioned_gpt_oss_daemon_serves_its_rows_and_takes_its_rows_of_a_pu
     total = experts_of(folder)
     half = total // 2
     whole_ckpt, whole = prepare(folder)
-    stacks = {t.name: dequantized(whole_ckpt, t.sources[0]) for t in whole.tensors if ".mlp.experts." in t.name}
+    stacks = {t.name: torch.cat([dequantized(whole_ckpt, s) for s in t.sources]) for t in whole.tensors
+              if ".mlp.experts." in t.name}
     whole_ckpt.close()
     d = start_daemon(folder, expert_parallel={"size": 2, "ranks": [1]})
     with ExpertClient(d.endpoint) as client:
