@@ -155,17 +155,16 @@ def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None
     second = engine_for({**engine, "extra": {**engine["extra"], **engine["refresh"].get("fresh", {})}})
     out["fresh_tokens"] = generate(second, prompts, max_tokens)
     out["fresh_residency"] = second.apply_model(residency)[0]
-    del second
-    gc.collect()
     if engine["refresh"].get("again"):  # a second update and refresh of the same engine, and a fresh engine's tokens
-        names, seed = engine["refresh"]["again"]
-        push(engine["extra"]["endpoint"], names, seed)
+        names, seed = engine["refresh"]["again"]  # (before any engine goes: an in-process engine that does takes
+        push(engine["extra"]["endpoint"], names, seed)  # vLLM's process groups with it, and `llm` could not run)
         plugin.refresh(llm)
         out["tokens_again"] = generate(llm, prompts, max_tokens)
         third = engine_for({**engine, "extra": {**engine["extra"], **engine["refresh"].get("fresh", {})}})
         out["fresh_tokens_again"] = generate(third, prompts, max_tokens)
         del third
-        gc.collect()
+    del second
+    gc.collect()
 
 
 class Lines:
