@@ -40,9 +40,9 @@ FOLDER_KEYS = {"deepseek_v3": {"topk_method": "noaux_tc", "scoring_func": "sigmo
 # what a trainer's update changes before the refresh: an expert stack (vLLM packs it), a projection vLLM fuses
 # (q_proj into qkv_proj, which oneDNN packs on AVX-512) and a norm it uses as served
 REFRESHED = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
-# with `expert_ranges`: the up and down parts of half of each layer's experts (checkpoint names), then two gates
-RANGED, RANGED_AGAIN = ([f"model.layers.{n}.mlp.experts.{e}.{p}.weight" for n in (0, 1) for e in es for p in ps]
-                        for es, ps in (((1, 2, 5, 6), ("up_proj", "down_proj")), ((0, 3), ("gate_proj",))))
+# with `expert_ranges`: the up and down parts of half of each layer's experts (checkpoint names), then the other half's
+RANGED, RANGED_AGAIN = ([f"model.layers.{n}.mlp.experts.{e}.{p}_proj.weight" for n in (0, 1) for e in es for p in ps]
+                        for es, ps in (((1, 2, 5, 6), ("up", "down")), ((0, 3, 4, 7), ("gate", "up"))))
 TOKEN = "vllm-engines-read-token-0123"
 pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
 
@@ -334,7 +334,7 @@ def test_an_engine_on_stacks_of_ranges_refreshes_onto_a_fresh_engines_tokens(run
     """`expert_ranges`: an update of one expert's part in two layers makes those stacks ranges; the refresh maps the
     daemon's layouts of the new stacks (changed experts' blocks derived only) and generates a fresh engine's tokens;
     that engine loads every weight itself (`map: false`), binding stacks where vLLM's packing equals the daemon's.
-    A second update (two experts' gates) and refresh on the same engine: a fresh engine's tokens again."""
+    A second update (the other experts' gates and ups), the same engine refreshed again: a fresh engine's tokens."""
     run = runs["ranges"]
     assert "error" not in run, run
     assert run["tokens_after"] == run["fresh_tokens"] != run["tokens"]
