@@ -158,3 +158,9 @@ def expert_sharded(config: dict):
     patterns = [re.compile(r"(?:^|\.)" + re.escape(key).replace(r"\*", r"\d+") + "$")
                 for key, style in plan.items() if style == "grouped_gemm"]
     return lambda name: any(p.search(name) for p in patterns)
+
+
+def fused_experts(name: str, shape) -> int:
+    """How many experts a tensor stores fused along its outermost dimension ([E, R, C] under `.experts.`, as gpt-oss
+    stores them), or 0: the planner reads such a stack expert by expert, and `expert_ranges` writes it so."""
+    return shape[0] if len(shape) == 3 and ".experts." in name and shape[0] > 1 else 0

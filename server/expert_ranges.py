@@ -21,6 +21,7 @@ import torch
 
 from expertd.extents import MAX_EXTENTS, Extent, mappable, places, replaced
 from expertd.index import TensorEntry, checksum, combined_checksum, tensor_bytes
+from expertd.partition import fused_experts
 from expertd.shm import DTYPES, same_bytes
 
 from .dequant import write_part
@@ -32,9 +33,7 @@ def stack_parts(entry: TensorEntry) -> int:
     """How many equal parts a served tensor has for `expert_ranges`: one per checkpoint source, or for an expert
     stack the checkpoint stores fused (one source, [E, R, C], experts outermost: gpt-oss), one per expert."""
     n = len(entry.sources)
-    if n == 1 and ".experts." in entry.name and len(entry.shape) == 3 and entry.shape[0] > 1:
-        return entry.shape[0]
-    return n
+    return (fused_experts(entry.name, entry.shape) or n) if n == 1 else n
 
 
 def part_bytes(push, staged: dict, entry: TensorEntry, parts: int, device) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ import torch
 
 from expertd.errors import MissingTensorError, ScaleError, ShapeError
 from expertd.hf import Assembly, checkpoint_assembly, expert_name
-from expertd.partition import ExpertBlock, ExpertParallel, expert_sharded
+from expertd.partition import ExpertBlock, ExpertParallel, expert_sharded, fused_experts
 from expertd.quantization import Codec, Decoding, quantization_format
 
 from .heap import collection_paused
@@ -291,8 +291,8 @@ def _by_expert(param: str, shape: tuple[int, ...], src: Source) -> list[Source]:
     """A pre-fused expert stack [E, R, C] (gpt-oss) as E sources, one per expert's rows, where its stored tensor and
     aux have the experts outermost: each expert is then a part of its own (digested, compared with the previous
     generation's and written on its own, `expert_ranges`). Else the one source."""
-    experts = shape[0] if len(shape) == 3 and ".experts." in param else 0
-    if experts < 2 or any(info is not None and tuple(info.shape[:1]) != (experts,) for info in (src.info, src.scale)):
+    experts = fused_experts(param, shape)
+    if not experts or any(info is not None and tuple(info.shape[:1]) != (experts,) for info in (src.info, src.scale)):
         return [src]
     return [src.rows(e, 1) for e in range(experts)]
 
