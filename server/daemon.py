@@ -10,6 +10,7 @@ published, is decided in `service`.
 
 from __future__ import annotations
 
+import faulthandler
 import grp
 import hmac
 import logging
@@ -98,6 +99,7 @@ class Daemon:
                 raise
         signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)
         old_handlers = {s: signal.signal(s, self._on_signal) for s in signals}
+        faulthandler.register(signal.SIGQUIT, all_threads=True)  # every thread's Python stack to stderr, and go on
         if adopted is None:
             self.weights.start_load(ckpt, plan)
         else:
@@ -135,6 +137,7 @@ class Daemon:
                 self.runstate.remove()  # nothing of this run is left: segments, index, socket and now the manifest
             for s, h in old_handlers.items():
                 signal.signal(s, h)
+            faulthandler.unregister(signal.SIGQUIT)
         error = self.weights.load_error
         if error is not None and not isinstance(error, Cancelled):
             raise error

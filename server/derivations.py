@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from expertd import replies
-from expertd.procfs import default_threads
+from expertd.procfs import default_threads, name_this_thread
 from expertd.derived import source_identity
 from expertd.errors import DerivedLimit, GenerationGone
 from expertd.extents import places
@@ -238,6 +238,7 @@ class Derivations:
 
     def _run(self, job: Work, step) -> None:
         def run() -> None:
+            name_this_thread(f"expertd-derive-{job.number}")
             try:
                 step(job)
             except BaseException as exc:  # told to the next ask of the same request

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from expertd import replies
 from expertd.errors import Busy, ExpertdError
 from expertd.message_types import ABSENT
+from expertd.procfs import name_this_thread
 
 from .built import Built, Cancelled
 
@@ -76,7 +77,10 @@ class Jobs:
         self.check_idle()
         job = Job(next(self._ids), kind, generation, on_end=on_end)
 
+        name = f"expertd-{kind}"
+
         def run() -> None:
+            name_this_thread(name)
             try:
                 job.built = work()
                 job.state = "built" if job.built is not None else "unchanged"  # None: nothing to build
@@ -87,7 +91,7 @@ class Jobs:
                     log.exception("%s %d failed", kind, job.number)
                 forget_frames(exc)
 
-        job.thread = threading.Thread(target=run, name=f"expertd-{kind}", daemon=True)
+        job.thread = threading.Thread(target=run, name=name, daemon=True)
         self.current = job
         job.thread.start()
         return job

@@ -282,6 +282,22 @@ def test_sighup_reloads_the_configured_folder_in_place(tiny_checkpoint, start_da
         assert torch.equal(client.tensors()[NORM], ref[NORM] * 3)
 
 
+def test_sigquit_prints_every_threads_stack_and_the_daemon_goes_on(tiny_checkpoint, start_daemon):
+    """An operator's `kill -QUIT` on a daemon that seems stuck: every thread's Python stack on stderr, and it serves
+    on (a stop still ends it with exit 0)."""
+    daemon = start_daemon(tiny_checkpoint)
+    daemon.proc.send_signal(signal.SIGQUIT)
+    os.set_blocking(daemon.proc.stderr.fileno(), False)
+    said = []
+    wait_until(lambda: said.append(daemon.proc.stderr.read() or "") or "server/daemon.py" in "".join(said),
+               timeout=30, what="the daemon's stacks on stderr")
+    dump = "".join(said)
+    assert "Current thread" in dump and "most recent call first" in dump, dump
+    assert daemon.status()["generation"] == 1
+    os.set_blocking(daemon.proc.stderr.fileno(), True)
+    assert daemon.stop() == 0
+
+
 def test_an_updater_failing_before_commit_aborts_its_staged_update(tiny_checkpoint, start_daemon, namespace,
                                                                    monkeypatch):
     from expertd.client import push as push_mod

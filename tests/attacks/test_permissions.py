@@ -301,9 +301,8 @@ def test_stop_ends_the_daemon_while_a_build_hangs(how, tiny_checkpoint, larger_c
     conn = Connection(d.endpoint, timeout=30, credentials=Credentials(admin_token=ADMIN_TOKEN))
     frozen, code = None, None
     try:
-        before = set(freeze.threads(d.proc.pid))
         job = conn.request("reload", checkpoint=larger_checkpoint)
-        frozen = min(set(freeze.threads(d.proc.pid)) - before)  # the job's thread: the first one started since
+        frozen = freeze.thread_named(d.proc.pid, "expertd-reload")  # the job's thread, named by the daemon
         _freeze_answering(d, frozen, job["job"])
         started = time.monotonic()
         if how == "stop":
@@ -311,7 +310,8 @@ def test_stop_ends_the_daemon_while_a_build_hangs(how, tiny_checkpoint, larger_c
         else:
             d.proc.send_signal(signal.SIGTERM)
         code = freeze.wait_exit(d.proc, frozen, stop_timeout_s + 10)
-        assert code is not None, f"the daemon did not end within stop_timeout_s ({stop_timeout_s}s) + 10s"
+        assert code is not None, (f"the daemon did not end within stop_timeout_s ({stop_timeout_s}s) + 10s; thread "
+                                  f"{frozen} frozen\n{freeze.where(d.proc)}")
         assert time.monotonic() - started < stop_timeout_s + 10
         log = d.proc.stderr.read()
         assert code == 0, log

@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import signal
 import time
 
 PTRACE_CONT, PTRACE_DETACH, PTRACE_SEIZE, PTRACE_INTERRUPT = 7, 17, 0x4206, 0x4207
@@ -27,6 +28,22 @@ def _ptrace(request: int, tid: int) -> None:
 
 def threads(pid: int) -> list[int]:
     return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+
+
+def thread_named(pid: int, name: str, timeout: float = 30) -> int:
+    """The thread of `pid` the kernel knows as `name` (its comm, which the daemon sets for its job threads): tids
+    are not in start order once the pid counter wraps (pid_max is 32768 on a small machine)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for tid in threads(pid):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    if f.read().strip() == name:
+                        return tid
+            except FileNotFoundError:  # the thread ended meanwhile
+                pass
+        time.sleep(0.005)
+    raise TimeoutError(f"process {pid} has no thread named {name!r} after {timeout}s")
 
 
 def freeze(pid: int, tid: int, tries: int = 5000) -> None:
@@ -65,3 +82,28 @@ def wait_exit(proc, tid: int, timeout: float) -> int | None:
         if time.monotonic() > deadline:
             return None
         time.sleep(0.02)
+
+
+def where(proc) -> str:
+    """What a process that does not end is doing, for a failure's message: each thread's name, the system call it
+    is in (or "running") and the kernel function it waits in, then what it wrote to its stderr pipe so far (with
+    every thread's Python stack: the daemon dumps them on SIGQUIT)."""
+    lines = []
+    try:
+        proc.send_signal(signal.SIGQUIT)
+        time.sleep(1)
+    except ProcessLookupError:
+        pass
+    for tid in threads(proc.pid):
+        facts = []
+        for name in ("comm", "syscall", "wchan"):
+            try:
+                with open(f"/proc/{proc.pid}/task/{tid}/{name}") as f:
+                    facts.append(f.read().split("\n")[0].split(" ")[0])
+            except OSError:
+                facts.append("?")
+        lines.append(f"thread {tid} {facts[0]}: syscall {facts[1]}, waits in {facts[2]}")
+    if proc.stderr is not None:
+        os.set_blocking(proc.stderr.fileno(), False)
+        lines.append("stderr so far:\n" + (proc.stderr.read() or ""))
+    return "\n".join(lines)
