@@ -7,7 +7,8 @@ but for its source's bytes), only the changed experts' blocks are derived again,
 new variant's entry is the older variant's ranges with those replaced (extents, as a served stack's); its checksum
 is combined of its blocks' (`xxh3_64xN:`), each block hashed once, when made. A reader maps it as any stack of
 ranges (`expertd.compose`). The older variant's segments live while a live generation's variant uses a range of
-them (`Generation.segments`). Such a variant is not recorded for a successor, which derives it again if asked.
+them (`Generation.segments`). The variants record keeps each one's form and extents: a successor adopts it, and
+its next push's derivation keeps that layout's unchanged blocks as well (their checksums hashed where they lie).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Per live generation that has variants, `{run_dir}/{namespace}.gen{N}.variants.js
 name, its entry (segment, offset, bytes, shape, dtype, checksum), what it was made of (`of` and `also`: names in the
 generation's index), the reader whose request made it and the bytes its segment takes. A derived stack that keeps an
 older layout's blocks (`variant_ranges`) has its entry's `extents`, the segment it made and each of its segments'
-size (format 2; a daemon that reads format 1 only makes such variants again). It is small beside the
+size (format 2; a daemon that reads format 1 only makes such variants again), and a gather of one source its form
+(`Planned.form`: a successor's next push keeps its unchanged blocks too). It is small beside the
 generation's own record (a few hundred bytes a variant) and kept apart from it, so that the multi-MB index record is
 written once, at publish. `Recorder.flush` rewrites it between requests, never inside one: at most every
 RECORD_EVERY_S, for the generations whose variants changed (a generation's variants only ever grow). It is sealed
@@ -47,6 +48,8 @@ def to_record(variant: Variant, sizes: dict[str, int]) -> dict:
            "owner": variant.owner, "placed": variant.placed,
            "entry": {"name": e.name, "segment": e.segment, "offset": e.offset, "nbytes": e.nbytes,
                      "shape": list(e.shape), "dtype": e.dtype, "sources": list(e.sources), "checksum": e.checksum}}
+    if variant.form:  # what a newer stack's same request matches, to keep this layout's unchanged blocks
+        out["form"] = [*variant.form[:2], list(variant.form[2]), *variant.form[3:]]
     if e.extents:  # in older variants' segments too: each of them, and its size, for the successor to check
         out["entry"]["extents"] = [x.to_wire() for x in e.extents]
         out["made"], out["sizes"] = variant.made, {x.segment: sizes[x.segment] for x in e.extents}
@@ -118,7 +121,20 @@ def from_record(item: dict, served: dict[str, TensorEntry]) -> Variant:
     if any(s is None for s in sources):
         raise ValueError(f"variant {item['key'][:80]!r}: made of tensors this generation does not serve")
     return Variant(sources[0], entry, item["key"], tuple(sources[1:]), str(item["owner"]), item["placed"],
-                   made=made or "", sizes=sizes)
+                   form=form_of(item, entry), made=made or "", sizes=sizes)
+
+
+def form_of(item: dict, entry: TensorEntry) -> tuple:
+    """A recorded variant's form (`Planned.form`), checked against its entry: () where none was recorded (format 1,
+    a cast, a gather of several sources)."""
+    form = item.get("form")
+    if form is None:
+        return ()
+    if not (isinstance(form, list) and len(form) == 6 and form[0] == item["of"] and not item["also"]
+            and form[1] == entry.dtype and form[2] == entry.shape and isinstance(form[3], int) and form[3] > 0
+            and isinstance(form[4], int) and form[4] > 0 and isinstance(form[5], str)):
+        raise ValueError(f"variant {item['key'][:80]!r} of {entry.name!r}: a bad form")
+    return form[0], form[1], tuple(form[2]), form[3], form[4], form[5]
 
 
 class Recorder:

@@ -237,8 +237,9 @@ def test_a_tampered_or_planted_variants_record_is_never_read_and_its_segments_ar
 def test_a_successor_adopts_a_derived_layout_that_keeps_an_older_layouts_blocks(start_daemon, namespace, tmp_path):
     """`expert_ranges`: a push of one expert makes the stack ranges; the same gather asked on it derives that expert's
     block only and lies in both layouts' segments (extents). After kill -9 the successor adopts it (its record lists
-    the extents and each segment's size; every range checked with `adopt_verify: full`): asked again, it is answered
-    from the same segments, nothing made anew, the bytes the reference gather makes."""
+    the extents, each segment's size and the request's form; every range checked with `adopt_verify: full`): asked
+    again, it is answered from the same segments, nothing made anew, the bytes the reference gather makes; and after
+    the successor's own push of another expert, the same gather derives that expert's block only again."""
     from expertd.leasing import pinned
     from expertd.tools.generate import generate_model_type
 
@@ -271,4 +272,19 @@ def test_a_successor_adopts_a_derived_layout_that_keeps_an_older_layouts_blocks(
         (out,) = client.derived([item])  # mapped as one view of its ranges, checked against its checksum
         assert torch.equal(out, want)
         del out
-    assert variant_segments(namespace) == before  # nothing made again
+        assert variant_segments(namespace) == before  # nothing made again
+        expert = "model.layers.1.mlp.experts.5.gate_proj.weight"
+        deadline = time.monotonic() + 60  # the successor's check of the configured checkpoint ends first
+        while second.status()["job"]["state"] == "building" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client.update({expert: client.tensors()[expert] * 2})
+        with pinned(client, 1):
+            client.refresh()
+            again = gather(second.endpoint, client.lease, item)
+        new = client.served_tensors()[stack]
+        (out,) = client.derived([item])
+        assert torch.equal(out, new.reshape(len(new), -1)[:, index].reshape(new.shape))
+        del out
+    assert len(again["extents"]) == 5, again  # the adopted layout's ranges, expert 5's block cut out of them
+    made_now = sorted(set(variant_segments(namespace)) - set(before))
+    assert [os.path.getsize(f"/dev/shm/{name}") for name in made_now] == [block * source.element_size()], made_now
