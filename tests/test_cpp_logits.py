@@ -46,7 +46,7 @@ def read_logits(path: str, like: torch.Tensor) -> torch.Tensor:
         return torch.frombuffer(bytearray(f.read()), dtype=like.dtype).reshape(like.shape)
 
 
-@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning")  # trace, jit.save
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
 def test_a_libtorch_model_on_the_cpp_clients_views_computes_transformers_logits(cpp_build, start_daemon,  # noqa: F811
                                                                                  paged, tmp_path):  # noqa: F811
     module = str(tmp_path / "model.pt")
