@@ -193,7 +193,8 @@ class ExpertClient:
         go through a staging segment, not the socket. Returns the new generation. While readers pin the old
         generations (`max_generations`) it waits up to `wait_for_room` seconds for the daemon to revoke the oldest
         one's leases (`revoke_after_s`), then proceeds (its own lease revoked too: it leases the latest, as a
-        heartbeat would, and pushes); else the GenerationLimit is raised.
+        heartbeat would, and pushes); else the GenerationLimit is raised. A daemon building (a reload, a successor's
+        check, another pusher's update) is waited for within the same time, else Busy is raised.
         """
         from .push import push
 

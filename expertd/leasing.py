@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 
 from . import index_segment, messages, procfs
-from .errors import DaemonError, DaemonTimeout, GenerationGone, GenerationLimit, LeaseRevoked, NotReady
+from .errors import Busy, DaemonError, DaemonTimeout, GenerationGone, GenerationLimit, LeaseRevoked, NotReady
 from .index import TensorIndex
 from .protocol import PROTOCOL_VERSION
 from .segments import Placed, map_segment
@@ -59,13 +59,22 @@ def pinned(client, generation: int):
 
 def with_room(push, wait_s: float, log=None, on_revoked=None):
     """`push()`, tried again while the daemon refuses it with a GenerationLimit that says when there is room
-    (`retry_after_s`: the oldest generation's leases are revoked then, `revoke_after_s`), for `wait_s` seconds in
-    all; a refusal that names no time, or one past them, is raised. Where the pusher's own lease went with its
+    (`retry_after_s`: the oldest generation's leases are revoked then, `revoke_after_s`), or as Busy (a reload, a
+    successor's check or another pusher's update is building: one at a time), for `wait_s` seconds in all; a
+    refusal that names no time, or one past them, is raised. Where the pusher's own lease went with its
     generation's (LeaseRevoked), `on_revoked()` leases anew and the push is tried again, once."""
-    deadline = time.monotonic() + wait_s
+    deadline, pause, said = time.monotonic() + wait_s, 0.02, False
     while True:
         try:
             return push()
+        except Busy as exc:
+            if time.monotonic() + pause > deadline:
+                raise
+            if log is not None and not said:
+                log.info("push waits for the daemon's build in progress: %s", exc)
+                said = True
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
         except LeaseRevoked:
             if on_revoked is None:
                 raise

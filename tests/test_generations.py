@@ -282,6 +282,29 @@ def test_sighup_reloads_the_configured_folder_in_place(tiny_checkpoint, start_da
         assert torch.equal(client.tensors()[NORM], ref[NORM] * 3)
 
 
+def test_a_push_while_a_reload_builds_waits_for_it_then_publishes_on_top(start_daemon, tmp_path):
+    """One build at a time: a push that arrives while a reload builds is refused with Busy when it may not wait
+    (wait_for_room=0); by default it waits for the reload, then publishes on the reload's generation."""
+    from expertd.errors import Busy
+    from expertd.tools.generate import generate
+
+    served, other = str(tmp_path / "roots" / "a"), str(tmp_path / "roots" / "b")
+    generate(served, preset="dsv3-bytes", seed=1, shards=3)  # ~0.1 GB once dequantized: a reload takes a while
+    generate(other, preset="dsv3-bytes", seed=2, shards=3)  # every tensor differs
+    daemon = start_daemon(served, checkpoint_roots=[str(tmp_path / "roots")])
+    norm_name = "model.layers.1.input_layernorm.weight"
+    with ExpertClient(daemon.endpoint) as client:
+        norm = client.tensors()[norm_name].clone()
+        job = Connection(daemon.endpoint).request("reload", checkpoint=other)
+        assert daemon.status()["job"]["state"] == "building", job
+        with pytest.raises(Busy, match="still building"):
+            client.update({norm_name: norm * 2}, wait_for_room=0)
+        assert client.update({norm_name: norm * 3}) == 3  # after the reload's generation 2
+        client.refresh()
+        assert torch.equal(client.tensors()[norm_name], norm * 3)
+        assert not torch.equal(client.tensors()[EXPERT], reference_tensors(served)[EXPERT])  # b's, not a's
+
+
 def test_sigquit_prints_every_threads_stack_and_the_daemon_goes_on(tiny_checkpoint, start_daemon):
     """An operator's `kill -QUIT` on a daemon that seems stuck: every thread's Python stack on stderr, and it serves
     on (a stop still ends it with exit 0)."""
