@@ -84,13 +84,20 @@ class Quota:
                 "shm_reserve": served}
 
     def usage(self) -> Usage:
-        """What derived tensors take now: those of the live generations, each segment once, and those being made."""
+        """What derived tensors take now: those of the live generations, each segment once, and those being made. A
+        derived layout of ranges (`variant_ranges`) also keeps alive the older layouts' segments its ranges lie in:
+        one whose own variant has retired counts against the reader of the variant that keeps it."""
         usage, seen = Usage(), set()
-        for gen in self.gens.live.values():
-            for v in gen.variants.values():
-                if v.key and v.created not in seen:
-                    seen.add(v.created)
-                    usage.add(v.owner, v.placed)
+        variants = [v for gen in self.gens.live.values() for v in gen.variants.values() if v.key]
+        for v in variants:
+            if v.created not in seen:
+                seen.add(v.created)
+                usage.add(v.owner, v.placed)
+        for v in variants:
+            for segment, size in (v.sizes or {}).items():
+                if segment not in seen:
+                    seen.add(segment)
+                    usage.add(v.owner, size)
         for reader, nbytes, files in self.reserved.values():
             usage.add(reader, nbytes, files)
         return usage

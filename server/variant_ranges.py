@@ -7,7 +7,8 @@ but for its source's bytes), only the changed experts' blocks are derived again,
 new variant's entry is the older variant's ranges with those replaced (extents, as a served stack's); its checksum
 is combined of its blocks' (`xxh3_64xN:`), each block hashed once, when made. A reader maps it as any stack of
 ranges (`expertd.compose`). The older variant's segments live while a live generation's variant uses a range of
-them (`Generation.segments`). The variants record keeps each one's form and extents: a successor adopts it, and
+them (`Generation.segments`), and count against the derived quota while they do (`Variant.sizes`, `Quota.usage`).
+The variants record keeps each one's form and extents: a successor adopts it, and
 its next push's derivation keeps that layout's unchanged blocks as well (their checksums hashed where they lie).
 """
 
@@ -83,7 +84,9 @@ def make_changed(gen, planned: Planned, old: Variant, changed: list[int], owner:
     extents = replaced(places(old.entry), blocks, changed, placement.segment, 0)
     made = TensorEntry(entry.name, extents[0].segment, extents[0].offset, planned.nbytes, list(planned.shape),
                        planned.dtype, [entry.name], checksum=combined_checksum(sums), extents=extents)
-    return Variant(entry, made, planned.key, (), owner, placed, planned.form, sums, placement.segment)
+    older = old.sizes or {old.created: old.placed}
+    sizes = {x.segment: older.get(x.segment, placed) for x in extents}  # what it keeps alive counts (`Quota`)
+    return Variant(entry, made, planned.key, (), owner, placed, planned.form, sums, placement.segment, sizes)
 
 
 def old_sums(old: Variant, blocks: int, shm_dir: str) -> list[str]:

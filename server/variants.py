@@ -51,7 +51,7 @@ class Variant:
     form: tuple = ()  # a gather's request but for its sources' bytes (`Planned.form`): a newer stack's finds it
     sums: list | None = None  # a gather's blocks' checksums, where its blocks are whole pages (`variant_ranges`)
     made: str = ""  # the segment it created, where its entry lies in older variants' ranges too (extents)
-    sizes: dict | None = None  # adopted with extents: each segment its ranges lie in -> that segment's recorded size
+    sizes: dict | None = None  # with extents: each segment its ranges lie in -> that segment's size (placed)
 
     @property
     def created(self) -> str:

@@ -225,7 +225,7 @@ def test_a_derived_layout_of_a_stack_of_ranges_derives_only_the_changed_experts(
     expert's part; the same gather of generation 2, asked while generation 1 is live (`leasing.pinned`, as an engine's
     refresh does), derives that expert's block only (shm grows by one block) and keeps the others' in generation 1's
     derived segment; it equals the gather of the new bytes, and stays right once generation 1 has retired (its
-    derived segment kept while a range of it is used)."""
+    derived segment kept while a range of it is used, and counted by the quota)."""
     from expertd import derived
     from expertd.leasing import pinned
 
@@ -251,6 +251,8 @@ def test_a_derived_layout_of_a_stack_of_ranges_derives_only_the_changed_experts(
         assert in_shared_memory(second, "/dev/shm")
         del first
         wait_until(lambda: [g["generation"] for g in daemon.status()["generations"]] == [2], "generation 1 retires")
+        # generation 1's layout, kept alive by generation 2's ranges, still counts against the derived quota
+        assert daemon.status()["derived"]["bytes"] == stack.nbytes + grown
         with ExpertClient(daemon.endpoint, heartbeat=False) as fresh:
             (again,) = fresh.derived([item])
             assert torch.equal(again, want)
