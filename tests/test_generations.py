@@ -21,7 +21,7 @@ from expertd.protocol import PROTOCOL_VERSION
 from helpers.checkpoints import EXPERT, edit_checkpoint
 from helpers.daemon import DaemonProcess, expertd_cmd
 from helpers.inputs import INPUT_IDS
-from helpers.polling import wait_until
+from helpers.polling import read_available, wait_until
 from helpers.reference import reference_tensors, write_reference_bf16
 
 NORM = "model.layers.2.post_attention_layernorm.weight"
@@ -310,9 +310,8 @@ def test_sigquit_prints_every_threads_stack_and_the_daemon_goes_on(tiny_checkpoi
     on (a stop still ends it with exit 0)."""
     daemon = start_daemon(tiny_checkpoint)
     daemon.proc.send_signal(signal.SIGQUIT)
-    os.set_blocking(daemon.proc.stderr.fileno(), False)
     said = []
-    wait_until(lambda: said.append(daemon.proc.stderr.read() or "") or "server/daemon.py" in "".join(said),
+    wait_until(lambda: said.append(read_available(daemon.proc.stderr)) or "server/daemon.py" in "".join(said),
                timeout=30, what="the daemon's stacks on stderr")
     dump = "".join(said)
     assert "Current thread" in dump and "most recent call first" in dump, dump

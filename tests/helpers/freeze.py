@@ -8,8 +8,11 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import re
 import signal
 import time
+
+from helpers.polling import read_available
 
 PTRACE_CONT, PTRACE_DETACH, PTRACE_SEIZE, PTRACE_INTERRUPT = 7, 17, 0x4206, 0x4207
 WALL = 0x40000000  # waitpid's __WALL: a thread of another process
@@ -84,6 +87,23 @@ def wait_exit(proc, tid: int, timeout: float) -> int | None:
         time.sleep(0.02)
 
 
+def python_stack(proc, marker: str, said: list, timeout: float = 10) -> str:
+    """The Python stack of `proc`'s thread whose frames name `marker` (a file), from the dump its faulthandler writes
+    to stderr on SIGQUIT (written without the GIL or any lock of the program); what is read is appended to `said`."""
+    proc.send_signal(signal.SIGQUIT)
+    got, deadline = "", time.monotonic() + timeout
+    while time.monotonic() < deadline and marker not in got:
+        got += read_available(proc.stderr)
+        time.sleep(0.02)
+    time.sleep(0.2)  # the rest of the dump
+    got += read_available(proc.stderr)
+    said.append(got)
+    found = [b for b in re.split(r"(?:Current thread|Thread) 0x", got) if marker in b]
+    if not found:
+        raise TimeoutError(f"no thread of process {proc.pid} runs {marker} (SIGQUIT's dump: {got[-2000:]!r})")
+    return found[-1]
+
+
 def where(proc) -> str:
     """What a process that does not end is doing, for a failure's message: each thread's name, the system call it
     is in (or "running") and the kernel function it waits in, then what it wrote to its stderr pipe so far (with
@@ -104,6 +124,5 @@ def where(proc) -> str:
                 facts.append("?")
         lines.append(f"thread {tid} {facts[0]}: syscall {facts[1]}, waits in {facts[2]}")
     if proc.stderr is not None:
-        os.set_blocking(proc.stderr.fileno(), False)
-        lines.append("stderr so far:\n" + (proc.stderr.read() or ""))
+        lines.append("stderr so far:\n" + read_available(proc.stderr))
     return "\n".join(lines)
