@@ -238,7 +238,7 @@ class Derivations:
 
     def _run(self, job: Work, step) -> None:
         def run() -> None:
-            name_this_thread(f"expertd-derive-{job.number}")
+            name_this_thread("expertd-derive")  # the kernel keeps 15 bytes: no number
             try:
                 step(job)
             except BaseException as exc:  # told to the next ask of the same request
