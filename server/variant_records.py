@@ -49,7 +49,7 @@ def to_record(variant: Variant, sizes: dict[str, int]) -> dict:
            "entry": {"name": e.name, "segment": e.segment, "offset": e.offset, "nbytes": e.nbytes,
                      "shape": list(e.shape), "dtype": e.dtype, "sources": list(e.sources), "checksum": e.checksum}}
     if variant.form:  # what a newer stack's same request matches, to keep this layout's unchanged blocks
-        out["form"] = [*variant.form[:2], list(variant.form[2]), *variant.form[3:]]
+        out["form"] = list(variant.form)  # its shape, a tuple, is written as a list as well
     if e.extents:  # in older variants' segments too: each of them, and its size, for the successor to check
         out["entry"]["extents"] = [x.to_wire() for x in e.extents]
         out["made"], out["sizes"] = variant.made, {x.segment: sizes[x.segment] for x in e.extents}
