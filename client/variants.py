@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from expertd import messages
-from expertd.derived import Gather, cast_key, key
+from expertd.derived import Gather, cast_key
 from expertd.errors import DaemonError, DaemonTimeout, GenerationGone, ProtocolError, VariantRejected
 from expertd.extents import from_wire, reach
 from expertd.index import SegmentEntry, TensorEntry, TensorIndex, checksum_parts, tensor_checksum
@@ -101,20 +100,20 @@ def derive(conn, lease: str, index: TensorIndex, items: list[messages.GatherItem
 
 
 def _names(pool: ThreadPoolExecutor, asked: list) -> list[str | None]:
-    """Each gather's name (None where its sources are not served), on `pool`'s threads (hashing and inflating
-    release the GIL); an index several items share (a model's layers of one kind) is inflated once."""
-    uses = Counter(g.index_key() for g, _ in filter(None, asked))
-    shared = list({g.index_key(): g for g, _ in filter(None, asked) if uses[g.index_key()] > 1}.values())
-    inflated = dict(zip((g.index_key() for g in shared), pool.map(lambda g: list(g.differences()), shared)))
-
-    def name(one) -> str | None:
-        if one is None:
-            return None
-        gather, sources = one
-        chunks = inflated.get(gather.index_key())
-        return gather.key(sources) if chunks is None else key(gather.header(sources), chunks)
-
-    return list(pool.map(name, asked))
+    """Each gather's name (None where its sources are not served): each distinct index inflated and digested once,
+    on `pool`'s threads (inflating and hashing release the GIL), however many items (a model's layers of one kind)
+    send it."""
+    firsts = list({g.index_key(): g for g, _ in filter(None, asked)}.values())
+    digests = dict(zip((g.index_key() for g in firsts), pool.map(lambda g: g.index_digest(), firsts)))
+    out = []
+    for one in asked:
+        if one is not None:
+            gather, sources = one
+            gather.digest = digests[gather.index_key()]
+            out.append(gather.key(sources))
+        else:
+            out.append(None)
+    return out
 
 
 def _ask(conn, request, timeout_s: float = DERIVE_TIMEOUT_S):

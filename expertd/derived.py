@@ -12,8 +12,11 @@ index is regular: a few kilobytes per expert shape); one request carries each di
 
 A derivation is named by a cryptographic digest of its whole canonical request (`key`): its kind, dtype, the
 sources' identity (name, dtype, shape and the checksum of their served bytes, as the index carries it), the derived
-shape, the blocks and the inflated index. Nobody can store other bytes under a name: a name is the digest of what
-it names, and a client recomputes it from its own request and index (`client/variants.py`).
+shape, the blocks and the inflated index, the latter by its own digest (`index_digest`: a model's layers of one kind
+share one index, hashed once however many layers ask, and an index is one block's elements: 59 MiB for one of
+DeepSeek-V3's experts). Nobody can store other bytes under a name: a name is the digest of what it names, and a
+client recomputes it from its own request and index (`client/variants.py`). Derivations named before (gather "v": 1,
+the index's bytes hashed after the header) are known by `legacy_key`, for a successor adopting an older daemon's.
 
 The index is inflated, checked and gathered in chunks of CHUNK entries (`chunks`, `gather_into`): the daemon's
 memory beyond the derived bytes stays a few MiB whatever the index's length or the number of sources.
@@ -36,6 +39,7 @@ from .messages import GatherItem
 
 CHUNK = 1 << 16  # index entries inflated, checked and gathered at a time (256 KiB of int32 differences)
 KEY_PREFIX = "blake2b:"
+GATHER_VERSION = 2  # "v" of a gather's canonical request: its index as `index_digest`
 
 
 def source_identity(entry) -> list:
@@ -45,11 +49,19 @@ def source_identity(entry) -> list:
 
 def key(header: dict, index_chunks=()) -> str:
     """The name of a derivation: BLAKE2b-256 of its canonical header (sorted compact JSON, which holds no NUL),
-    a NUL, then the inflated index's bytes."""
+    a NUL, then (a legacy gather's only) the inflated index's bytes."""
     digest = _digest(header)
     for chunk in index_chunks:
         digest.update(chunk)
     return KEY_PREFIX + digest.hexdigest()
+
+
+def index_digest(chunks) -> str:
+    """BLAKE2b-256 (personalization `expertd.index`) of an inflated index's bytes (its int32 differences), in hex."""
+    digest = hashlib.blake2b(digest_size=32, person=b"expertd.index")
+    for chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _digest(header: dict):
@@ -102,6 +114,7 @@ class Gather:
         self.source_block = (math.prod(source_shape) + sum(math.prod(s) for s in also)) // blocks
         self.deflated = item.index
         self.form = None  # (sizes, strides, offset) where the checked index is a strided view (`checked_key`)
+        self.digest: str | None = None  # the inflated index's `index_digest`, once computed
 
     def differences(self, chunk: int = CHUNK):
         """The inflated int32 differences, `chunk` at a time (bytes of 4 * chunk at most), exactly `length` of them:
@@ -132,14 +145,30 @@ class Gather:
         """What decides the inflated index and its checks: its bytes as sent, its length and the source block."""
         return self.deflated, self.length, self.source_block
 
-    def header(self, sources: list) -> dict:
-        """The canonical request this gather is (`sources`: the index entries of `name`, then of `also`)."""
-        return {"kind": "gather", "v": 1, "dtype": sources[0].dtype, "sources": [source_identity(e) for e in sources],
-                "shape": list(self.shape), "blocks": self.blocks, "length": self.length}
+    def request_header(self, sources: list) -> dict:
+        """The canonical request but for its index (`sources`: the index entries of `name`, then of `also`)."""
+        return {"kind": "gather", "v": GATHER_VERSION, "dtype": sources[0].dtype,
+                "sources": [source_identity(e) for e in sources], "shape": list(self.shape), "blocks": self.blocks,
+                "length": self.length}
+
+    def header(self, sources: list, digest: str) -> dict:
+        """The canonical request this gather is: `request_header` and its index's `index_digest`."""
+        return {**self.request_header(sources), "index": digest}
+
+    def index_digest(self) -> str:
+        """The inflated index's digest (inflating it once, chunk by chunk; kept: items alike share it)."""
+        if self.digest is None:
+            self.digest = index_digest(self.differences())
+        return self.digest
 
     def key(self, sources: list) -> str:
-        """This derivation's name (inflating the index once, chunk by chunk; no torch)."""
-        return key(self.header(sources), self.differences())
+        """This derivation's name (no torch)."""
+        return key(self.header(sources, self.index_digest()))
+
+    def legacy_key(self, sources: list) -> str:
+        """Its name as a daemon before gather "v": 2 named it (the index's bytes hashed after the header), to know
+        such a daemon's derivations again at adoption."""
+        return key({**self.request_header(sources), "v": 1}, self.differences())
 
     def chunks(self, check: bool = False, digest=None):
         """(start, int64 tensor of entries) for each chunk of the index; with `check`, every entry checked to lie in
@@ -166,11 +195,12 @@ class Gather:
         (which also finds whether the index is a strided view of its source block: `strided`)."""
         from .strided import Strides
 
-        digest, form = _digest(self.header(sources)), Strides(self.length)
+        digest, form = hashlib.blake2b(digest_size=32, person=b"expertd.index"), Strides(self.length)
         for at, index in self.chunks(check=True, digest=digest):
             form.feed(at, index)
         self.form = form.form() if len(sources) == 1 else None
-        return KEY_PREFIX + digest.hexdigest()
+        self.digest = digest.hexdigest()
+        return self.key(sources)
 
 
 def gather_into(out, sources: list, gather: Gather, should_stop=None) -> None:

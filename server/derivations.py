@@ -39,7 +39,7 @@ from .arena import unlink_segment
 from .jobs import forget_frames
 from .quota import Quota, reader_of
 from .variant_ranges import make_changed, older_forms, placed_bytes, prior
-from .variants import Planned, Variant, check, make, plan_casts, plan_gathers, summary
+from .variants import LEGACY, Planned, Variant, check, make, name_legacy, plan_casts, plan_gathers, summary
 
 log = logging.getLogger("expertd.variants")
 
@@ -62,7 +62,7 @@ def request_digest(kind: str, planned: list[Planned], items: list) -> str:
     digest = hashlib.blake2b(digest_size=32, person=b"expertd.request")
     for p, item in zip(planned, items):
         sources = [source_identity(e) for e in (p.entry, *p.more)]
-        head = p.gather.header([p.entry, *p.more]) if p.gather is not None else [kind, p.dtype, sources]
+        head = p.gather.request_header([p.entry, *p.more]) if p.gather is not None else [kind, p.dtype, sources]
         digest.update(json.dumps(head, sort_keys=True, separators=(",", ":")).encode() + b"\0")
         index = item.index if p.gather is not None else b""
         digest.update(len(index).to_bytes(8, "little") + index)
@@ -123,8 +123,9 @@ class Derivations:
                 return self._reply(gen, self._list(gen, found))
         if len(planned) <= INLINE_ITEMS and sum(p.entries for p in planned) <= INLINE_ENTRIES \
                 and sum(p.nbytes for p in planned) <= INLINE_BYTES:
+            legacy = self._legacy()
             for p in planned:
-                check(p)
+                check(p, legacy)
             return self._reply(gen, self._make_now(gen, planned, reader, rid))
         self._wait(reader, rid, gen, planned)
         return replies.VariantReply(generation=gen.number, tensors=[], building=True).wire()
@@ -168,13 +169,31 @@ class Derivations:
             if not p.key:
                 out.append(Variant(p.entry, p.entry))
                 continue
-            found = gen.variants.get(p.key)
+            found = gen.variants.get(p.key) or self._renamed(gen, p)
             if found is None and p.key in others:
                 theirs = others[p.key]
                 if theirs.made_of() == Variant(p.entry, p.entry, also=p.more).made_of():
                     found = replace(theirs, of=p.entry, key=p.key, also=p.more)
             out.append(found)
         return out
+
+    def _legacy(self) -> bool:
+        """Whether a live generation holds gathers an older daemon named (adopted: `variants.legacy_name`)."""
+        return any(k.startswith(LEGACY) for g in self.gens.live.values() for k in g.variants)
+
+    def _renamed(self, gen, p: Planned) -> Variant | None:
+        """The adopted gather of an older daemon that `p` is (its older name, `Planned.legacy`), under `p`'s name from
+        now on: in `gen`, or in another live generation if made of the same bytes."""
+        for holder in (gen, *(g for g in self.gens.live.values() if g is not gen)):
+            theirs = holder.variants.get(p.legacy) if p.legacy else None
+            if theirs is not None and (holder is gen or theirs.made_of() == Variant(
+                    p.entry, p.entry, also=p.more).made_of()):
+                del holder.variants[p.legacy]
+                holder.variants[p.key] = replace(theirs, key=p.key)
+                if holder is not gen:
+                    return replace(theirs, of=p.entry, key=p.key, also=p.more)
+                return holder.variants[p.key]
+        return None
 
     def _todo(self, gen, planned: list[Planned], reader: str) -> list[tuple[Planned, int, tuple | None]]:
         """What is to be made (each name once; a derivation an older generation's variant of the same form keeps
@@ -248,17 +267,20 @@ class Derivations:
         job.thread.start()
 
     def _check_all(self, job: Work) -> None:
-        """Check every item: an index several items send alike (a model's layers of one kind) is checked, and its
-        strided form found, by the first of them; the others only name themselves (their digest over the same
-        inflated entries)."""
+        """Check every item: an index several items send alike (a model's layers of one kind) is checked, digested
+        and its strided form found by the first of them; the others take those and only name themselves."""
         def one(p: Planned, first: Planned | None) -> None:
             if job.stop.is_set():
                 raise InterruptedError("the daemon is stopping")
             if first is None:
-                check(p)
+                check(p, legacy)
             else:
+                p.gather.digest = first.gather.digest
                 p.key = p.gather.key([p.entry, *p.more])
                 p.gather.form = first.gather.form if not p.more else None
+                name_legacy(p, legacy)
+
+        legacy = self._legacy()
 
         firsts: dict[tuple, Planned] = {}
         for p in job.planned:

@@ -5,7 +5,8 @@ Per live generation that has variants, `{run_dir}/{namespace}.gen{N}.variants.js
 name, its entry (segment, offset, bytes, shape, dtype, checksum), what it was made of (`of` and `also`: names in the
 generation's index), the reader whose request made it and the bytes its segment takes. A derived stack that keeps an
 older layout's blocks (`variant_ranges`) has its entry's `extents`, the segment it made and each of its segments'
-size (format 2; a daemon that reads format 1 only makes such variants again), and a gather of one source its form
+size (format 2; a daemon that reads format 1 only makes such variants again; format 3 names gathers as gather
+"v": 2 does), and a gather of one source its form
 (`Planned.form`: a successor's next push keeps its unchanged blocks too). It is small beside the
 generation's own record (a few hundred bytes a variant) and kept apart from it, so that the multi-MB index record is
 written once, at publish. `Recorder.flush` rewrites it between requests, never inside one: at most every
@@ -27,12 +28,12 @@ from expertd.index import TensorEntry, TensorIndex
 from expertd.segments import segment_path
 
 from . import hostpaths, ledger, sealed
-from .variants import Variant
+from .variants import Variant, legacy_name
 
 log = logging.getLogger("expertd.ledger")
 
-VARIANTS_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # 1: no variant with extents
+VARIANTS_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: no variant with extents; 1, 2: gathers named as gather "v": 1 (`legacy_name`)
 RECORD_EVERY_S = 0.5  # a generation's variants record lags its variants by at most this (plus one request burst)
 ENTRY_FIELDS = ("name", "segment", "offset", "nbytes", "shape", "dtype", "sources", "checksum")
 
@@ -93,6 +94,8 @@ def read(run_dir: str, index: TensorIndex) -> dict[str, Variant]:
         variants = [from_record(item, served) for item in data["tensors"]]
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
+    if data["variants"] < 3:  # an older daemon's gathers: known by their older names until asked (`Derivations`)
+        variants = [legacy_name(v) for v in variants]
     return {v.key: v for v in variants}
 
 

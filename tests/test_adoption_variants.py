@@ -285,3 +285,37 @@ def test_a_successor_adopts_a_derived_layout_that_keeps_an_older_layouts_blocks(
     assert len(again["extents"]) == 5, again  # the adopted layout's ranges, expert 5's block cut out of them
     made_now = sorted(set(variant_segments(namespace)) - set(before))
     assert [os.path.getsize(f"/dev/shm/{name}") for name in made_now] == [block * source.element_size()], made_now
+
+
+def test_a_successor_adopts_gathers_an_older_daemon_named_and_answers_them_under_their_new_names(tiny_checkpoint,
+                                                                                                start_daemon, namespace):
+    """A daemon before gather "v": 2 named a gather by its index's bytes after the header (variants record format 2).
+    Its successor adopts such a gather under that older name; the same request asked again finds it by that name
+    (computed once), answers it from the same segment under its new name, and makes nothing."""
+    first = start_daemon(tiny_checkpoint)
+    with ExpertClient(first.endpoint, timeout=60) as client:
+        item, want = gather_item(client.served_tensors()[STACK])
+        gathered = gather(first.endpoint, client.lease, item)
+        entry = next(t for t in client.index().tensors if t.name == STACK)
+    gathering = derived.Gather(item, list(entry.shape), "test")
+    older = gathering.legacy_key([entry])
+    assert gathered["derivation"] == gathering.key([entry]) != older
+    recorded(first, 1, 1)
+    made = variant_segments(namespace)
+    hand_over(first)
+    path, folder = ledger.variants_path(run_dir(first), namespace, 1), run_dir(first)
+    key = sealed.load_key(folder, namespace)
+    record = sealed.read(path, variant_records.purpose(namespace, 1), key)
+    (tensor,) = record["tensors"]
+    record["variants"], tensor["key"] = 2, older  # as a daemon before the new names recorded it
+    sealed.write(path, record, variant_records.purpose(namespace, 1), key)
+
+    second = start_daemon(tiny_checkpoint)
+    assert listed(second, 1) == {"v1:" + older: gathered["segment"]}
+    with ExpertClient(second.endpoint, timeout=60) as client:
+        assert gather(second.endpoint, client.lease, item) == gathered  # its new name, the same segment
+        (out,) = client.derived([item])
+        assert torch.equal(out, want.reshape(out.shape))
+        del out
+    assert listed(second, 1) == {gathered["derivation"]: gathered["segment"]}
+    assert variant_segments(namespace) == made  # nothing made again
