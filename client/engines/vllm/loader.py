@@ -149,7 +149,8 @@ class ExpertdModelLoader(BaseModelLoader):
             log.info("expertd: %s cannot be mapped, loading it: %s", type(model).__name__, exc)
             return None
         check_loaded({name for name, _ in model.named_parameters()}, loaded, client.endpoint, model_config.model)
-        mapping.map_model(model, state, tensors)
+        with state.checking():  # the derived bytes' checksums run while the dense layers load and pack
+            mapping.map_model(model, state, tensors)
         finish(model, state, *mapping.bound(model, state))
         return state
 
