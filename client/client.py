@@ -327,20 +327,22 @@ class ExpertClient:
     def _variants(self, index: TensorIndex, need: dict[str, tuple[str, str]], views: IndexViews) -> None:
         """Map the dtype variants `need` names, made by the daemon once per host (`variants.fetch`)."""
         entries = fetch(self._conn, self.lease, index, need)
-        self._attach()
-        map_derived(self._segments, entries, index.shm_dir, self.copy_on_write)
+        self._map_entries(entries, index)
         views.variants.update({(e.name, e.dtype): e for e in entries})
 
-    def derived(self, items: list[messages.GatherItem], checks: list | None = None) -> list[torch.Tensor]:
+    def derived(self, items: list[messages.GatherItem]) -> list[torch.Tensor]:
         """Read-only views of derived tensors of the generation this client reads (`expertd.derived.request`
-        items: a served tensor gathered into an engine's layout), made by the daemon once per host; with `checks`,
-        their checksums run on a thread whose future is appended there (`map_derived`: join before using them)."""
+        items: a served tensor gathered into an engine's layout), made by the daemon once per host."""
         self._check_gone()
         index = self.index()
         entries = derive(self._conn, self.lease, index, items)
-        self._attach()
-        map_derived(self._segments, entries, index.shm_dir, self.copy_on_write, checks)
+        self._map_entries(entries, index)
         return [view(self._segments, e) for e in entries]
+
+    def _map_entries(self, entries, index: TensorIndex) -> None:
+        """Map the segments of variant entries not mapped yet."""
+        self._attach()
+        map_derived(self._segments, entries, index.shm_dir, self.copy_on_write)
 
     def _remap(self, index: TensorIndex) -> None:
         """Map the segments a new index adds; forget those it no longer uses (views keep theirs alive)."""

@@ -156,24 +156,15 @@ def _entries(reply, names: list, index: TensorIndex) -> list[TensorEntry]:
     return entries
 
 
-def map_derived(segments: dict, entries: list[TensorEntry], shm_dir: str, writable: bool,
-                checks: list | None = None) -> None:
+def map_derived(segments: dict, entries: list[TensorEntry], shm_dir: str, writable: bool) -> None:
     """Map into `segments` those of derived `entries` not mapped yet (every range's), then check the entries' bytes
-    (`check_bytes`: each the derivation asked for too); with `checks`, on a thread of their own, its future appended
-    to `checks`: the caller joins it before it lets anything use those bytes (an engine: before its model is
-    handed back), meanwhile the check's memory reads overlap the caller's own work."""
+    (`check_bytes`: each the derivation asked for too)."""
     from expertd.shm import map_segments, view
 
     new = {name: end for name, end in reach(entries).items() if name not in segments}
     segments.update(map_segments([SegmentEntry(name, nbytes) for name, nbytes in new.items()], writable=writable,
                                  shm_dir=shm_dir))
-    views = [view(segments, e) for e in entries]
-    if checks is None:
-        check_bytes(views, entries)
-        return
-    pool = ThreadPoolExecutor(1, thread_name_prefix="expertd-check")
-    checks.append(pool.submit(check_bytes, views, entries))
-    pool.shutdown(wait=False)
+    check_bytes([view(segments, e) for e in entries], entries)
 
 
 def check_bytes(tensors, entries: list[TensorEntry]) -> None:

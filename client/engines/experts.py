@@ -161,11 +161,11 @@ def fetch_ahead(state: EngineState, items: list[GatherItem]) -> list[torch.Tenso
     daemon's limits refuse them together, `items` alone."""
     extra = [more for item in items for more in state.ahead(item)] if state.ahead else []
     try:
-        views = fetch(state.client, items + extra, state.checks)
+        views = fetch(state.client, items + extra)
     except DerivedLimit:
         if not extra:
             raise
-        views, extra = fetch(state.client, items, state.checks), []
+        views, extra = fetch(state.client, items), []
     state.fetched.update((item_key(item), view) for item, view in zip(extra, views[len(items):]))
     return views[:len(items)]
 
@@ -174,12 +174,11 @@ def item_key(item: GatherItem) -> tuple:
     return item.name, tuple(item.also or ()), tuple(item.shape), item.blocks, item.length, item.index
 
 
-def fetch(client, items: list[GatherItem], checks: list | None = None) -> list[torch.Tensor]:
-    """The daemon's derived tensors `items` asks for, in requests under the message cap (`checks`: see
-    `EngineState.checking`)."""
+def fetch(client, items: list[GatherItem]) -> list[torch.Tensor]:
+    """The daemon's derived tensors `items` asks for, in requests under the message cap."""
     views = []
     for batch in _batches(items):
-        views.extend(client.derived(batch, checks))
+        views.extend(client.derived(batch))
     return views
 
 

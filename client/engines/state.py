@@ -10,9 +10,7 @@ neutral machinery: its logger, how its kernels lay out experts, how a module's p
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +58,6 @@ class EngineState:
     # job on the daemon), and their views, bound only once the checked layer's bytes are found equal
     ahead: object = None
     fetched: dict = field(default_factory=dict)
-    checks: list | None = None  # while mapping: the derived bytes' checksums running meanwhile (`joined`)
 
     _views: dict = field(default_factory=dict, repr=False)  # the views of the generation the client reads
 
@@ -83,21 +80,6 @@ class EngineState:
     @property
     def log(self) -> logging.Logger:
         return self.engine.log
-
-    @contextmanager
-    def checking(self):
-        """Inside, derived tensors fetched for the map are checked against their checksums on threads of their own
-        while the load goes on (`ExpertClient.derived`'s `checks`); on the way out every check has ended, the first
-        failure raised (ProtocolError: the load fails, as when a check runs inline)."""
-        self.checks = []
-        try:
-            yield
-        finally:
-            checks, self.checks = self.checks, None
-            errors = [f.exception() for f in checks]
-            failed = next((e for e in errors if e is not None), None)
-            if failed is not None and sys.exc_info()[1] is None:
-                raise failed
 
     def owners(self, names) -> dict[str, list[str]]:
         """module name -> its loaded parameters' leaf names, for the modules owning `names`."""

@@ -149,8 +149,7 @@ class ExpertdModelLoader(BaseModelLoader):
             log.info("expertd: %s cannot be mapped, loading it: %s", type(model).__name__, exc)
             return None
         check_loaded({name for name, _ in model.named_parameters()}, loaded, client.endpoint, model_config.model)
-        with state.checking():  # the derived bytes' checksums run while the dense layers load and pack
-            mapping.map_model(model, state, tensors)
+        mapping.map_model(model, state, tensors)
         finish(model, state, *mapping.bound(model, state))
         return state
 
