@@ -287,8 +287,8 @@ def test_a_successor_adopts_a_derived_layout_that_keeps_an_older_layouts_blocks(
     assert [os.path.getsize(f"/dev/shm/{name}") for name in made_now] == [block * source.element_size()], made_now
 
 
-def test_a_successor_adopts_gathers_an_older_daemon_named_and_answers_them_under_their_new_names(tiny_checkpoint,
-                                                                                                start_daemon, namespace):
+def test_a_successor_adopts_gathers_an_older_daemon_named_and_answers_them_under_new_names(tiny_checkpoint,
+                                                                                            start_daemon, namespace):
     """A daemon before gather "v": 2 named a gather by its index's bytes after the header (variants record format 2).
     Its successor adopts such a gather under that older name; the same request asked again finds it by that name
     (computed once), answers it from the same segment under its new name, and makes nothing."""

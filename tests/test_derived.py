@@ -6,6 +6,8 @@ is left in shared memory; nothing of the namespace left once the daemon stops.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 
@@ -136,6 +138,26 @@ def test_asked_again_and_from_another_client_is_the_same_segment(daemon, client)
     assert v["name"] == name and v["shape"] == list(shape) and f"/dev/shm{v['segment']}" == made[0]
     assert v["nbytes"] == math.prod(shape) * source.element_size() and v["dtype"] == str(source.dtype)
     assert torch.equal(first, reference(source, index, shape))
+
+
+def test_a_gathers_name_is_the_digest_protocol_md_gives(daemon, client):
+    """PROTOCOL.md's derivation name of a gather, computed here from its words alone (gather "v": 2: the inflated
+    index by its own digest inside the canonical request), is the name the daemon lists and the client checks."""
+    name, source = expert_stack(client)
+    index = torch.cat([permutation(64, seed=3), torch.full((8,), -1, dtype=torch.int64)])  # a few bytes of quota
+    shape = (source.shape[0], index.numel())
+    item = ask(name, index, shape)
+    client.derived([item])
+    entry = next(t for t in client.index().tensors if t.name == name)
+    differences = torch.cat([index[:1], index[1:] - index[:-1]]).to(torch.int32).numpy().astype("<i4").tobytes()
+    canonical = {"kind": "gather", "v": 2, "dtype": entry.dtype, "sources": [[name, entry.dtype, list(entry.shape),
+                                                                               entry.checksum]],
+                 "shape": list(shape), "blocks": shape[0], "length": index.numel(),
+                 "index": hashlib.blake2b(differences, digest_size=32, person=b"expertd.index").hexdigest()}
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":")).encode() + b"\0"
+    want = "blake2b:" + hashlib.blake2b(text, digest_size=32, person=b"expertd.derive").hexdigest()
+    assert derivation(client, item) == want
+    assert want in {v["derivation"] for v in derived_listed(daemon, client.generation)}
 
 
 def test_newer_generation_reuses_same_bytes_and_remakes_changed_ones(daemon, client):
