@@ -106,11 +106,15 @@ def listed(daemon, generation: int) -> dict[str, str]:
 
 
 def recorded(daemon, generation: int, count: int, timeout: float = 30) -> dict:
-    """The variants record of `generation` once it lists `count` variants (it is written between requests)."""
+    """The variants record of `generation` once it lists `count` variants (it is written between requests, at most
+    every RECORD_EVERY_S: a tampered one the daemon did not adopt stays until then)."""
     folder, deadline = run_dir(daemon), time.monotonic() + timeout
     index = ledger.read(folder, daemon.namespace, generation).index
     while time.monotonic() < deadline:
-        found = variant_records.read(folder, index)
+        try:
+            found = variant_records.read(folder, index)
+        except sealed.Unsealed:  # a record the daemon refused to adopt, until it rewrites it
+            found = {}
         if len(found) == count:
             return found
         time.sleep(0.05)
