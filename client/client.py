@@ -330,19 +330,19 @@ class ExpertClient:
         self._map_entries(entries, index)
         views.variants.update({(e.name, e.dtype): e for e in entries})
 
-    def derived(self, items: list[messages.GatherItem]) -> list[torch.Tensor]:
+    def derived(self, items: list[messages.GatherItem], trusted: int = 0) -> list[torch.Tensor]:
         """Read-only views of derived tensors of the generation this client reads (`expertd.derived.request`
-        items: a served tensor gathered into an engine's layout), made by the daemon once per host."""
+        items: a served tensor gathered into an engine's layout), made by the daemon once per host; the last
+        `trusted` of them are not checksummed (`map_derived`)."""
         self._check_gone()
         index = self.index()
         entries = derive(self._conn, self.lease, index, items)
-        self._map_entries(entries, index)
+        self._map_entries(entries, index, len(entries) - trusted)
         return [view(self._segments, e) for e in entries]
 
-    def _map_entries(self, entries, index: TensorIndex) -> None:
-        """Map the segments of variant entries not mapped yet."""
-        self._attach()
-        map_derived(self._segments, entries, index.shm_dir, self.copy_on_write)
+    def _map_entries(self, entries, index: TensorIndex, checked: int | None = None) -> None:
+        self._attach()  # the segments of variant entries not mapped yet
+        map_derived(self._segments, entries, index.shm_dir, self.copy_on_write, checked)
 
     def _remap(self, index: TensorIndex) -> None:
         """Map the segments a new index adds; forget those it no longer uses (views keep theirs alive)."""

@@ -20,9 +20,10 @@ from expertd.procfs import default_threads
 
 log = logging.getLogger("expertd.client")
 
-# A derived tensor of at most this many bytes is checksummed once mapped (xxh3: a few ms); larger ones are trusted by
-# their name (a digest of this client's own request over the served bytes' checksums) and their segment (the
-# daemon's own file, created O_EXCL, owner-checked when mapped), as served tensors are until verify().
+# A derived tensor of at most this many bytes is checksummed once mapped (xxh3: a few ms); larger ones, and those
+# asked as `trusted` (an engine map's layers whose checked layer was compared byte for byte), are trusted by their
+# name (a digest of this client's own request over the served bytes' checksums) and their segment (the daemon's own
+# file, created O_EXCL, owner-checked when mapped), as served tensors are until verify().
 VERIFY_BYTES = 64 << 20
 DERIVE_TIMEOUT_S = 600.0  # the longest a cast or gather may stay `building` before the client gives up
 
@@ -156,14 +157,18 @@ def _entries(reply, names: list, index: TensorIndex) -> list[TensorEntry]:
     return entries
 
 
-def map_derived(segments: dict, entries: list[TensorEntry], shm_dir: str, writable: bool) -> None:
-    """Map into `segments` those of derived `entries` not mapped yet (every range's), then check the entries' bytes
-    (`check_bytes`: each the derivation asked for too)."""
+def map_derived(segments: dict, entries: list[TensorEntry], shm_dir: str, writable: bool,
+                checked: int | None = None) -> None:
+    """Map into `segments` those of derived `entries` not mapped yet (every range's), then check the bytes of the
+    first `checked` entries (all: None) (`check_bytes`: each the derivation asked for too). One not checked is
+    trusted as a served tensor is until `verify()`, and as a derived one over VERIFY_BYTES: by its name and its
+    segment (an engine's map: the other layers of a kind whose checked layer was compared byte for byte)."""
     from expertd.shm import map_segments, view
 
     new = {name: end for name, end in reach(entries).items() if name not in segments}
     segments.update(map_segments([SegmentEntry(name, nbytes) for name, nbytes in new.items()], writable=writable,
                                  shm_dir=shm_dir))
+    entries = entries[:checked]
     check_bytes([view(segments, e) for e in entries], entries)
 
 

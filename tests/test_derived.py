@@ -160,6 +160,37 @@ def test_a_gathers_name_is_the_digest_protocol_md_gives(daemon, client):
     assert want in {v["derivation"] for v in derived_listed(daemon, client.generation)}
 
 
+def test_a_derived_tensor_whose_bytes_differ_from_its_checksum_is_refused_unless_trusted(daemon, client):
+    """A derived tensor's bytes changed behind the daemon (as its owner could): a client mapping it checks it
+    against the checksum the daemon made it with and refuses it, naming it; the same asked as `trusted` (an
+    engine's map of layers whose checked layer it compared byte for byte) is mapped unchecked."""
+    from expertd.errors import ProtocolError
+
+    name, source = expert_stack(client)
+    index = torch.cat([permutation(32, seed=5), torch.full((8,), -1, dtype=torch.int64)])
+    item = ask(name, index, (source.shape[0], index.numel()))
+    (good,) = client.derived([item])
+    path = mapping_of(good)[0]
+    del good
+    with open(path, "r+b") as f:
+        byte = f.read(1)
+        f.seek(0)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    try:
+        with ExpertClient(daemon.endpoint, timeout=60) as other:
+            with pytest.raises(ProtocolError, match=f"derived tensor '{name}' .* does not match its checksum"):
+                other.derived([item])
+            (trusted,) = other.derived([item], trusted=1)
+            assert not torch.equal(trusted, reference(source, index, tuple(trusted.shape)))
+            del trusted
+    finally:
+        with open(path, "r+b") as f:
+            f.write(byte)
+    with ExpertClient(daemon.endpoint, timeout=60) as other:
+        (again,) = other.derived([item])
+        assert torch.equal(again, reference(source, index, tuple(again.shape)))
+
+
 def test_newer_generation_reuses_same_bytes_and_remakes_changed_ones(daemon, client):
     name, source = expert_stack(client, layer=1)
     blocks, n = source.shape[0], source[0].numel()
