@@ -18,7 +18,8 @@ V1  model loading: vLLM's `get_model` as the CPU model runner calls it, timed ar
 V2  per mode: the served bytes the engine maps (as served or in the daemon's derived layout), the bytes its other
     parameters hold privately, what kernels packed into copies of their own (oneDNN's dense layers), and the growth
     of the process's anonymous memory (/proc/self/smaps_rollup) across `LLM()`: for the second engine, set beside the
-    KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB) plus the kernels' packed copies.
+    KV cache (VLLM_CPU_KVCACHE_SPACE=1 GiB) plus the kernels' packed copies; that growth split into vLLM's engine set-up
+    before the model load, the model load (`get_model`) and what follows it (the KV cache, ...).
 V3  (`side`) 4 engine processes side by side on one host, measured while all 4 map the experts: the sum of their
     proportional set sizes of the expert bytes (+ expert bytes held privately) / one copy; the same for 4 engines of
     vLLM's own load (each holds its own copy: 4).
@@ -76,11 +77,13 @@ def timed_model_load(clock: dict) -> None:
     load = cpu_model_runner.get_model
 
     def get_model(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), private_bytes()
+        clock["before_load"] = before
         try:
             return load(*args, **kwargs)
         finally:
             clock["model_load"] = time.perf_counter() - t0
+            clock["load_grown"] = private_bytes() - before
 
     cpu_model_runner.get_model = get_model
 
@@ -113,6 +116,7 @@ def engine(model: str, endpoint: str | None, side_by_side: tuple | None = None, 
     grown = private_bytes() - before
     shared, copied, kernels = llm.apply_model(placement)[0]
     out = {"seconds": seconds, "model_load": clock.get("model_load", float("nan")), "private_grown": grown,
+           "init_grown": clock.get("before_load", before) - before, "load_grown": clock.get("load_grown", 0),
            "shared": shared, "copied": copied, "kernels": kernels}
     if side_by_side:  # V3: measured while every engine of the host maps its experts
         folder, name, count = side_by_side

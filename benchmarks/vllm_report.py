@@ -59,6 +59,12 @@ def report_loads(runs: dict[str, list[dict]], started: list[float]) -> None:
     print(f"GOAL second engine's anonymous growth {mib(second['private_grown'])} <= KV cache {mib(kv)} + kernels' "
           f"packed copies {mib(second['kernels'])} = {mib(bound)}: difference {mib(second['private_grown'] - bound)} "
           f"{'met' if second['private_grown'] <= bound else 'MISSED'}")
+    print("# of the anonymous growth across LLM(), medians: vLLM's set-up before the model load / the model load "
+          "beyond the parameters held privately and the kernels' packed copies / after it beyond the KV cache: "
+          + ", ".join(f"{mode} {mib(med[mode]['init_grown'])} / "
+                      f"{mib(med[mode]['load_grown'] - med[mode]['copied'] - second['kernels'])} / "
+                      f"{mib(med[mode]['private_grown'] - med[mode]['init_grown'] - med[mode]['load_grown'] - kv)}"
+                      for mode in MODES))
     rest = {mode: med[mode]["private_grown"] - kv - med[mode]["copied"] - second["kernels"] for mode in MODES}
     print("# anonymous growth beyond the KV cache, the parameters held privately and the kernels' packed copies (the "
           "second engine's figure for every mode: the same layers): "
