@@ -28,7 +28,7 @@ from expertd.index import TensorEntry, TensorIndex
 from expertd.segments import segment_path
 
 from . import hostpaths, ledger, sealed
-from .variants import Variant, legacy_name
+from .variants import LEGACY, Variant, legacy_name
 
 log = logging.getLogger("expertd.ledger")
 
@@ -152,7 +152,7 @@ class Recorder:
 
     def adopted(self, number: int, count: int) -> None:
         """Generation `number`'s record, as a predecessor left it, lists `count` variants (-1: rewrite it)."""
-        self.recorded[number] = count
+        self.recorded[number] = (count, 0)
 
     def flush(self, gens, force: bool = False) -> None:
         """Rewrite the records of live generations `gens` whose variants changed since they were last recorded."""
@@ -161,7 +161,7 @@ class Recorder:
         live = {g.number: g for g in gens}
         for number in [n for n in self.recorded if n not in live]:  # retired: its record went with it
             del self.recorded[number]
-        todo = [g for n, g in live.items() if len(g.variants) != self.recorded.get(n, 0)]
+        todo = [g for n, g in live.items() if _mark(g) != self.recorded.get(n, (0, 0))]
         if not todo:
             return
         self._written = time.monotonic()
@@ -170,7 +170,7 @@ class Recorder:
             for gen in todo:
                 variants = list(gen.variants.values())
                 write(self.run_dir, self.namespace, gen.number, variants, gen.index.shm_dir)
-                self.recorded[gen.number] = len(variants)
+                self.recorded[gen.number] = _mark(gen)
         except OSError as exc:
             if not self._failing:
                 log.error("cannot record the variants of generation(s) %s in %s (%s): serving on; a successor makes "
@@ -181,3 +181,9 @@ class Recorder:
         if self._failing:
             log.info("the variants of generation(s) %s are recorded again", ", ".join(str(g.number) for g in todo))
         self._failing = False
+
+
+def _mark(gen) -> tuple[int, int]:
+    """What tells a generation's variants changed since recorded: their count, and how many an older daemon named
+    (adopted under `LEGACY` names, renamed when first asked: the record then lists the new name)."""
+    return len(gen.variants), sum(key.startswith(LEGACY) for key in gen.variants)

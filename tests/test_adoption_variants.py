@@ -323,3 +323,8 @@ def test_a_successor_adopts_gathers_an_older_daemon_named_and_answers_them_under
         del out
     assert listed(second, 1) == {gathered["derivation"]: gathered["segment"]}
     assert variant_segments(namespace) == made  # nothing made again
+    deadline = time.monotonic() + 30  # the record follows: its new name, in this release's format
+    while time.monotonic() < deadline and set(recorded(second, 1, 1)) != {gathered["derivation"]}:
+        time.sleep(0.05)
+    assert set(recorded(second, 1, 1)) == {gathered["derivation"]}
+    assert sealed.read(path, variant_records.purpose(namespace, 1), key)["variants"] == 3
