@@ -58,10 +58,14 @@ def key(header: dict, index_chunks=()) -> str:
 
 def index_digest(chunks) -> str:
     """BLAKE2b-256 (personalization `expertd.index`) of an inflated index's bytes (its int32 differences), in hex."""
-    digest = hashlib.blake2b(digest_size=32, person=b"expertd.index")
+    digest = _index_hasher()
     for chunk in chunks:
         digest.update(chunk)
     return digest.hexdigest()
+
+
+def _index_hasher():
+    return hashlib.blake2b(digest_size=32, person=b"expertd.index")
 
 
 def _digest(header: dict):
@@ -195,7 +199,7 @@ class Gather:
         (which also finds whether the index is a strided view of its source block: `strided`)."""
         from .strided import Strides
 
-        digest, form = hashlib.blake2b(digest_size=32, person=b"expertd.index"), Strides(self.length)
+        digest, form = _index_hasher(), Strides(self.length)
         for at, index in self.chunks(check=True, digest=digest):
             form.feed(at, index)
         self.form = form.form() if len(sources) == 1 else None
