@@ -39,7 +39,7 @@ from .arena import unlink_segment
 from .jobs import forget_frames
 from .quota import Quota, reader_of
 from .variant_ranges import make_changed, older_forms, placed_bytes, prior
-from .variants import LEGACY, Planned, Variant, check, make, name_legacy, plan_casts, plan_gathers, summary
+from .variants import LEGACY, Planned, Variant, check, make, older_name, plan_casts, plan_gathers, summary
 
 log = logging.getLogger("expertd.variants")
 
@@ -160,6 +160,7 @@ class Derivations:
     def _resolve(self, gen, planned: list[Planned]) -> list[Variant | None]:
         """Each checked item's variant where one exists: the served tensor itself, this generation's, or another live
         generation's made of the same bytes (reused); None where it is to be made."""
+        self._rename(planned)
         others = {}
         for other in self.gens.live.values():
             if other is not gen:
@@ -169,7 +170,7 @@ class Derivations:
             if not p.key:
                 out.append(Variant(p.entry, p.entry))
                 continue
-            found = gen.variants.get(p.key) or self._renamed(gen, p)
+            found = gen.variants.get(p.key)
             if found is None and p.key in others:
                 theirs = others[p.key]
                 if theirs.made_of() == Variant(p.entry, p.entry, also=p.more).made_of():
@@ -178,22 +179,17 @@ class Derivations:
         return out
 
     def _legacy(self) -> bool:
-        """Whether a live generation holds gathers an older daemon named (adopted: `variants.legacy_name`)."""
+        """Whether a live generation holds gathers an older daemon named (adopted: `variants.legacy_variant`)."""
         return any(k.startswith(LEGACY) for g in self.gens.live.values() for k in g.variants)
 
-    def _renamed(self, gen, p: Planned) -> Variant | None:
-        """The adopted gather of an older daemon that `p` is (its older name, `Planned.legacy`), under `p`'s name from
-        now on: in `gen`, or in another live generation if made of the same bytes."""
-        for holder in (gen, *(g for g in self.gens.live.values() if g is not gen)):
-            theirs = holder.variants.get(p.legacy) if p.legacy else None
-            if theirs is not None and (holder is gen or theirs.made_of() == Variant(
-                    p.entry, p.entry, also=p.more).made_of()):
-                del holder.variants[p.legacy]
-                holder.variants[p.key] = replace(theirs, key=p.key)
-                if holder is not gen:
-                    return replace(theirs, of=p.entry, key=p.key, also=p.more)
-                return holder.variants[p.key]
-        return None
+    def _rename(self, planned: list[Planned]) -> None:
+        """An older daemon's adopted gather that an item is (by its older name, `Planned.legacy`: the same request
+        over the same sources' bytes) goes under the item's name from now on, in whichever live generation holds it."""
+        for p in planned:
+            for g in self.gens.live.values() if p.legacy else ():
+                theirs = g.variants.pop(p.legacy, None)
+                if theirs is not None:
+                    g.variants[p.key] = replace(theirs, key=p.key)
 
     def _todo(self, gen, planned: list[Planned], reader: str) -> list[tuple[Planned, int, tuple | None]]:
         """What is to be made (each name once; a derivation an older generation's variant of the same form keeps
@@ -278,7 +274,7 @@ class Derivations:
                 p.gather.digest = first.gather.digest
                 p.key = p.gather.key([p.entry, *p.more])
                 p.gather.form = first.gather.form if not p.more else None
-                name_legacy(p, legacy)
+                older_name(p, legacy)
 
         legacy = self._legacy()
 

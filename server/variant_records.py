@@ -28,12 +28,12 @@ from expertd.index import TensorEntry, TensorIndex
 from expertd.segments import segment_path
 
 from . import hostpaths, ledger, sealed
-from .variants import LEGACY, Variant, legacy_name
+from .variants import LEGACY, Variant, legacy_variant
 
 log = logging.getLogger("expertd.ledger")
 
 VARIANTS_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # 1: no variant with extents; 1, 2: gathers named as gather "v": 1 (`legacy_name`)
+READABLE_VERSIONS = (1, 2, 3)  # 1: no variant with extents; 1, 2: gathers named as gather "v": 1 (`legacy_variant`)
 RECORD_EVERY_S = 0.5  # a generation's variants record lags its variants by at most this (plus one request burst)
 ENTRY_FIELDS = ("name", "segment", "offset", "nbytes", "shape", "dtype", "sources", "checksum")
 
@@ -95,7 +95,7 @@ def read(run_dir: str, index: TensorIndex) -> dict[str, Variant]:
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
     if data["variants"] < 3:  # an older daemon's gathers: known by their older names until asked (`Derivations`)
-        variants = [legacy_name(v) for v in variants]
+        variants = [legacy_variant(v) for v in variants]
     return {v.key: v for v in variants}
 
 
