@@ -25,7 +25,8 @@ log = logging.getLogger("expertd.kernels")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dequant_lut.c")
 MXFP4_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mxfp4.c")
-SOURCES = (SOURCE, MXFP4_SOURCE)  # compiled together into one cached library
+FILL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fill_batch.c")
+SOURCES = (SOURCE, MXFP4_SOURCE, FILL_SOURCE)  # compiled together into one cached library
 _lock = threading.Lock()
 _lib = None
 _tried = False
@@ -74,6 +75,8 @@ def _build() -> ctypes.CDLL | None:
     lib.mxfp4_simd(0 if os.environ.get("EXPERTD_NATIVE_SIMD", "1") == "0" else 1)
     lib.mxfp4_stream_min.argtypes = [ctypes.c_int64]
     lib.mxfp4_stream_min.restype = ctypes.c_int64
+    lib.fill_batch.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
+    lib.fill_batch.restype = ctypes.c_int64
     return lib
 
 
@@ -91,7 +94,8 @@ def _xxh3_address() -> int | None:
     try:
         import xxhash._xxhash as compiled
 
-        fn = ctypes.CDLL(compiled.__file__).XXH3_64bits
+        lib = ctypes.CDLL(compiled.__file__)
+        fn = getattr(lib, "XXH3_64bits_dispatch", None) or lib.XXH3_64bits  # the widest vectors the CPU has
     except (ImportError, OSError, AttributeError):
         return None
     fn.argtypes, fn.restype = [ctypes.c_char_p, ctypes.c_size_t], ctypes.c_uint64
@@ -108,6 +112,50 @@ def _hash_address() -> int | None:
     if not _xxh3:
         _xxh3.append(_xxh3_address())
     return _xxh3[0]
+
+
+_XXH3_STREAM = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", "XXH3_64bits_update",
+                 "XXH3_64bits_digest")
+_stream: list = []
+
+
+def _stream_table() -> torch.Tensor | None:
+    """XXH3's streaming functions in the xxhash module's own library, as an int64 table of addresses (the order
+    fill_batch.c reads them in); None where it does not export them or they do not give the index's hash."""
+    if not _stream:
+        table = None
+        try:
+            import xxhash._xxhash as compiled
+
+            lib = ctypes.CDLL(compiled.__file__)
+            fns = [getattr(lib, name) for name in _XXH3_STREAM]
+            if hasattr(lib, "XXH3_64bits_update_dispatch"):  # the same hash on the CPU's widest vectors: ~2x here
+                fns[3] = lib.XXH3_64bits_update_dispatch
+            table = torch.tensor([ctypes.cast(fn, ctypes.c_void_p).value for fn in fns], dtype=torch.int64)
+        except (ImportError, OSError, AttributeError):
+            table = None
+        _stream.append(table)
+    return _stream[0]
+
+
+# fill_batch's descriptor: FILL_FIELDS int64 per part (fill_batch.c says what each is)
+FILL_FIELDS, FILL_COPY, FILL_LUT16 = 12, 0, 1
+FILL_ERR_READ, FILL_ERR_SHORT, FILL_ERR_WRITE = 1, 2, 3
+
+
+def can_fill_batch() -> bool:
+    """Whether `fill_batch` runs here: the compiled library, XXH3's streaming functions to call from it, and
+    `copy_hash` (its scales are copied and hashed with XXH3_64bits)."""
+    return available() and _hash_address() is not None and _stream_table() is not None
+
+
+def fill_batch(desc: torch.Tensor, into: torch.Tensor, out: torch.Tensor, chunk: int, hashes: torch.Tensor) -> int:
+    """Read, dequantize or copy, hash and write a task's parts in one call with the GIL dropped (fill_batch.c):
+    `desc` int64 [k, FILL_FIELDS], buffers `into` (sources) and `out` (results) of at least max(chunk, the
+    longest row's result) bytes each, `hashes` uint64-sized int64 [k, 2]. Returns how many parts were filled:
+    k, else the failed part's desc row says what failed."""
+    return _lib.fill_batch(desc.shape[0], desc.data_ptr(), _stream_table().data_ptr(), into.data_ptr(),
+                           out.data_ptr(), chunk, hashes.data_ptr())
 
 
 def copy_hash(desc: torch.Tensor, hashes: torch.Tensor) -> bool:

@@ -189,6 +189,16 @@ class Arena:
                                      len(data)) from exc
             data, at = data[done:], at + done
 
+    def fd(self, placement: Placement) -> int:
+        """The open file of a placement made with `add(..., reserve=False)`, for compiled writes (`pwrite`'s rules)."""
+        return self._fds[placement.segment][0]
+
+    def write_error(self, placement: Placement, offset: int, nbytes: int, code: int) -> ShmError:
+        """The error for a write of `nbytes` at `offset` of a placement that failed with errno `code`."""
+        at = placement.offset + offset
+        return self._os_error(OSError(code, os.strerror(code)),
+                              f"write {nbytes} bytes at offset {at} of segment {placement.segment}", nbytes)
+
     def check_space(self, need: int) -> None:
         """Refuse before the first byte when `need` bytes cannot fit: a clear error instead of ENOSPC half-way."""
         free = shmdir.free_bytes(self.shm)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import torch
 
 from expertd.index import checksum, tensor_bytes, tensor_checksum
 
 from .arena import Arena
+from . import native_parts
 from .dequant import DEQUANT, stream_part, write_part
 from .layout import Source
 from .parts import BATCH_BYTES, CHUNK_BYTES, Output, Part, part_digest
@@ -61,8 +63,8 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device
     Small FP8 parts on the CPU go through `small_parts.fill_small` together (what DeepSeek-V3's tens of thousands
     of tensors at small dims cost is Python per part, not bytes); the rest chunk by chunk."""
     results: list = [None] * len(parts)
-    small = []
-    native = _native(device)
+    small, compiled = [], []
+    native, whole_calls = _native(device), native_parts.usable(device)
     output = Output(arena, direct=device.type == "cuda" or not arena.writes)
     _reserve(parts, arena, populate=output.direct)
     for i, part in enumerate(parts):
@@ -70,13 +72,16 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device
             data = tensor_bytes(part.old)
             output.copy(part, data)
             results[i] = (part.digest, {}, checksum(data))
+        elif whole_calls and native_parts.takes(part):
+            compiled.append(i)
         elif native and DEQUANT[part.src.kind].batched and part.src.info.nbytes <= CHUNK_BYTES:
             small.append(i)
         else:
             results[i] = _fill_one(part, output, ckpt, device)
-    if small:
-        for i, result in zip(small, fill_small([parts[i] for i in small], output, ckpt)):
-            results[i] = result
+    for some, how in ((small, fill_small), (compiled, partial(native_parts.fill_native, arena=arena))):
+        if some:
+            for i, result in zip(some, how([parts[i] for i in some], output, ckpt)):
+                results[i] = result
     output.flush()
     return results
 

@@ -334,6 +334,18 @@ class Checkpoint:
         """Bytes [start, start + len(buf)) of a tensor's data into `buf`, with `os.preadv`: the kernel copies
         from the page cache, so no page of the shard is mapped (faster than faulting pages in, and any
         number of threads may read at once)."""
+        fd = self.fd(info)
+        done, want = 0, len(buf)
+        while done < want:
+            got = os.preadv(fd, [buf[done:]], info.offset + start + done)
+            if got <= 0:
+                raise ShardFormatError(f"data ends {want - done} bytes early (truncated since opened?)",
+                                       file=info.file, tensor=info.name)
+            done += got
+        self.counted(want)
+
+    def fd(self, info: TensorInfo) -> int:
+        """The open file `info` lies in (opened once, checked as a regular file), for `os.preadv` or compiled reads."""
         fd = self._fds.get(info.file)
         if fd is None:
             with self._lock:
@@ -343,15 +355,12 @@ class Checkpoint:
                         fd = self._fds[info.file] = open_regular(info.file, "shard")[0]
                     except OSError as exc:
                         raise ShardFormatError(f"cannot open shard: {exc}", file=info.file, tensor=info.name) from exc
-        done, want = 0, len(buf)
-        while done < want:
-            got = os.preadv(fd, [buf[done:]], info.offset + start + done)
-            if got <= 0:
-                raise ShardFormatError(f"data ends {want - done} bytes early (truncated since opened?)",
-                                       file=info.file, tensor=info.name)
-            done += got
+        return fd
+
+    def counted(self, nbytes: int) -> None:
+        """`nbytes` more tensor bytes read (by whoever read them with `fd`)."""
         with self._lock:
-            self.bytes_read += want
+            self.bytes_read += nbytes
 
     def load(self, info: TensorInfo) -> torch.Tensor:
         """The tensor `info` describes, read through safetensors: the whole checkpoint tensor, or the rows of it

@@ -1,0 +1,138 @@
+"""A task's parts filled by one compiled call (`kernels/fill_batch.c`): Python plans, the thread then reads,
+dequantizes, hashes and writes every part of the task without the GIL.
+
+What the loader's threads must not do at many cores is take turns on the GIL chunk by chunk: a 16-core host
+loaded slower with 16 threads than with 4 while the Python path read, dequantized, hashed and wrote each MiB in
+its own calls. Here the Python work is per task (a few MiB of parts): the scales of its FP8 parts are copied and
+hashed in one call, checked, and turned into one table of block results (torch's own float32 product and cast,
+as `kernels.native` makes them); then one row of plain integers per part. Stored (plain) parts go the same way
+(read, hash, write). `filling.fill` hands parts here when the compiled library and XXH3's streaming functions
+are there, on the CPU; MXFP4 and the GPU path keep their own ways.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from expertd.errors import ShardFormatError
+from expertd.index import checksum_text
+
+from .arena import Arena
+from .layout import check_scale_values
+from .parts import CHUNK_BYTES, HASH_BYTES, Output, Part, buffer, part_digest
+from .reader import Checkpoint
+from .small_parts import int64_rows
+
+# A part whose result is at most this is filled by small_parts with others like it (a span read for all of them:
+# DeepSeek-V3's counts at small dims); larger parts come here, their per-part cost a small share of their bytes.
+SMALL_RESULT = HASH_BYTES
+
+
+def usable(device: torch.device) -> bool:
+    """Whether parts can be filled here: on the CPU, where the compiled library and XXH3's streaming functions are."""
+    if device.type != "cpu":
+        return False
+    from expertd.kernels import native
+
+    return native.can_fill_batch()
+
+
+def takes(part: Part) -> bool:
+    """Whether `part` is filled here: stored bytes, or FP8 made bf16 (the 16-bit table), of more than SMALL_RESULT."""
+    kind = part.src.kind
+    if kind == "plain":
+        return True
+    return kind == "fp8" and part.block.dtype == torch.bfloat16 and part.nbytes > SMALL_RESULT
+
+
+def _tables(parts: list[Part], ckpt: Checkpoint) -> tuple[torch.Tensor | None, list[int], list[str | None]]:
+    """(table of block results for every scaled part, each part's first table row, each part's scale digest): the
+    scales copied and hashed in one call per scale dtype, checked (a bad one named as planning names it), then
+    one table for all."""
+    from expertd.kernels import native
+
+    rows, digests = [0] * len(parts), [None] * len(parts)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, part in enumerate(parts):
+        if part.src.scale is not None:
+            by_dtype.setdefault(part.src.scale.dtype, []).append(i)
+    if not by_dtype:
+        return None, rows, digests
+    floats, first = [], 0
+    for dtype, members in by_dtype.items():
+        views = [ckpt.view(parts[i].src.scale) for i in members]  # over the shard's mapping: no copy
+        sizes = [v.numel() * v.element_size() for v in views]
+        raw = torch.empty(sum(sizes), dtype=torch.uint8)
+        at, desc = raw.data_ptr(), []
+        for view, size in zip(views, sizes):
+            desc.append((view.data_ptr(), at, size))
+            at += size
+        hashes = torch.empty(len(members), dtype=torch.int64)
+        if not native.copy_hash(int64_rows(desc), hashes):  # `usable` said it could
+            raise RuntimeError("XXH3_64bits went missing from the xxhash library during a build")
+        values = raw.view(dtype).float()
+        bad = ~((values.numpy() > 0) & (values.numpy() < np.inf))  # NaN fails both, -inf and 0 the first
+        if bool(bad.any()):
+            for i in members:
+                check_scale_values(ckpt, parts[i].src.scale)
+        for i, size, value in zip(members, sizes, hashes.view(torch.uint64).tolist()):
+            rows[i], digests[i] = first, checksum_text(value)
+            first += size // dtype.itemsize
+        floats.append(values)
+    return native.block_luts(torch.cat(floats) if len(floats) > 1 else floats[0], torch.bfloat16), rows, digests
+
+
+def fill_native(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena) -> list[tuple[str, dict, str]]:
+    """Fill `parts` (each `takes`) in one compiled call; per part (source digest, identities learned, checksum of
+    the written bytes), as `filling.fill` gives them."""
+    from expertd.kernels import native
+
+    output.flush()  # nothing of the output's buffer may be pending: the compiled loop writes through it
+    lut, first_rows, scale_digests = _tables(parts, ckpt)
+    row_bytes = 256 * 2
+    desc, longest, nbytes = [], CHUNK_BYTES, 0
+    for part, first in zip(parts, first_rows):
+        info, src = part.src.info, part.src
+        if output.direct:
+            dst_fd, dst_at = -1, part.out.data_ptr()
+        else:
+            dst_fd, dst_at = arena.fd(part.where), part.where.offset + part.offset
+        if src.scale is None:
+            desc.append((native.FILL_COPY, ckpt.fd(info), info.offset, info.nbytes, 1, dst_fd, dst_at, 0, 1, 1, 0, 0))
+        else:
+            m, n = info.shape
+            longest = max(longest, 2 * n)
+            desc.append((native.FILL_LUT16, ckpt.fd(info), info.offset, m, n, dst_fd, dst_at,
+                         lut.data_ptr() + first * row_bytes, *src.block, 0, 0))
+        nbytes += info.nbytes
+    table = int64_rows(desc)
+    hashes = torch.empty(len(parts), 2, dtype=torch.int64)
+    done = native.fill_batch(table, buffer(longest, "read"), buffer(longest, "out"), CHUNK_BYTES, hashes)
+    if done < len(parts):
+        raise _failure(parts[done], table[done].tolist(), arena)
+    ckpt.counted(nbytes)
+    results = []
+    for part, (h_in, h_out), scale_digest in zip(parts, hashes.view(torch.uint64).tolist(), scale_digests):
+        digest, ids = checksum_text(h_in), {}
+        ids[ckpt.identity(part.src.info)] = digest
+        if part.src.scale is not None:
+            ids[ckpt.identity(part.src.scale)] = scale_digest
+        results.append((part_digest(digest, scale_digest), ids, checksum_text(h_out)))
+    return results
+
+
+def _failure(part: Part, row: list[int], arena: Arena) -> Exception:
+    """The error for the part the compiled loop stopped at: its shard and tensor named, or its segment."""
+    from expertd.kernels import native
+
+    what, code, info = row[10], row[11], part.src.info
+    if what == native.FILL_ERR_SHORT:
+        return ShardFormatError(f"data ends before its {info.nbytes} bytes (truncated since opened?)",
+                                file=info.file, tensor=info.name)
+    if what == native.FILL_ERR_READ:
+        return ShardFormatError(f"cannot read shard: {os.strerror(code)}", file=info.file, tensor=info.name)
+    return arena.write_error(part.where, part.offset, part.nbytes, code)
+
