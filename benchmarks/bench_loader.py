@@ -115,13 +115,22 @@ def fill_once(plan, threads: int, src: torch.Tensor, how: str = "map") -> float:
         arena.unlink()
 
 
-def load_once(checkpoint: str, threads: int) -> tuple[float, list]:
+def load_once(checkpoint: str, threads: int, device: str = "cpu", per_chunk: bool = False) -> tuple[float, list]:
+    """Seconds to build the checkpoint on `device` with `threads` threads (`per_chunk`: the Python path chunk by
+    chunk that whole-task compiled calls replaced, for comparison), and the layout it made."""
+    from expertd.server import gpu_parts, native_parts
     from expertd.server.loader import build, prepare
 
     ckpt, plan = prepare(checkpoint)
-    t0 = time.perf_counter()
-    built = build(ckpt, plan, namespace=f"benchload{os.getpid()}", generation=1, threads=threads, device="cpu")
-    elapsed = time.perf_counter() - t0
+    usable = native_parts.usable, gpu_parts.usable
+    if per_chunk:
+        native_parts.usable = gpu_parts.usable = lambda device: False
+    try:
+        t0 = time.perf_counter()
+        built = build(ckpt, plan, namespace=f"benchload{os.getpid()}", generation=1, threads=threads, device=device)
+        elapsed = time.perf_counter() - t0
+    finally:
+        native_parts.usable, gpu_parts.usable = usable
     built.close()
     return elapsed, [(t.segment.split(".")[3], t.checksum) for t in built.index.tensors]  # K of NS.PID.GEN.K.RANDOM
 
@@ -220,6 +229,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", choices=("L1", "L2", "L3"), action="append", help="run only these (default: all)")
     ap.add_argument("--checkpoint", help="L1 and L2 on this checkpoint (default: the generated ~1 GB one)")
+    ap.add_argument("--per-chunk", action="store_true",
+                    help="L1: also the per-chunk Python path the whole-task compiled calls replaced (before / after)")
+    ap.add_argument("--cuda", action="store_true", help="L1: also `device: cuda` builds (same layout and checksums)")
     ap.add_argument("--counts-checkpoint", help="L3: a checkpoint with many tensors (default: generated dsv3-counts)")
     ap.add_argument("--bytes-checkpoint",
                     help="L3: about the same bytes in few tensors (default: generated dsv3-bytes)")
@@ -244,25 +256,30 @@ def main() -> int:
         l3_counts(args.workdir, args.reps, args.counts_checkpoint, args.bytes_checkpoint)
     reference = None
     if "L1" in only:
+        extra = [name for name, on in (("per-chunk path", args.per_chunk), ("device: cuda", args.cuda)) if on]
         print("\n| threads | fill GB/s (fallocate + copy through the mapping) | loader GB/s | loader / fill | goal "
-              "| fill by pwrite GB/s | loader / that |")
-        print("|---|---|---|---|---|---|---|")
+              "| fill by pwrite GB/s | loader / that |" + "".join(f" {e} GB/s | {e} / fill |" for e in extra))
+        print("|---|---|---|---|---|---|---|" + "---|---|" * len(extra))
     for t in counts if "L1" in only else ():
-        runs: dict[str, list] = {"map": [], "pwrite": [], "load": []}
+        kinds = ("map", "pwrite", "load") + (("chunk",) if args.per_chunk else ()) + (("cuda",) if args.cuda else ())
+        runs: dict[str, list] = {k: [] for k in kinds}
         for rep in range(args.reps):  # in turn first, second, third: a run after one that freed pages is faster
-            for what in [("map", "pwrite", "load")[(rep + k) % 3] for k in range(3)]:
-                if what != "load":
+            for what in [kinds[(rep + k) % len(kinds)] for k in range(len(kinds))]:
+                if what in ("map", "pwrite"):
                     runs[what].append(fill_once(plan, t, src, what))
                     continue
-                elapsed, layout = load_once(checkpoint, t)
-                runs["load"].append(elapsed)
+                elapsed, layout = load_once(checkpoint, t, "cuda" if what == "cuda" else "cpu", what == "chunk")
+                runs[what].append(elapsed)
                 if reference is None:
                     reference = layout
                 elif layout != reference:
-                    raise SystemExit(f"loader output at {t} threads differs from the first run: not deterministic")
-        fill_gbps, pw_gbps, load_gbps = (plan.nbytes / min(runs[k]) / 1e9 for k in ("map", "pwrite", "load"))
+                    raise SystemExit(f"{what} loader output at {t} threads differs from the first run: not "
+                                     "deterministic")
+        gbps = {k: plan.nbytes / min(runs[k]) / 1e9 for k in kinds}
+        fill_gbps, pw_gbps, load_gbps = gbps["map"], gbps["pwrite"], gbps["load"]
         print(f"| {t} | {fill_gbps:.2f} | {load_gbps:.2f} | **{load_gbps / fill_gbps:.2f}** | >= 0.8 | {pw_gbps:.2f} | "
-              f"{load_gbps / pw_gbps:.2f} |", flush=True)
+              f"{load_gbps / pw_gbps:.2f} |" + "".join(f" {gbps[k]:.2f} | {gbps[k] / fill_gbps:.2f} |"
+                                                        for k in kinds[3:]), flush=True)
     if "L2" in only:
         print("\nreading every checkpoint tensor, hash only (GB/s read):\n")
         print("| threads | page faults | MADV_POPULATE_READ | preadv |")

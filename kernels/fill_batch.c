@@ -6,7 +6,7 @@
  *
  * desc[FIELDS * i ...] of part i:
  *   0 kind (KIND_COPY: stored bytes; KIND_LUT16: fp8 -> a 16-bit table lookup)
- *   1 source fd, 2 source offset (of the part's first byte in the file)
+ *   1 source fd, 2 source offset (of the part's first byte in the file); fd -1: the bytes at the address in 2
  *   3 rows m, 4 columns n (KIND_COPY: m bytes, n = 1)
  *   5 destination fd (-1: write at the address in 6), 6 destination offset in that file (or the address)
  *   7 address of the part's first table row (256 results per scale block), 8 rows and 9 columns a scale covers
@@ -83,17 +83,23 @@ static int fill_one(int64_t *d, const int64_t *xxh, uint8_t *in, uint8_t *out, i
         size_t in_bytes = (size_t)((r1 - r0) * n), out_bytes = in_bytes * (size_t)item;
         uint8_t *y = dst_fd < 0 ? (uint8_t *)(intptr_t)(dst_at + r0 * n * item) : out;
         uint8_t *x = kind == KIND_COPY ? y : in; /* stored bytes are read straight into place */
-        if (read_all((int)src_fd, x, in_bytes, src_at + r0 * n, d)) goto done;
+        if (src_fd < 0) {
+            x = (uint8_t *)(intptr_t)(src_at + r0 * n); /* already in memory: hashed (and written) from there */
+            if (kind == KIND_COPY) y = x;
+            if (kind == KIND_COPY && dst_fd < 0) memcpy((uint8_t *)(intptr_t)(dst_at + r0 * n), x, in_bytes);
+        } else if (read_all((int)src_fd, x, in_bytes, src_at + r0 * n, d)) {
+            goto done;
+        }
         update(hs, x, in_bytes);
         if (kind == KIND_LUT16)
             /* rows [r0, r1) of the part: the buffers stand for its rows from r0 on */
             dequant_lut16(x - r0 * n, (const uint16_t *)(intptr_t)d[7], (uint16_t *)y - r0 * n, n, d[8], d[9], r0,
                           r1);
-        update(ho, y, out_bytes);
+        if (kind != KIND_COPY) update(ho, y, out_bytes); /* a copy's result is its source: hashed once */
         if (dst_fd >= 0 && write_all((int)dst_fd, y, out_bytes, dst_at + r0 * n * item, d)) goto done;
     }
     hashes[0] = digest(hs);
-    hashes[1] = digest(ho);
+    hashes[1] = kind == KIND_COPY ? hashes[0] : digest(ho);
     rc = 0;
 done:
     if (hs) release(hs);

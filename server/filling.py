@@ -21,7 +21,7 @@ import torch
 from expertd.index import checksum, tensor_bytes, tensor_checksum
 
 from .arena import Arena
-from . import native_parts
+from . import gpu_parts, native_parts
 from .dequant import DEQUANT, stream_part, write_part
 from .layout import Source
 from .parts import BATCH_BYTES, CHUNK_BYTES, Output, Part, part_digest
@@ -60,30 +60,42 @@ def source_digest(ckpt: Checkpoint, src: Source, known: dict) -> tuple[str, dict
 def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device) -> list[tuple[str, dict, str]]:
     """Fill each part; per part (source digest, identities learned, checksum of the written bytes).
 
-    Small FP8 parts on the CPU go through `small_parts.fill_small` together (what DeepSeek-V3's tens of thousands
-    of tensors at small dims cost is Python per part, not bytes); the rest chunk by chunk."""
+    Where the compiled library is, a task's parts go through one compiled call each way (`native_parts` on the
+    CPU, `gpu_parts` through the GPU); small FP8 parts on the CPU through `small_parts.fill_small` together (what
+    DeepSeek-V3's tens of thousands of tensors at small dims cost is Python per part, not bytes); the rest (MXFP4,
+    no compiler) chunk by chunk."""
     results: list = [None] * len(parts)
     small, compiled = [], []
-    native, whole_calls = _native(device), native_parts.usable(device)
-    output = Output(arena, direct=device.type == "cuda" or not arena.writes)
+    native, whole = _native(device), _whole_calls(device, arena)
+    output = Output(arena, direct=(device.type == "cuda" and whole is None) or not arena.writes)
     _reserve(parts, arena, populate=output.direct)
     for i, part in enumerate(parts):
         if part.old is not None:
             data = tensor_bytes(part.old)
             output.copy(part, data)
             results[i] = (part.digest, {}, checksum(data))
-        elif whole_calls and native_parts.takes(part):
+        elif whole is not None and whole[0](part):
             compiled.append(i)
         elif native and DEQUANT[part.src.kind].batched and part.src.info.nbytes <= CHUNK_BYTES:
             small.append(i)
         else:
             results[i] = _fill_one(part, output, ckpt, device)
-    for some, how in ((small, fill_small), (compiled, partial(native_parts.fill_native, arena=arena))):
+    for some, how in ((small, fill_small), (compiled, whole and whole[1])):
         if some:
             for i, result in zip(some, how([parts[i] for i in some], output, ckpt)):
                 results[i] = result
     output.flush()
     return results
+
+
+def _whole_calls(device: torch.device, arena: Arena):
+    """(which parts, how to fill them) where a task's parts go through compiled calls on `device` (the GPU's
+    pipeline, or the CPU's), else None: they go part by part."""
+    if gpu_parts.usable(device):
+        return gpu_parts.takes, partial(gpu_parts.fill_gpu, arena=arena, device=device)
+    if native_parts.usable(device):
+        return native_parts.takes, partial(native_parts.fill_native, arena=arena)
+    return None
 
 
 def _reserve(parts: list[Part], arena: Arena, populate: bool) -> None:

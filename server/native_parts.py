@@ -48,19 +48,18 @@ def takes(part: Part) -> bool:
     return kind == "fp8" and part.block.dtype == torch.bfloat16 and part.nbytes > SMALL_RESULT
 
 
-def _tables(parts: list[Part], ckpt: Checkpoint) -> tuple[torch.Tensor | None, list[int], list[str | None]]:
-    """(table of block results for every scaled part, each part's first table row, each part's scale digest): the
-    scales copied and hashed in one call per scale dtype, checked (a bad one named as planning names it), then
-    one table for all."""
+def scales(parts: list[Part], ckpt: Checkpoint) -> tuple[torch.Tensor | None, list[int], list[str | None]]:
+    """(every scaled part's scales as float32, one after another; where each part's begin; each part's scale
+    digest): copied and hashed in one call per scale dtype, then checked (a bad one named as planning names it)."""
     from expertd.kernels import native
 
-    rows, digests = [0] * len(parts), [None] * len(parts)
+    first_at, digests = [0] * len(parts), [None] * len(parts)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, part in enumerate(parts):
         if part.src.scale is not None:
             by_dtype.setdefault(part.src.scale.dtype, []).append(i)
     if not by_dtype:
-        return None, rows, digests
+        return None, first_at, digests
     floats, first = [], 0
     for dtype, members in by_dtype.items():
         views = [ckpt.view(parts[i].src.scale) for i in members]  # over the shard's mapping: no copy
@@ -79,10 +78,47 @@ def _tables(parts: list[Part], ckpt: Checkpoint) -> tuple[torch.Tensor | None, l
             for i in members:
                 check_scale_values(ckpt, parts[i].src.scale)
         for i, size, value in zip(members, sizes, hashes.view(torch.uint64).tolist()):
-            rows[i], digests[i] = first, checksum_text(value)
+            first_at[i], digests[i] = first, checksum_text(value)
             first += size // dtype.itemsize
         floats.append(values)
-    return native.block_luts(torch.cat(floats) if len(floats) > 1 else floats[0], torch.bfloat16), rows, digests
+    return torch.cat(floats) if len(floats) > 1 else floats[0], first_at, digests
+
+
+def results(parts: list[Part], ckpt: Checkpoint, hashes: torch.Tensor, scale_digests: list) -> list:
+    """Per part (source digest, identities learned, checksum of the written bytes) from its [source, result] XXH3
+    values, as `filling.fill` gives them."""
+    out = []
+    for part, (h_in, h_out), scale_digest in zip(parts, hashes.view(torch.uint64).tolist(), scale_digests):
+        digest = checksum_text(h_in)
+        ids = {ckpt.identity(part.src.info): digest}
+        if part.src.scale is not None:
+            ids[ckpt.identity(part.src.scale)] = scale_digest
+        out.append((part_digest(digest, scale_digest), ids, checksum_text(h_out)))
+    return out
+
+
+def destination(part: Part, output: Output, arena: Arena) -> tuple[int, int]:
+    """(fd, offset in its file) where `part`'s result goes, or (-1, address) where the output writes through the
+    daemon's mapping."""
+    if output.direct:
+        return -1, part.out.data_ptr()
+    return arena.fd(part.where), part.where.offset + part.offset
+
+
+def check(done: int, parts: list[Part], table: torch.Tensor, arena: Arena, ckpt: Checkpoint) -> None:
+    """Raise for the part a compiled call stopped at (`done` < all): its shard and tensor named, or its segment."""
+    from expertd.kernels import native
+
+    if done >= len(parts):
+        return
+    part, row = parts[done], table[done].tolist()
+    what, code, info = row[10], row[11], part.src.info
+    if what == native.FILL_ERR_SHORT:
+        raise ShardFormatError(f"data ends before its {info.nbytes} bytes (truncated since opened?)",
+                               file=info.file, tensor=info.name)
+    if what == native.FILL_ERR_READ:
+        raise ShardFormatError(f"cannot read shard: {os.strerror(code)}", file=info.file, tensor=info.name)
+    raise arena.write_error(part.where, part.offset, part.nbytes, code)
 
 
 def fill_native(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena) -> list[tuple[str, dict, str]]:
@@ -91,48 +127,23 @@ def fill_native(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Aren
     from expertd.kernels import native
 
     output.flush()  # nothing of the output's buffer may be pending: the compiled loop writes through it
-    lut, first_rows, scale_digests = _tables(parts, ckpt)
-    row_bytes = 256 * 2
+    floats, first_at, scale_digests = scales(parts, ckpt)
+    lut = None if floats is None else native.block_luts(floats, torch.bfloat16)  # one table row per scale
     desc, longest, nbytes = [], CHUNK_BYTES, 0
-    for part, first in zip(parts, first_rows):
+    for part, first in zip(parts, first_at):
         info, src = part.src.info, part.src
-        if output.direct:
-            dst_fd, dst_at = -1, part.out.data_ptr()
-        else:
-            dst_fd, dst_at = arena.fd(part.where), part.where.offset + part.offset
+        dst_fd, dst_at = destination(part, output, arena)
         if src.scale is None:
             desc.append((native.FILL_COPY, ckpt.fd(info), info.offset, info.nbytes, 1, dst_fd, dst_at, 0, 1, 1, 0, 0))
         else:
             m, n = info.shape
             longest = max(longest, 2 * n)
             desc.append((native.FILL_LUT16, ckpt.fd(info), info.offset, m, n, dst_fd, dst_at,
-                         lut.data_ptr() + first * row_bytes, *src.block, 0, 0))
+                         lut.data_ptr() + first * 256 * lut.element_size(), *src.block, 0, 0))
         nbytes += info.nbytes
     table = int64_rows(desc)
     hashes = torch.empty(len(parts), 2, dtype=torch.int64)
-    done = native.fill_batch(table, buffer(longest, "read"), buffer(longest, "out"), CHUNK_BYTES, hashes)
-    if done < len(parts):
-        raise _failure(parts[done], table[done].tolist(), arena)
+    check(native.fill_batch(table, buffer(longest, "read"), buffer(longest, "out"), CHUNK_BYTES, hashes),
+          parts, table, arena, ckpt)
     ckpt.counted(nbytes)
-    results = []
-    for part, (h_in, h_out), scale_digest in zip(parts, hashes.view(torch.uint64).tolist(), scale_digests):
-        digest, ids = checksum_text(h_in), {}
-        ids[ckpt.identity(part.src.info)] = digest
-        if part.src.scale is not None:
-            ids[ckpt.identity(part.src.scale)] = scale_digest
-        results.append((part_digest(digest, scale_digest), ids, checksum_text(h_out)))
-    return results
-
-
-def _failure(part: Part, row: list[int], arena: Arena) -> Exception:
-    """The error for the part the compiled loop stopped at: its shard and tensor named, or its segment."""
-    from expertd.kernels import native
-
-    what, code, info = row[10], row[11], part.src.info
-    if what == native.FILL_ERR_SHORT:
-        return ShardFormatError(f"data ends before its {info.nbytes} bytes (truncated since opened?)",
-                                file=info.file, tensor=info.name)
-    if what == native.FILL_ERR_READ:
-        return ShardFormatError(f"cannot read shard: {os.strerror(code)}", file=info.file, tensor=info.name)
-    return arena.write_error(part.where, part.offset, part.nbytes, code)
-
+    return results(parts, ckpt, hashes, scale_digests)
