@@ -1,13 +1,15 @@
-"""Dequant throughput (GB/s of output written) next to a plain copy of the same output bytes.
+"""Dequant throughput next to a plain copy, on the CPU and (where CUDA is present) on the GPU.
 
-CPU, per checkpoint format: DeepSeek FP8 128x128 blocks (float32 scales), compressed-tensors FP8 per
-channel, per tensor and per 128x128 block (bf16 scales, as llmcompressor writes them) and MXFP4 (gpt-oss)
-vs `dst.copy_(src)` of a bf16 tensor of the output's size (torch's copy, using the same intra-op threads)
-and vs one-threaded libc memmove, measured side by side, best of N.
-GPU (skipped without CUDA): the Triton kernel vs DeepSeek-V3's own `x.float() * s` kernel (needs
-native fp8 loads) and vs a device-to-device copy.
+CPU (GB/s of output written), per checkpoint format: DeepSeek FP8 128x128 blocks (float32 scales),
+compressed-tensors FP8 per channel, per tensor and per 128x128 block (bf16 scales, as llmcompressor writes
+them) and MXFP4 (gpt-oss) vs `dst.copy_(src)` of a bf16 tensor of the output's size (torch's copy, using the
+same intra-op threads) and vs one-threaded libc memmove, measured side by side, best of N.
+GPU (GB/s of bytes read + written, median of CUDA-event times, L2 flushed before each call; see
+bench_dequant_gpu.py): the Triton kernels, native fp8 conversion and integer decode, vs a device-to-device
+copy of as many bytes and vs a DeepSeek-V3-style kernel, each result checked bit for bit.
 
     python benchmarks/bench_dequant.py [--reps 10] [--shapes 7168x2048,2048x7168] [--formats fp8-block,...]
+    python benchmarks/bench_dequant.py --gpu-only [--no-sweep] [--experts 256]   # the GPU part alone
 """
 
 from __future__ import annotations
@@ -97,73 +99,27 @@ def bench_cpu(m: int, n: int, reps: int, formats: list[str]) -> None:
               f"to memmove {deq / mm:.2f})")
 
 
-def _deepseek_kernel():
-    """The baseline: DeepSeek-V3's weight_dequant formulation (native fp8 load, x.float() * s per tile)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def weight_dequant_kernel(x_ptr, s_ptr, y_ptr, M, N, BLOCK_SIZE: tl.constexpr):
-        pid_m = tl.program_id(axis=0)
-        pid_n = tl.program_id(axis=1)
-        n = tl.cdiv(N, BLOCK_SIZE)
-        offs_m = pid_m * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        offs_n = pid_n * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-        offs = offs_m[:, None] * N + offs_n[None, :]
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
-        s = tl.load(s_ptr + pid_m * n + pid_n)
-        tl.store(y_ptr + offs, x * s, mask=mask)
-
-    def run(x, s, y):
-        m, n = x.shape
-        grid = (triton.cdiv(m, BLOCK), triton.cdiv(n, BLOCK))
-        weight_dequant_kernel[grid](x, s, y, m, n, BLOCK_SIZE=BLOCK)
-
-    return run
-
-
-def bench_gpu(m: int, n: int, reps: int) -> None:
-    from expertd.kernels import weight_dequant_triton
-
-    x, s = make_weight(m, n, "cuda")
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(out)
-    nbytes = out.numel() * out.element_size()
-    ref = weight_dequant_reference(x.cpu(), s.cpu(), BLOCK)
-    weight_dequant_triton(x, s, BLOCK, out=out)
-    if not torch.equal(out.cpu().view(torch.int16), ref.view(torch.int16)):
-        raise SystemExit("Triton dequant does not match the reference")
-    fns = {"triton": lambda: weight_dequant_triton(x, s, BLOCK, out=out), "copy": lambda: dst.copy_(out)}
-    try:
-        ds = _deepseek_kernel()
-        ds(x, s, dst)
-        fns["deepseek"] = lambda: ds(x, s, dst)
-    except Exception as e:  # e.g. no native fp8 conversion on this GPU
-        print(f"gpu: DeepSeek-V3 kernel unavailable here ({type(e).__name__}: {e})")
-    t = best_of(fns, reps, torch.cuda.synchronize)
-    line = (f"gpu  {m}x{n}: triton {nbytes / t['triton'] / 1e9:7.1f} GB/s | "
-            f"d2d copy {nbytes / t['copy'] / 1e9:7.1f} GB/s")
-    if "deepseek" in t:
-        line += f" | deepseek x.float()*s {nbytes / t['deepseek'] / 1e9:7.1f} GB/s"
-    print(line)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--shapes", default="7168x2048,2048x7168")
+    ap.add_argument("--shapes", default="7168x2048,2048x7168", help="CPU shapes")
     ap.add_argument("--formats", default=",".join(FORMATS), help=f"of {', '.join(FORMATS)}")
+    ap.add_argument("--gpu-only", action="store_true", help="only the GPU part (under 90 s on an H100)")
+    ap.add_argument("--gpu-reps", type=int, default=25, help="CUDA-event samples per GPU measurement (median)")
+    ap.add_argument("--experts", type=int, default=256, help="experts in the GPU layer case")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the GPU tile sweep")
     args = ap.parse_args()
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, best of {args.reps}")
-    for m, n in shapes:
-        bench_cpu(m, n, args.reps, args.formats.split(","))
+    if not args.gpu_only:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} intra-op threads, best of {args.reps}")
+        for m, n in shapes:
+            bench_cpu(m, n, args.reps, args.formats.split(","))
     if not torch.cuda.is_available():
-        print("gpu: skipped (torch.cuda.is_available() is False)")
+        print("gpu: skipped, no CUDA GPU present (torch.cuda.is_available() is False)")
         return
-    for m, n in shapes:
-        bench_gpu(m, n, args.reps)
+    from bench_dequant_gpu import bench_gpu
+
+    bench_gpu(args.gpu_reps, args.experts, sweep=not args.no_sweep)
 
 
 if __name__ == "__main__":

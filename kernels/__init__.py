@@ -30,7 +30,7 @@ from .reference import (
     scale_shape,
     weight_dequant_reference,
 )
-from .triton_dequant import _dequant_triton, weight_dequant_triton
+from .triton_dequant import _dequant_triton, weight_dequant_batched_triton, weight_dequant_triton
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -46,6 +46,7 @@ __all__ = [
     "quantize_fp8_blockwise",
     "scale_shape",
     "weight_dequant",
+    "weight_dequant_batched_triton",
     "weight_dequant_cpu",
     "weight_dequant_reference",
     "weight_dequant_triton",

@@ -1,9 +1,17 @@
-"""The Triton dequant kernel itself; imported only by triton_dequant on first use, so importing
-expertd.kernels never imports triton (and TRITON_INTERPRET is read when this module loads).
+"""The Triton FP8 dequant kernel; imported only by triton_dequant on first use, so importing expertd.kernels
+never imports triton (and TRITON_INTERPRET is read when this module loads).
 
-The fp8 bytes are decoded with integer ops rather than a float8 cast so the kernel also runs on GPUs
-without native fp8 conversion (A100), and bf16 is rounded by hand because the interpreter's
-fp32 -> bf16 store truncates; done this way one kernel is bit-exact on GPU and in the interpreter.
+Two ways to the same bits, picked by constexprs (triton_dequant.conversions):
+- FP8_CVT (GPUs with fp8 conversion, sm_89+): the byte bitcast to float8e4nv and converted to float32;
+  else an exact decode with integer ops and one multiply (A100, TRITON_INTERPRET=1).
+- BF16_CVT (any CUDA GPU): the hardware's round-to-nearest-even float32 -> bf16 conversion; else rounded
+  by hand, as the interpreter's own cast truncates.
+Either way y = float32(x) * s is one float32 multiply (no flush to zero: subnormal products are kept) and
+its bf16 rounding is torch's; NaN results get NAN_BF16, the bits torch's CPU cast writes.
+
+One program dequantizes one TILE_M x TILE_N tile of one expert; the grid is flat over (expert, tile row,
+tile column), so one launch covers a whole stack [E, M, N]. Offsets within a tile are int32, each
+program's base int64.
 """
 
 import triton
@@ -12,58 +20,104 @@ import triton.language as tl
 # OUT_KIND values
 OUT_BF16, OUT_FP16, OUT_FP32 = 0, 1, 2
 
+TWO_POW_120 = tl.constexpr(2.0**120)
+
 
 @triton.jit
 def _decode_e4m3(b):
-    """uint8 bytes (as int32) -> float32 values; NaN bytes 0x7f/0xff -> +-NaN with mantissa 0x700000."""
-    sign = (b & 0x80) << 24
-    e = (b >> 3) & 0xF
-    m = b & 0x7
-    normal = ((e + 120) << 23) | (m << 20)  # 2**(e-7) * (1 + m/8): rebias 7 -> 127
-    # subnormal m * 2**-9: normalise on the leading bit p of m (0, 1 or 2)
-    p = (m >= 2).to(tl.int32) + (m >= 4).to(tl.int32)
-    sub = ((118 + p) << 23) | ((m << (23 - p)) & 0x7FFFFF)
-    sub = tl.where(m == 0, 0, sub)
-    mag = tl.where(e == 0, sub, normal)
-    mag = tl.where((b & 0x7F) == 0x7F, 0x7FF00000, mag)
-    return (sign | mag).to(tl.float32, bitcast=True)
+    """e4m3fn bytes (as int32) -> float32 with no fp8 instruction. The 7 exponent+mantissa bits placed at
+    bits 20..26 read as a float32 of exactly x * 2**-120, normal and subnormal bytes alike (float32's bias
+    is 120 larger and its subnormals start at the same bit), so one exact multiply restores x.
+    NaN bytes 0x7f/0xff -> NaN."""
+    raw = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
+    x = raw.to(tl.float32, bitcast=True) * TWO_POW_120
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), x)
 
 
 @triton.jit
 def _dequant_kernel(
-    x_ptr,  # uint8 [M, N]
-    s_ptr,  # float32 [ceil(M/BLOCK_M), ceil(N/BLOCK_N)]
-    y_ptr,  # int16 view of bf16/fp16 output, or float32 [M, N]
+    x_ptr,  # uint8 [E, M, N]
+    s_ptr,  # float32 [E, s_rows, s_cols]
+    y_ptr,  # int16 view of bf16 output, or fp16 / float32 [E, M, N]
     M,
     N,
-    s_stride,
-    nan_bf16,  # bits the bf16 path writes for NaN (what torch's CPU cast writes)
-    BLOCK_M: tl.constexpr,
+    tiles_m,  # tiles per expert: tiles_m x tiles_n
+    tiles_n,
+    s_rows,
+    s_cols,
+    BLOCK_M: tl.constexpr,  # scale block; 2**30 where one block covers the whole dimension
     BLOCK_N: tl.constexpr,
     TILE_M: tl.constexpr,
     TILE_N: tl.constexpr,
-    SCALAR_SCALE: tl.constexpr,  # tile lies inside one scale block
+    SCALE: tl.constexpr,  # the scales a tile meets: 0 one, 1 one per row, 2 one per column, 3 one per element
+    MASKED: tl.constexpr,  # False when the tiles divide M and N
     OUT_KIND: tl.constexpr,
+    NAN_BF16: tl.constexpr,
+    FP8_CVT: tl.constexpr,
+    BF16_CVT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rm = pid_m * TILE_M + tl.arange(0, TILE_M)
-    rn = pid_n * TILE_N + tl.arange(0, TILE_N)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
-    b = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.int32)
-    x = _decode_e4m3(b)
-    if SCALAR_SCALE:
-        s = tl.load(s_ptr + (pid_m * TILE_M // BLOCK_M) * s_stride + (pid_n * TILE_N // BLOCK_N))
+    pid = tl.program_id(0)
+    tn = pid % tiles_n
+    t = pid // tiles_n
+    tm = t % tiles_m
+    e = (t // tiles_m).to(tl.int64)
+    r0 = tm * TILE_M  # int32: M < 2**31
+    c0 = tn * TILE_N
+    base = (e * M + r0) * N + c0
+    ri = tl.arange(0, TILE_M)
+    ci = tl.arange(0, TILE_N)
+    offs = ri[:, None] * N + ci[None, :]
+    # 8 contiguous bytes per thread at most, so the load gets the store's layout (8 results = 16 bytes per
+    # thread); with 16-byte loads the compiler would stage every tile through shared memory between them
+    xoffs = tl.max_contiguous(offs, [1, 8])
+    if MASKED:
+        mask_m = ri < M - r0
+        mask_n = ci < N - c0
+        mask = mask_m[:, None] & mask_n[None, :]
+        b = tl.load(x_ptr + base + xoffs, mask=mask, other=0)
     else:
-        s = tl.load(s_ptr + (rm // BLOCK_M)[:, None] * s_stride + (rn // BLOCK_N)[None, :], mask=mask, other=1.0)
+        b = tl.load(x_ptr + base + xoffs)
+    if FP8_CVT:
+        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        x = _decode_e4m3(b.to(tl.int32))
+
+    sp = s_ptr + e * s_rows * s_cols
+    if SCALE == 0:
+        s = tl.load(sp + (r0 // BLOCK_M) * s_cols + c0 // BLOCK_N)
+    elif SCALE == 1:
+        at = ((r0 + ri) // BLOCK_M) * s_cols + c0 // BLOCK_N
+        if MASKED:
+            s = tl.load(sp + at, mask=mask_m, other=1.0)[:, None]
+        else:
+            s = tl.load(sp + at)[:, None]
+    elif SCALE == 2:
+        at = (r0 // BLOCK_M) * s_cols + (c0 + ci) // BLOCK_N
+        if MASKED:
+            s = tl.load(sp + at, mask=mask_n, other=1.0)[None, :]
+        else:
+            s = tl.load(sp + at)[None, :]
+    else:
+        at = ((r0 + ri) // BLOCK_M)[:, None] * s_cols + ((c0 + ci) // BLOCK_N)[None, :]
+        if MASKED:
+            s = tl.load(sp + at, mask=mask, other=1.0)
+        else:
+            s = tl.load(sp + at)
     y = x * s
+
+    yp = y_ptr + base + offs
     if OUT_KIND == 0:
-        u = y.to(tl.uint32, bitcast=True)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # round to nearest even
-        r = tl.where(y != y, nan_bf16, r.to(tl.int32))
-        tl.store(y_ptr + offs, r.to(tl.int16), mask=mask)
+        if BF16_CVT:
+            r = y.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+        else:
+            u = y.to(tl.uint32, bitcast=True)
+            r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int32)  # round to nearest even
+        v = tl.where(y != y, NAN_BF16, r).to(tl.int16)
     elif OUT_KIND == 1:
-        tl.store(y_ptr + offs, y.to(tl.float16), mask=mask)
+        v = y.to(tl.float16)
     else:
-        tl.store(y_ptr + offs, y, mask=mask)
+        v = y
+    if MASKED:
+        tl.store(yp, v, mask=mask)
+    else:
+        tl.store(yp, v)

@@ -3,12 +3,13 @@
 A gpt-oss expert weight is stored as `*_blocks` uint8 [..., R, G, 16] (two e2m1 codes per byte, low nibble
 first: 32 codes per group) and `*_scales` uint8 [..., R, G] (e8m0: 2**(s - 127)), and decodes to
 [..., G*32, R] (transformers transposes the last two dims: gate_up_proj [E, H, 2I] from blocks
-[E, 2I, H/32, 16]). Each (scale byte, code) pair has exactly one result, so every path gathers from one
+[E, 2I, H/32, 16]). Each (scale byte, code) pair has exactly one result, so the CPU paths gather from one
 [256, 16] table that `mxfp4_table` computes with transformers' own ops (its lut, `torch.ldexp` with an
 int32 exponent, into a bf16 out): the table is its decode by construction, and the tests check every pair.
 
 Paths: a compiled loop (kernels/mxfp4.c, built with dequant_lut.c by native.py) on the CPU, a pure-torch
-gather where that cannot be built (EXPERTD_NATIVE=0), a Triton kernel on CUDA (triton imported on first use).
+gather where that cannot be built (EXPERTD_NATIVE=0), a Triton kernel on CUDA (triton imported on first use;
+it computes each result exactly instead of gathering, see _triton_mxfp4).
 `dequant_mxfp4_reference` decodes with exact float64 arithmetic instead, the independent check.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -254,41 +256,60 @@ def quantize_mxfp4(w: torch.Tensor, name: str | None = None) -> tuple[torch.Tens
 
 # --- Triton ----------------------------------------------------------------------------------------------
 
-TILE_R = 64
+
+class Mxfp4Tiling(NamedTuple):
+    groups: int  # groups per program: groups * 16 contiguous bytes of each row, groups * 32 result rows
+    tile_r: int  # rows of blocks per program: result columns
+    num_warps: int
+
+
+def mxfp4_tiling(r: int, g: int) -> Mxfp4Tiling:
+    """The tile of one expert's [G*32, R] result: 4 groups (64-byte reads per row) by 64 columns."""
+    return Mxfp4Tiling(min(4, 1 << max(0, g - 1).bit_length()), 64, 4)
+
+
+def launch_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                 tile: Mxfp4Tiling | None = None) -> None:
+    """One launch over every expert: contiguous blocks [E, R, G, 16], scales [E, R, G] into out [E, G*32, R],
+    arguments unchecked; `tile` overrides `mxfp4_tiling` (benchmarks)."""
+    if out.numel() == 0:
+        return
+    from . import _triton_mxfp4 as K
+
+    *_, r, g, _ = blocks.shape
+    e = out.numel() // (g * GROUP * r)
+    tile = tile or mxfp4_tiling(r, g)
+    tiles_g, tiles_r = -(-g // tile.groups), -(-r // tile.tile_r)
+    with on_device(out.device):
+        K._mxfp4_kernel[(e * tiles_g * tiles_r,)](
+            blocks,
+            scales,
+            out.view(torch.int16),
+            r,
+            g,
+            tiles_g,
+            tiles_r,
+            GROUPS=tile.groups,
+            TILE_R=tile.tile_r,
+            MASKED=g % tile.groups != 0 or r % tile.tile_r != 0,
+            num_warps=tile.num_warps,
+        )
 
 
 def _dequant_triton(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """`dequant_mxfp4_triton` on checked arguments; only the devices are checked here."""
     device = launch_device("dequant_mxfp4_triton", "blocks", blocks, scales=scales, out=out)
-    *lead, r, g, _ = blocks.shape
     if out is None:
         out = torch.empty(_out_shape(blocks), dtype=OUT_DTYPE, device=device)
-    e = out.numel() // max(1, g * GROUP * r)
-    if out.numel() == 0:
-        return out
-
-    from . import _triton_mxfp4 as K
-
-    table = _table(OUT_DTYPE).view(torch.int16).to(device)
-    grid = (e * g, -(-r // TILE_R))
-    with on_device(device):
-        K._mxfp4_kernel[grid](
-            blocks.contiguous(),
-            scales.contiguous(),
-            table,
-            out.view(torch.int16),
-            r,
-            g,
-            TILE_R=TILE_R,
-            num_warps=4,
-        )
+    launch_mxfp4(blocks.contiguous(), scales.contiguous(), out)
     return out
 
 
 def dequant_mxfp4_triton(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None, *,
                          name: str | None = None) -> torch.Tensor:
     """Dequantize with the Triton kernel (CUDA tensors, or CPU ones under TRITON_INTERPRET=1) into `out`
-    (allocated on blocks' device if None); return it. Bit for bit the CPU paths."""
+    (allocated on blocks' device if None); return it. Bit for bit the CPU paths; every leading dimension
+    (a layer's experts) in one launch."""
     check_mxfp4_args(blocks, scales, name)
     if out is not None:
         _check_out(out, _out_shape(blocks), name)

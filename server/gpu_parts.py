@@ -72,7 +72,7 @@ def _runs(parts: list[Part]) -> list[list[int]]:
 
 def _launch(run: list[Part], x: torch.Tensor, scales_at: torch.Tensor, y: torch.Tensor) -> None:
     """Dequantize a run of same-shaped parts lying one after another from the start of `x` (fp8 bytes), their
-    float32 scales from the start of `scales_at`, into `y` (bf16 bytes), on the current stream."""
+    float32 scales from the start of `scales_at`, into `y` (bf16 bytes): one launch on the current stream."""
     from expertd import kernels
 
     src = run[0].src
@@ -82,8 +82,7 @@ def _launch(run: list[Part], x: torch.Tensor, scales_at: torch.Tensor, y: torch.
     xs = x[: count * m * n].view(count, m, n)
     ss = scales_at[: count * per].view(count, *grid)
     ys = y[: count * m * n * 2].view(torch.bfloat16).view(count, m, n)
-    for k, part in enumerate(run):
-        kernels.weight_dequant_triton(xs[k], ss[k], src.block, out=ys[k], name=part.src.info.name)
+    kernels.weight_dequant_batched_triton(xs.view(torch.float8_e4m3fn), ss, src.block, out=ys, name=src.info.name)
 
 
 def fill_gpu(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena,
