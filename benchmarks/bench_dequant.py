@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
+import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_dequant_gpu beside it, also under -P
 from expertd.kernels import quantize_fp8_blockwise, weight_dequant_cpu, weight_dequant_reference
 
 BLOCK = 128

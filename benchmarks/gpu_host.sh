@@ -18,12 +18,15 @@ export PYTHONPATH=$SITE PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 nproc
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-STEPS=${STEPS:-dequant loader tests}
+STEPS=${STEPS:-dequant loader tests}  # or any of: gpu-daemon, a script.py of your own
 for step in $STEPS; do
     case $step in
     dequant) timeout 240 python3 benchmarks/bench_dequant.py --gpu-only 2>&1 | tee "$OUT/dequant.txt" ;;
     loader) timeout 400 python3 benchmarks/bench_loader.py --only L1 --threads "${THREADS:-1,2,4,8,16}" --reps 2 \
         --per-chunk --cuda 2>&1 | tee "$OUT/loader.txt" ;;
+    gpu-daemon) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_daemon.py 2>&1 | tail -5 \
+        | tee "$OUT/gpu-daemon.txt" ;;
+    *.py) timeout 300 python3 "$step" 2>&1 | tee "$OUT/$(basename "$step" .py).txt" ;;
     tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_daemon.py tests/test_kernels_triton.py \
         tests/test_mxfp4_triton.py 2>&1 | tail -15 | tee "$OUT/tests.txt" ;;
     esac

@@ -29,6 +29,7 @@ from .reader import Checkpoint
 from .small_parts import fill_small
 
 BATCH_ITEMS = 256
+WINDOW_PER_THREAD = 2  # tasks queued per thread: results are taken in order, so a slow task holds up others
 
 
 def dequantized(ckpt: Checkpoint, src: Source, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -68,7 +69,8 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device
     small, compiled = [], []
     native, whole = _native(device), _whole_calls(device, arena)
     output = Output(arena, direct=(device.type == "cuda" and whole is None) or not arena.writes)
-    _reserve(parts, arena, populate=output.direct)
+    if output.direct:  # pwrite needs no reservation: it takes the pages it fills, and says ENOSPC where none are left
+        _reserve(parts, arena, populate=True)
     for i, part in enumerate(parts):
         if part.old is not None:
             data = tensor_bytes(part.old)
@@ -154,7 +156,7 @@ class OrderedPool:
         self._torch_threads = torch.get_num_threads()
         torch.set_num_threads(1)
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="expertd-load")
-        self.window = 2 * max(1, threads) + 1
+        self.window = WINDOW_PER_THREAD * max(1, threads) + 1
         self.pending: deque[tuple[object, Future]] = deque()
 
     def submit(self, tag, fn, *args, **kwargs):
