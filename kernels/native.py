@@ -75,7 +75,7 @@ def _build() -> ctypes.CDLL | None:
     lib.mxfp4_simd(0 if os.environ.get("EXPERTD_NATIVE_SIMD", "1") == "0" else 1)
     lib.mxfp4_stream_min.argtypes = [ctypes.c_int64]
     lib.mxfp4_stream_min.restype = ctypes.c_int64
-    lib.fill_batch.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p]
+    lib.fill_batch.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p]
     lib.fill_batch.restype = ctypes.c_int64
     return lib
 
@@ -116,46 +116,55 @@ def _hash_address() -> int | None:
 
 _XXH3_STREAM = ("XXH3_createState", "XXH3_freeState", "XXH3_64bits_reset", "XXH3_64bits_update",
                  "XXH3_64bits_digest")
-_stream: list = []
+_env: list = []
 
 
-def _stream_table() -> torch.Tensor | None:
-    """XXH3's streaming functions in the xxhash module's own library, as an int64 table of addresses (the order
-    fill_batch.c reads them in); None where it does not export them or they do not give the index's hash."""
-    if not _stream:
+def _fill_env() -> torch.Tensor | None:
+    """What fill_batch.c calls and reads, as an int64 table in its order: XXH3's streaming functions and its one-shot
+    function (from the xxhash module's own library, the index's hash), the float32 value of every fp8 code, and the
+    bf16 bits the reference writes for the NaN codes 0x7f and 0xff. None where the library lacks a function."""
+    if not _env:
         table = None
         try:
             import xxhash._xxhash as compiled
+
+            from .reference import nan_bits
 
             lib = ctypes.CDLL(compiled.__file__)
             fns = [getattr(lib, name) for name in _XXH3_STREAM]
             if hasattr(lib, "XXH3_64bits_update_dispatch"):  # the same hash on the CPU's widest vectors: ~2x here
                 fns[3] = lib.XXH3_64bits_update_dispatch
-            table = torch.tensor([ctypes.cast(fn, ctypes.c_void_p).value for fn in fns], dtype=torch.int64)
+            once = _hash_address()
+            if once is not None:
+                table = torch.tensor([*(ctypes.cast(fn, ctypes.c_void_p).value for fn in fns), once, _CODES.data_ptr(),
+                                      *(bits & 0xFFFF for bits in nan_bits(torch.bfloat16))], dtype=torch.int64)
         except (ImportError, OSError, AttributeError):
             table = None
-        _stream.append(table)
-    return _stream[0]
+        _env.append(table)
+    return _env[0]
 
 
 # fill_batch's descriptor: FILL_FIELDS int64 per part (fill_batch.c says what each is)
-FILL_FIELDS, FILL_COPY, FILL_LUT16 = 12, 0, 1
-FILL_ERR_READ, FILL_ERR_SHORT, FILL_ERR_WRITE = 1, 2, 3
+FILL_FIELDS, FILL_COPY, FILL_LUT16 = 14, 0, 1
+FILL_ERR_READ, FILL_ERR_SHORT, FILL_ERR_WRITE, FILL_ERR_SCALE = 1, 2, 3, 4
+FILL_SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # scale dtype -> its code
+FILL_SCALE_FILE = -1  # desc[13] of an ERR_READ / ERR_SHORT that happened reading the scales
 
 
 def can_fill_batch() -> bool:
-    """Whether `fill_batch` runs here: the compiled library, XXH3's streaming functions to call from it, and
-    `copy_hash` (its scales are copied and hashed with XXH3_64bits)."""
-    return available() and _hash_address() is not None and _stream_table() is not None
+    """Whether `fill_batch` runs here: the compiled library and the xxhash library's functions to call from it."""
+    return available() and _hash_address() is not None and _fill_env() is not None
 
 
-def fill_batch(desc: torch.Tensor, into: torch.Tensor, out: torch.Tensor, chunk: int, hashes: torch.Tensor) -> int:
+def fill_batch(desc: torch.Tensor, into: torch.Tensor, out: torch.Tensor, raw: torch.Tensor, lut: torch.Tensor,
+               chunk: int, hashes: torch.Tensor) -> int:
     """Read, dequantize or copy, hash and write a task's parts in one call with the GIL dropped (fill_batch.c):
-    `desc` int64 [k, FILL_FIELDS], buffers `into` (sources) and `out` (results) of at least max(chunk, the
-    longest row's result) bytes each, `hashes` uint64-sized int64 [k, 2]. Returns how many parts were filled:
-    k, else the failed part's desc row says what failed."""
-    return _lib.fill_batch(desc.shape[0], desc.data_ptr(), _stream_table().data_ptr(), into.data_ptr(),
-                           out.data_ptr(), chunk, hashes.data_ptr())
+    `desc` int64 [k, FILL_FIELDS]; buffers `into` (sources) and `out` (results) of at least max(chunk, the longest
+    row's result) bytes each, `raw` and `lut` of at least 4 and 512 bytes per scale of the part with most scales;
+    `hashes` uint64-sized int64 [k, 3] (source, result, scales). Returns how many parts were filled: k, else the
+    failed part's desc row says what failed."""
+    return _lib.fill_batch(desc.shape[0], desc.data_ptr(), _fill_env().data_ptr(), into.data_ptr(), out.data_ptr(),
+                           raw.data_ptr(), lut.data_ptr(), chunk, hashes.data_ptr())
 
 
 def copy_hash(desc: torch.Tensor, hashes: torch.Tensor) -> bool:

@@ -99,9 +99,9 @@ def fill_gpu(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena,
     host_in, host_out = _pinned("in", total), _pinned("out", sum(outs))
     # 1. every source read into pinned memory and hashed, without the GIL
     table = int64_rows([(native.FILL_COPY, ckpt.fd(p.src.info), p.src.info.offset, n, 1, -1, host_in.data_ptr() + at,
-                         0, 1, 1, 0, 0) for p, n, at in zip(parts, sizes, starts)])
-    read = torch.empty(len(parts), 2, dtype=torch.int64)
-    check(native.fill_batch(table, host_in, host_in, CHUNK_BYTES, read), parts, table, arena, ckpt)
+                         -1, 0, 1, 1, 0, 0, 0) for p, n, at in zip(parts, sizes, starts)])
+    read = torch.empty(len(parts), 3, dtype=torch.int64)
+    check(native.fill_batch(table, host_in, host_in, host_in, host_in, CHUNK_BYTES, read), parts, table, arena, ckpt)
     ckpt.counted(total)
     runs = _runs(parts)
     if runs:
@@ -122,9 +122,10 @@ def fill_gpu(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena,
         dst_fd, dst_at = destination(p, output, arena)
         scaled = p.src.scale is not None
         src_at, nbytes = (host_out.data_ptr() + out_at, size) if scaled else (host_in.data_ptr() + at, n)
-        desc.append((native.FILL_COPY, -1, src_at, nbytes, 1, dst_fd, dst_at, 0, 1, 1, 0, 0))
+        desc.append((native.FILL_COPY, -1, src_at, nbytes, 1, dst_fd, dst_at, -1, 0, 1, 1, 0, 0, 0))
     table = int64_rows(desc)
-    written = torch.empty(len(parts), 2, dtype=torch.int64)
-    check(native.fill_batch(table, host_out, host_out, CHUNK_BYTES, written), parts, table, arena, ckpt)
+    written = torch.empty(len(parts), 3, dtype=torch.int64)
+    check(native.fill_batch(table, host_out, host_out, host_out, host_out, CHUNK_BYTES, written), parts, table, arena,
+          ckpt)
     hashes = torch.stack([read[:, 0], written[:, 1]], dim=1)
     return results(parts, ckpt, hashes, scale_digests)

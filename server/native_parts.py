@@ -17,7 +17,7 @@ import os
 import numpy as np
 import torch
 
-from expertd.errors import ShardFormatError
+from expertd.errors import ScaleError, ShardFormatError
 from expertd.index import checksum_text
 
 from .arena import Arena
@@ -40,12 +40,24 @@ def usable(device: torch.device) -> bool:
     return native.can_fill_batch()
 
 
+def scale_count(src) -> int | None:
+    """How many scales an FP8 source's blocks have, where its scale tensor holds exactly those in a dtype the compiled
+    table is made from (float32, bf16, fp16); else None."""
+    from expertd.kernels import native
+
+    m, n = src.info.shape
+    count = -(-m // src.block[0]) * -(-n // src.block[1])
+    dtype = src.scale.dtype
+    return count if dtype in native.FILL_SCALE_DTYPES and src.scale.nbytes == count * dtype.itemsize else None
+
+
 def takes(part: Part) -> bool:
     """Whether `part` is filled here: stored bytes, or FP8 made bf16 (the 16-bit table), of more than SMALL_RESULT."""
     kind = part.src.kind
     if kind == "plain":
         return True
-    return kind == "fp8" and part.block.dtype == torch.bfloat16 and part.nbytes > SMALL_RESULT
+    return (kind == "fp8" and part.block.dtype == torch.bfloat16 and part.nbytes > SMALL_RESULT
+            and scale_count(part.src) is not None)
 
 
 def scales(parts: list[Part], ckpt: Checkpoint) -> tuple[torch.Tensor | None, list[int], list[str | None]]:
@@ -112,7 +124,15 @@ def check(done: int, parts: list[Part], table: torch.Tensor, arena: Arena, ckpt:
     if done >= len(parts):
         return
     part, row = parts[done], table[done].tolist()
-    what, code, info = row[10], row[11], part.src.info
+    what, code, info = row[12], row[13], part.src.info
+    if what == native.FILL_ERR_SCALE:
+        check_scale_values(ckpt, part.src.scale)  # names the tensor and what is wrong
+        raise ScaleError(f"scale {code} is not finite and positive", file=part.src.scale.file,
+                         tensor=part.src.scale.name)
+    if what in (native.FILL_ERR_SHORT, native.FILL_ERR_READ) and code == native.FILL_SCALE_FILE:
+        info = part.src.scale
+        raise ShardFormatError(f"cannot read its {info.nbytes} bytes (truncated since opened?)", file=info.file,
+                               tensor=info.name)
     if what == native.FILL_ERR_SHORT:
         raise ShardFormatError(f"data ends before its {info.nbytes} bytes (truncated since opened?)",
                                file=info.file, tensor=info.name)
@@ -122,28 +142,32 @@ def check(done: int, parts: list[Part], table: torch.Tensor, arena: Arena, ckpt:
 
 
 def fill_native(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena) -> list[tuple[str, dict, str]]:
-    """Fill `parts` (each `takes`) in one compiled call; per part (source digest, identities learned, checksum of
-    the written bytes), as `filling.fill` gives them."""
+    """Fill `parts` (each `takes`) in one compiled call, scales read, checked and made tables there too; per part
+    (source digest, identities learned, checksum of the written bytes), as `filling.fill` gives them."""
     from expertd.kernels import native
 
     output.flush()  # nothing of the output's buffer may be pending: the compiled loop writes through it
-    floats, first_at, scale_digests = scales(parts, ckpt)
-    lut = None if floats is None else native.block_luts(floats, torch.bfloat16)  # one table row per scale
-    desc, longest, nbytes = [], CHUNK_BYTES, 0
-    for part, first in zip(parts, first_at):
+    desc, longest, most, nbytes = [], CHUNK_BYTES, 1, 0
+    for part in parts:
         info, src = part.src.info, part.src
         dst_fd, dst_at = destination(part, output, arena)
         if src.scale is None:
-            desc.append((native.FILL_COPY, ckpt.fd(info), info.offset, info.nbytes, 1, dst_fd, dst_at, 0, 1, 1, 0, 0))
+            desc.append((native.FILL_COPY, ckpt.fd(info), info.offset, info.nbytes, 1, dst_fd, dst_at,
+                         -1, 0, 1, 1, 0, 0, 0))
         else:
             m, n = info.shape
-            longest = max(longest, 2 * n)
-            desc.append((native.FILL_LUT16, ckpt.fd(info), info.offset, m, n, dst_fd, dst_at,
-                         lut.data_ptr() + first * 256 * lut.element_size(), *src.block, 0, 0))
+            longest, most = max(longest, 2 * n), max(most, scale_count(src))
+            scale = src.scale
+            desc.append((native.FILL_LUT16, ckpt.fd(info), info.offset, m, n, dst_fd, dst_at, ckpt.fd(scale),
+                         scale.offset, *src.block, native.FILL_SCALE_DTYPES[scale.dtype], 0, 0))
+            nbytes += scale.nbytes
         nbytes += info.nbytes
     table = int64_rows(desc)
-    hashes = torch.empty(len(parts), 2, dtype=torch.int64)
-    check(native.fill_batch(table, buffer(longest, "read"), buffer(longest, "out"), CHUNK_BYTES, hashes),
-          parts, table, arena, ckpt)
+    hashes = torch.empty(len(parts), 3, dtype=torch.int64)
+    done = native.fill_batch(table, buffer(longest, "read"), buffer(longest, "out"), buffer(4 * most, "scales"),
+                             buffer(512 * most, "table"), CHUNK_BYTES, hashes)
+    check(done, parts, table, arena, ckpt)
     ckpt.counted(nbytes)
-    return results(parts, ckpt, hashes, scale_digests)
+    sums = hashes.view(torch.uint64).tolist()
+    scale_digests = [checksum_text(h[2]) if p.src.scale is not None else None for p, h in zip(parts, sums)]
+    return results(parts, ckpt, hashes[:, :2], scale_digests)

@@ -118,3 +118,61 @@ def test_a_bad_scale_is_named_before_any_byte_of_its_task_is_written(tiny_checkp
         build(*prepare(folder), namespace=namespace, generation=1, threads=2, device="cpu")
     assert victim.scale.name in str(err.value)
     assert not glob.glob(f"/dev/shm/{namespace}*")
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_compiled_table_is_the_references_for_every_code_and_scale(scale_dtype, tmp_path):
+    """Every fp8 byte under scales that make subnormal, overflowing and NaN results (fp16 scales subnormal too),
+    read from files and dequantized by one compiled call: the reference's bits, and XXH3 of source, result and
+    scales."""
+    import xxhash
+
+    from expertd.kernels import weight_dequant_reference
+
+    values = {torch.float32: [2.0**-140, 2.0**-7, 0.3, 1.0, 3.0e5, 2.0**120],
+              torch.bfloat16: [2.0**-130, 2.0**-7, 0.3, 1.0, 3.0e5, 2.0**120],
+              torch.float16: [2.0**-24, 2.0**-17, 0.3, 1.0, 1000.0, 65504.0]}[scale_dtype]
+    block = (4, 64)
+    m, n = 4 * len(values), 256  # one row of every code, 4 rows a scale; 4 blocks of 64 columns
+    codes = torch.arange(256, dtype=torch.uint8).repeat(m, 1)
+    codes[1::2] = codes[1::2].flip(1)
+    scales = torch.tensor(values, dtype=scale_dtype).reshape(-1, 1).repeat(1, 4).contiguous()  # [rows / 4, 4]
+    (tmp_path / "x").write_bytes(b"pad" + codes.numpy().tobytes())
+    (tmp_path / "s").write_bytes(b"padpad" + scales.view(torch.uint8).numpy().tobytes())
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    fds = [os.open(tmp_path / name, os.O_RDONLY) for name in ("x", "s")]
+    try:
+        desc = torch.tensor([[native.FILL_LUT16, fds[0], 3, m, n, -1, out.data_ptr(), fds[1], 6, *block,
+                              native.FILL_SCALE_DTYPES[scale_dtype], 0, 0]], dtype=torch.int64)
+        hashes = torch.empty(1, 3, dtype=torch.int64)
+        small = torch.empty(1024, dtype=torch.uint8)  # pieces of 1 KiB: two rows at a time
+        done = native.fill_batch(desc, small, small.clone(), torch.empty(4 * scales.numel(), dtype=torch.uint8),
+                                 torch.empty(512 * scales.numel(), dtype=torch.uint8), 1024, hashes)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert done == 1, desc.tolist()
+    want = weight_dequant_reference(codes.view(torch.float8_e4m3fn), scales.float(), block, out_dtype=torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    assert bool(torch.isinf(want.float()).any()) == (scale_dtype != torch.float16)  # overflowing products seen
+    got = hashes.view(torch.uint64)[0].tolist()
+    want_hashes = [xxhash.xxh3_64_intdigest(t.view(torch.uint8).numpy().tobytes()) for t in (codes, out, scales)]
+    assert got == want_hashes
+
+
+def test_a_scale_that_is_not_finite_and_positive_stops_the_call_at_its_part(tmp_path):
+    (tmp_path / "x").write_bytes(bytes(range(256)) * 2)
+    (tmp_path / "s").write_bytes(torch.tensor([1.0, 0.0, 2.0, float("nan")]).numpy().tobytes())
+    out = torch.empty(2, 256, dtype=torch.bfloat16)
+    fds = [os.open(tmp_path / name, os.O_RDONLY) for name in ("x", "s")]
+    try:
+        rows = [[native.FILL_LUT16, fds[0], 0, 1, 256, -1, out.data_ptr(), fds[1], 8 * k, 1, 128, 0, 0, 0]
+                for k in range(2)]
+        desc = torch.tensor(rows, dtype=torch.int64)
+        buf = torch.empty(4096, dtype=torch.uint8)
+        done = native.fill_batch(desc, buf, buf.clone(), buf.clone(), buf.clone(), 4096, torch.empty(2, 3,
+                                                                                                    dtype=torch.int64))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert done == 0 and desc[0, 12] == native.FILL_ERR_SCALE and desc[0, 13] == 1  # its second scale, 0.0
