@@ -8,7 +8,8 @@
  * per part, one call per task; at many cores the GIL is then no shared lock the threads take turns on.
  *
  * desc[FIELDS * i ...] of part i:
- *   0 kind (KIND_COPY: stored bytes; KIND_LUT16: fp8 -> bf16 by a table)
+ *   0 kind (KIND_COPY: stored bytes; KIND_LUT16: fp8 -> bf16 by a table; KIND_SCALES: only the part's scales read,
+ *     hashed, checked and widened to float32 at the address in 6, for the GPU)
  *   1 source fd, 2 source offset (of the part's first byte in the file); fd -1: the bytes at the address in 2
  *   3 rows m, 4 columns n (KIND_COPY: m bytes, n = 1)
  *   5 destination fd (-1: write at the address in 6), 6 destination offset in that file (or the address)
@@ -28,7 +29,7 @@
 #include <string.h>
 #include <unistd.h>
 
-enum { FIELDS = 14, KIND_COPY = 0, KIND_LUT16 = 1, ERR_READ = 1, ERR_SHORT = 2, ERR_WRITE = 3, ERR_SCALE = 4 };
+enum { FIELDS = 14, KIND_COPY = 0, KIND_LUT16 = 1, KIND_SCALES = 2, ERR_READ = 1, ERR_SHORT = 2, ERR_WRITE = 3, ERR_SCALE = 4 };
 enum { SCALE_F32 = 0, SCALE_BF16 = 1, SCALE_F16 = 2, SCALE_FILE = -1 };
 
 typedef void *(*xxh_create_fn)(void);
@@ -93,12 +94,11 @@ static uint16_t to_bf16(float v) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); /* to nearest even: torch's rounding */
 }
 
-/* Read, hash and check part d's scales into `raw`, and make its table in `lut`: 256 results per scale. */
-static int make_table(int64_t *d, const int64_t *env, uint8_t *raw, uint16_t *lut, uint64_t *scale_hash) {
+/* Read, hash and check part d's scales (ceil(m / rows) * ceil(n / columns) of them) into `raw`, widened to float32
+ * into `vals`; returns how many, or -1 where one failed (desc[12], desc[13] say what). */
+static int64_t read_scales(int64_t *d, const int64_t *env, uint8_t *raw, float *vals, uint64_t *scale_hash) {
     int64_t m = d[3], n = d[4], count = ((m + d[9] - 1) / d[9]) * ((n + d[10] - 1) / d[10]);
     int64_t item = d[11] == SCALE_F32 ? 4 : 2;
-    const float *codes = (const float *)(intptr_t)env[6];
-    uint16_t nan_pos = (uint16_t)env[7], nan_neg = (uint16_t)env[8];
     if (read_all((int)d[7], raw, (size_t)(count * item), d[8], d)) {
         d[13] = SCALE_FILE;
         return -1;
@@ -122,8 +122,22 @@ static int make_table(int64_t *d, const int64_t *env, uint8_t *raw, uint16_t *lu
             d[12] = ERR_SCALE, d[13] = k;
             return -1;
         }
+        vals[k] = s;
+    }
+    return count;
+}
+
+/* Part d's table in `lut`: 256 results per scale; `raw` holds 8 bytes per scale. */
+static int make_table(int64_t *d, const int64_t *env, uint8_t *raw, uint16_t *lut, uint64_t *scale_hash) {
+    const float *codes = (const float *)(intptr_t)env[6];
+    uint16_t nan_pos = (uint16_t)env[7], nan_neg = (uint16_t)env[8];
+    int64_t most = ((d[3] + d[9] - 1) / d[9]) * ((d[4] + d[10] - 1) / d[10]);
+    float *vals = (float *)(raw + 4 * most);
+    int64_t count = read_scales(d, env, raw, vals, scale_hash);
+    if (count < 0) return -1;
+    for (int64_t k = 0; k < count; k++) {
         uint16_t *row = lut + 256 * k;
-        for (int c = 0; c < 256; c++) row[c] = to_bf16(codes[c] * s);
+        for (int c = 0; c < 256; c++) row[c] = to_bf16(codes[c] * vals[k]);
         row[0x7f] = nan_pos, row[0xff] = nan_neg;
     }
     return 0;
@@ -131,15 +145,17 @@ static int make_table(int64_t *d, const int64_t *env, uint8_t *raw, uint16_t *lu
 
 /* Part d piece by piece: `chunk` result bytes at a time (whole rows; one row when a row is larger), through
  * `in` (source pieces) and `out` (result pieces), each at least max(chunk, one row's result) bytes; `raw` and `lut`
- * hold the scales and the table (ceil(m / rows) * ceil(n / columns) times 4 and 512 bytes). */
+ * hold the scales and the table (ceil(m / rows) * ceil(n / columns) times 8 and 512 bytes). */
 static int fill_one(int64_t *d, const int64_t *env, uint8_t *in, uint8_t *out, uint8_t *raw, uint16_t *lut,
                     int64_t chunk, uint64_t *hashes) {
     int64_t kind = d[0], src_fd = d[1], src_at = d[2], m = d[3], n = d[4], dst_fd = d[5], dst_at = d[6];
     int64_t item = kind == KIND_LUT16 ? 2 : 1; /* result bytes per source byte */
-    int64_t rows = chunk / (n * item);
+    int64_t rows = n > 0 ? chunk / (n * item) : m; /* no columns: nothing to read, one empty piece */
     void *hs = NULL, *ho = NULL;
     int rc = -1;
-    hashes[2] = 0;
+    hashes[0] = hashes[1] = hashes[2] = 0;
+    if (kind == KIND_SCALES) /* only the scales, as float32 at the destination address */
+        return read_scales(d, env, raw, (float *)(intptr_t)dst_at, hashes + 2) < 0 ? -1 : 0;
     if (kind == KIND_LUT16 && make_table(d, env, raw, lut, hashes + 2)) return -1;
     hs = ((xxh_create_fn)(intptr_t)env[0])(), ho = ((xxh_create_fn)(intptr_t)env[0])();
     xxh_reset_fn reset = (xxh_reset_fn)(intptr_t)env[2];

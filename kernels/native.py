@@ -145,7 +145,7 @@ def _fill_env() -> torch.Tensor | None:
 
 
 # fill_batch's descriptor: FILL_FIELDS int64 per part (fill_batch.c says what each is)
-FILL_FIELDS, FILL_COPY, FILL_LUT16 = 14, 0, 1
+FILL_FIELDS, FILL_COPY, FILL_LUT16, FILL_SCALES = 14, 0, 1, 2
 FILL_ERR_READ, FILL_ERR_SHORT, FILL_ERR_WRITE, FILL_ERR_SCALE = 1, 2, 3, 4
 FILL_SCALE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # scale dtype -> its code
 FILL_SCALE_FILE = -1  # desc[13] of an ERR_READ / ERR_SHORT that happened reading the scales
@@ -160,7 +160,7 @@ def fill_batch(desc: torch.Tensor, into: torch.Tensor, out: torch.Tensor, raw: t
                chunk: int, hashes: torch.Tensor) -> int:
     """Read, dequantize or copy, hash and write a task's parts in one call with the GIL dropped (fill_batch.c):
     `desc` int64 [k, FILL_FIELDS]; buffers `into` (sources) and `out` (results) of at least max(chunk, the longest
-    row's result) bytes each, `raw` and `lut` of at least 4 and 512 bytes per scale of the part with most scales;
+    row's result) bytes each, `raw` and `lut` of at least 8 and 512 bytes per scale of the part with most scales;
     `hashes` uint64-sized int64 [k, 3] (source, result, scales). Returns how many parts were filled: k, else the
     failed part's desc row says what failed."""
     return _lib.fill_batch(desc.shape[0], desc.data_ptr(), _fill_env().data_ptr(), into.data_ptr(), out.data_ptr(),

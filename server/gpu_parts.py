@@ -1,4 +1,5 @@
-"""A task's parts dequantized on the GPU: the sources read into pinned memory and hashed by one compiled call,
+"""A task's parts dequantized on the GPU: the sources read into pinned memory and hashed, their scales read, hashed,
+checked and widened to float32, by one compiled call,
 copied up at once, dequantized by one launch per run of same-shaped experts, copied back into pinned memory, then
 hashed and written into their segments by a second compiled call (`kernels/fill_batch.c`).
 
@@ -15,7 +16,9 @@ from itertools import accumulate
 import torch
 
 from .arena import Arena
-from .native_parts import check, destination, results, scales
+from expertd.index import checksum_text
+
+from .native_parts import check, destination, results, scale_count
 from .parts import CHUNK_BYTES, Output, Part
 from .reader import Checkpoint
 from .small_parts import int64_rows
@@ -35,7 +38,9 @@ def usable(device: torch.device) -> bool:
 def takes(part: Part) -> bool:
     """Stored bytes, or FP8 made bf16 (the Triton kernel's bit-exact output)."""
     kind = part.src.kind
-    return kind == "plain" or (kind == "fp8" and part.block.dtype == torch.bfloat16)
+    if kind == "plain":
+        return True
+    return kind == "fp8" and part.block.dtype == torch.bfloat16 and scale_count(part.src) is not None
 
 
 def _pinned(which: str, nbytes: int) -> torch.Tensor:
@@ -91,18 +96,30 @@ def fill_gpu(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena,
     from expertd.kernels import native
 
     output.flush()
-    floats, first_at, scale_digests = scales(parts, ckpt)
+    counts = [scale_count(p.src) if p.src.scale is not None else 0 for p in parts]
+    first_at = [0, *accumulate(counts)][:-1]
+    floats = torch.empty(max(1, sum(counts)), dtype=torch.float32)
     sizes = [p.src.info.nbytes for p in parts]
     starts, total = [0, *accumulate(sizes)][:-1], sum(sizes)
     outs = [2 * s if p.src.scale is not None else 0 for p, s in zip(parts, sizes)]
     out_starts = [0, *accumulate(outs)][:-1]
     host_in, host_out = _pinned("in", total), _pinned("out", sum(outs))
-    # 1. every source read into pinned memory and hashed, without the GIL
-    table = int64_rows([(native.FILL_COPY, ckpt.fd(p.src.info), p.src.info.offset, n, 1, -1, host_in.data_ptr() + at,
-                         -1, 0, 1, 1, 0, 0, 0) for p, n, at in zip(parts, sizes, starts)])
-    read = torch.empty(len(parts), 3, dtype=torch.int64)
-    check(native.fill_batch(table, host_in, host_in, host_in, host_in, CHUNK_BYTES, read), parts, table, arena, ckpt)
-    ckpt.counted(total)
+    # 1. every source read into pinned memory and hashed; every scale read, hashed, checked, widened: no GIL
+    rows = [(native.FILL_COPY, ckpt.fd(p.src.info), p.src.info.offset, n, 1, -1, host_in.data_ptr() + at,
+             -1, 0, 1, 1, 0, 0, 0) for p, n, at in zip(parts, sizes, starts)]
+    scaled = [i for i, p in enumerate(parts) if p.src.scale is not None]
+    for i in scaled:
+        src = parts[i].src
+        rows.append((native.FILL_SCALES, -1, 0, *src.info.shape, -1, floats.data_ptr() + 4 * first_at[i],
+                     ckpt.fd(src.scale), src.scale.offset, *src.block, native.FILL_SCALE_DTYPES[src.scale.dtype], 0, 0))
+    table = int64_rows(rows)
+    read = torch.empty(len(rows), 3, dtype=torch.int64)
+    raw = torch.empty(8 * max(counts, default=1) + 8, dtype=torch.uint8)
+    done = native.fill_batch(table, host_in, host_in, raw, raw, CHUNK_BYTES, read)
+    check(done, parts + [parts[i] for i in scaled], table, arena, ckpt)
+    ckpt.counted(total + sum(parts[i].src.scale.nbytes for i in scaled))
+    scale_hashes = dict(zip(scaled, read.view(torch.uint64)[len(parts):, 2].tolist()))
+    scale_digests = [checksum_text(scale_hashes[i]) if i in scale_hashes else None for i in range(len(parts))]
     runs = _runs(parts)
     if runs:
         stream = _stream(device)
@@ -127,5 +144,5 @@ def fill_gpu(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena,
     written = torch.empty(len(parts), 3, dtype=torch.int64)
     check(native.fill_batch(table, host_out, host_out, host_out, host_out, CHUNK_BYTES, written), parts, table, arena,
           ckpt)
-    hashes = torch.stack([read[:, 0], written[:, 1]], dim=1)
+    hashes = torch.stack([read[: len(parts), 0], written[:, 1]], dim=1)
     return results(parts, ckpt, hashes, scale_digests)

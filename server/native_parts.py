@@ -1,20 +1,20 @@
 """A task's parts filled by one compiled call (`kernels/fill_batch.c`): Python plans, the thread then reads,
 dequantizes, hashes and writes every part of the task without the GIL.
 
-What the loader's threads must not do at many cores is take turns on the GIL chunk by chunk: a 16-core host
-loaded slower with 16 threads than with 4 while the Python path read, dequantized, hashed and wrote each MiB in
-its own calls. Here the Python work is per task (a few MiB of parts): the scales of its FP8 parts are copied and
-hashed in one call, checked, and turned into one table of block results (torch's own float32 product and cast,
-as `kernels.native` makes them); then one row of plain integers per part. Stored (plain) parts go the same way
-(read, hash, write). `filling.fill` hands parts here when the compiled library and XXH3's streaming functions
-are there, on the CPU; MXFP4 and the GPU path keep their own ways.
+What the loader's threads must not do at many cores is take turns on the GIL: a 16-core host loaded slower with
+16 threads than with 4 while Python read, dequantized, hashed and wrote each MiB in calls of its own, and still
+stopped at ~4 GB/s while each part's scales went through torch ops. Here Python's work is per task (a few MiB of
+parts): one row of plain integers per part. The compiled call reads each FP8 part's scales, hashes and checks
+them and makes its table of block results (float32 product, torch's bf16 rounding and NaN bits), then reads,
+dequantizes, hashes and writes the part; stored (plain) parts are read, hashed and written. `filling.fill` hands
+parts here on the CPU where the compiled library and the xxhash library's functions are; `gpu_parts` uses the
+same call for its reading and writing; MXFP4 keeps its own way.
 """
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 
 from expertd.errors import ScaleError, ShardFormatError
@@ -58,42 +58,6 @@ def takes(part: Part) -> bool:
         return True
     return (kind == "fp8" and part.block.dtype == torch.bfloat16 and part.nbytes > SMALL_RESULT
             and scale_count(part.src) is not None)
-
-
-def scales(parts: list[Part], ckpt: Checkpoint) -> tuple[torch.Tensor | None, list[int], list[str | None]]:
-    """(every scaled part's scales as float32, one after another; where each part's begin; each part's scale
-    digest): copied and hashed in one call per scale dtype, then checked (a bad one named as planning names it)."""
-    from expertd.kernels import native
-
-    first_at, digests = [0] * len(parts), [None] * len(parts)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, part in enumerate(parts):
-        if part.src.scale is not None:
-            by_dtype.setdefault(part.src.scale.dtype, []).append(i)
-    if not by_dtype:
-        return None, first_at, digests
-    floats, first = [], 0
-    for dtype, members in by_dtype.items():
-        views = [ckpt.view(parts[i].src.scale) for i in members]  # over the shard's mapping: no copy
-        sizes = [v.numel() * v.element_size() for v in views]
-        raw = torch.empty(sum(sizes), dtype=torch.uint8)
-        at, desc = raw.data_ptr(), []
-        for view, size in zip(views, sizes):
-            desc.append((view.data_ptr(), at, size))
-            at += size
-        hashes = torch.empty(len(members), dtype=torch.int64)
-        if not native.copy_hash(int64_rows(desc), hashes):  # `usable` said it could
-            raise RuntimeError("XXH3_64bits went missing from the xxhash library during a build")
-        values = raw.view(dtype).float()
-        bad = ~((values.numpy() > 0) & (values.numpy() < np.inf))  # NaN fails both, -inf and 0 the first
-        if bool(bad.any()):
-            for i in members:
-                check_scale_values(ckpt, parts[i].src.scale)
-        for i, size, value in zip(members, sizes, hashes.view(torch.uint64).tolist()):
-            first_at[i], digests[i] = first, checksum_text(value)
-            first += size // dtype.itemsize
-        floats.append(values)
-    return torch.cat(floats) if len(floats) > 1 else floats[0], first_at, digests
 
 
 def results(parts: list[Part], ckpt: Checkpoint, hashes: torch.Tensor, scale_digests: list) -> list:
@@ -164,7 +128,7 @@ def fill_native(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Aren
         nbytes += info.nbytes
     table = int64_rows(desc)
     hashes = torch.empty(len(parts), 3, dtype=torch.int64)
-    done = native.fill_batch(table, buffer(longest, "read"), buffer(longest, "out"), buffer(4 * most, "scales"),
+    done = native.fill_batch(table, buffer(longest, "read"), buffer(longest, "out"), buffer(8 * most, "scales"),
                              buffer(512 * most, "table"), CHUNK_BYTES, hashes)
     check(done, parts, table, arena, ckpt)
     ckpt.counted(nbytes)

@@ -146,7 +146,7 @@ def test_the_compiled_table_is_the_references_for_every_code_and_scale(scale_dty
                               native.FILL_SCALE_DTYPES[scale_dtype], 0, 0]], dtype=torch.int64)
         hashes = torch.empty(1, 3, dtype=torch.int64)
         small = torch.empty(1024, dtype=torch.uint8)  # pieces of 1 KiB: two rows at a time
-        done = native.fill_batch(desc, small, small.clone(), torch.empty(4 * scales.numel(), dtype=torch.uint8),
+        done = native.fill_batch(desc, small, small.clone(), torch.empty(8 * scales.numel(), dtype=torch.uint8),
                                  torch.empty(512 * scales.numel(), dtype=torch.uint8), 1024, hashes)
     finally:
         for fd in fds:
