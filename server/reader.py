@@ -1,9 +1,7 @@
 """Read a HuggingFace safetensors checkpoint: structure checked up front, tensors one at a time.
 
-`Checkpoint.open` parses config.json, the shard index and every shard header, and refuses
-anything malformed before a byte is loaded. Tensor data is then read through safetensors'
-own mmap-backed API, one tensor at a time, so memory stays bounded by a few tensors (the
-loader reads two ahead), never by a shard or the model.
+`Checkpoint.open` parses config.json, the shard index and every shard header, and refuses anything malformed
+before a byte is loaded. Tensor data is then read a tensor (or a piece of one) at a time: memory stays bounded.
 
 Every file is opened through `open_regular`: only regular files are read. A FIFO named config.json
 would block the open (it wedged a reload's build slot), /dev/zero as a shard never ends, a folder
