@@ -156,15 +156,15 @@ def can_fill_batch() -> bool:
     return available() and _hash_address() is not None and _fill_env() is not None
 
 
-def fill_batch(desc: torch.Tensor, into: torch.Tensor, out: torch.Tensor, raw: torch.Tensor, lut: torch.Tensor,
-               chunk: int, hashes: torch.Tensor) -> int:
+def fill_batch(desc, into: int, out: int, raw: int, lut: int, chunk: int, hashes) -> int:
     """Read, dequantize or copy, hash and write a task's parts in one call with the GIL dropped (fill_batch.c):
-    `desc` int64 [k, FILL_FIELDS]; buffers `into` (sources) and `out` (results) of at least max(chunk, the longest
-    row's result) bytes each, `raw` and `lut` of at least 8 and 512 bytes per scale of the part with most scales;
-    `hashes` uint64-sized int64 [k, 3] (source, result, scales). Returns how many parts were filled: k, else the
-    failed part's desc row says what failed."""
-    return _lib.fill_batch(desc.shape[0], desc.data_ptr(), _fill_env().data_ptr(), into.data_ptr(), out.data_ptr(),
-                           raw.data_ptr(), lut.data_ptr(), chunk, hashes.data_ptr())
+    `desc` an int64 buffer (array "q") of FILL_FIELDS per part; the addresses of buffers `into` (sources) and `out`
+    (results) of at least max(chunk, the longest row's result) bytes each, `raw` and `lut` of at least 8 and 512
+    bytes per scale of the part with most scales; `hashes` a uint64 buffer (array "Q") of 3 per part (source,
+    result, scales). Plain buffers, no tensors: a task's Python is what many threads take turns on. Returns how
+    many parts were filled: all, else the failed part's desc row says what failed."""
+    return _lib.fill_batch(len(desc) // FILL_FIELDS, desc.buffer_info()[0], _fill_env().data_ptr(), into, out, raw,
+                           lut, chunk, hashes.buffer_info()[0])
 
 
 def copy_hash(desc: torch.Tensor, hashes: torch.Tensor) -> bool:

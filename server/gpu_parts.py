@@ -11,28 +11,25 @@ but the planning of a task. Stored (plain) parts never go to the GPU: read, hash
 from __future__ import annotations
 
 import threading
-from itertools import accumulate
+from array import array
+from itertools import accumulate, chain
 
 import torch
 
 from .arena import Arena
 from expertd.index import checksum_text
+from expertd.kernels import native
 
 from .native_parts import check, destination, results, scale_count
-from .parts import CHUNK_BYTES, Output, Part
+from .parts import CHUNK_BYTES, Output, Part, buffer_at
 from .reader import Checkpoint
-from .small_parts import int64_rows
 
 _local = threading.local()
 
 
 def usable(device: torch.device) -> bool:
     """Whether parts go this way: a CUDA device, and the compiled library with XXH3's streaming functions."""
-    if device.type != "cuda":
-        return False
-    from expertd.kernels import native
-
-    return native.can_fill_batch()
+    return device.type == "cuda" and native.can_fill_batch()
 
 
 def takes(part: Part) -> bool:
@@ -93,8 +90,6 @@ def _launch(run: list[Part], x: torch.Tensor, scales_at: torch.Tensor, y: torch.
 def fill_gpu(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena,
              device: torch.device) -> list[tuple[str, dict, str]]:
     """Fill `parts` (each `takes`) through the GPU; per part what `filling.fill` gives."""
-    from expertd.kernels import native
-
     output.flush()
     counts = [scale_count(p.src) if p.src.scale is not None else 0 for p in parts]
     first_at = [0, *accumulate(counts)][:-1]
@@ -112,14 +107,14 @@ def fill_gpu(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena,
         src = parts[i].src
         rows.append((native.FILL_SCALES, -1, 0, *src.info.shape, -1, floats.data_ptr() + 4 * first_at[i],
                      ckpt.fd(src.scale), src.scale.offset, *src.block, native.FILL_SCALE_DTYPES[src.scale.dtype], 0, 0))
-    table = int64_rows(rows)
-    read = torch.empty(len(rows), 3, dtype=torch.int64)
-    raw = torch.empty(8 * max(counts, default=1) + 8, dtype=torch.uint8)
-    done = native.fill_batch(table, host_in, host_in, raw, raw, CHUNK_BYTES, read)
+    table, read = array("q", chain.from_iterable(rows)), array("Q", bytes(24 * len(rows)))
+    raw = buffer_at(8 * max(counts, default=1) + 8, "scales")
+    done = native.fill_batch(table, host_in.data_ptr(), host_in.data_ptr(), raw, raw, CHUNK_BYTES, read)
     check(done, parts + [parts[i] for i in scaled], table, arena, ckpt)
     ckpt.counted(total + sum(parts[i].src.scale.nbytes for i in scaled))
-    scale_hashes = dict(zip(scaled, read.view(torch.uint64)[len(parts):, 2].tolist()))
-    scale_digests = [checksum_text(scale_hashes[i]) if i in scale_hashes else None for i in range(len(parts))]
+    scale_digests: list = [None] * len(parts)
+    for j, i in enumerate(scaled, len(parts)):
+        scale_digests[i] = checksum_text(read[3 * j + 2])
     runs = _runs(parts)
     if runs:
         stream = _stream(device)
@@ -134,15 +129,13 @@ def fill_gpu(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena,
             host_out.copy_(dev_out, non_blocking=True)
         stream.synchronize()
     # 3. results hashed and written into their segments (stored parts straight from what was read)
-    desc = []
+    desc, made, stored = [], host_out.data_ptr(), host_in.data_ptr()
     for p, n, at, out_at, size in zip(parts, sizes, starts, out_starts, outs):
         dst_fd, dst_at = destination(p, output, arena)
-        scaled = p.src.scale is not None
-        src_at, nbytes = (host_out.data_ptr() + out_at, size) if scaled else (host_in.data_ptr() + at, n)
+        src_at, nbytes = (made + out_at, size) if p.src.scale is not None else (stored + at, n)
         desc.append((native.FILL_COPY, -1, src_at, nbytes, 1, dst_fd, dst_at, -1, 0, 1, 1, 0, 0, 0))
-    table = int64_rows(desc)
-    written = torch.empty(len(parts), 3, dtype=torch.int64)
-    check(native.fill_batch(table, host_out, host_out, host_out, host_out, CHUNK_BYTES, written), parts, table, arena,
-          ckpt)
-    hashes = torch.stack([read[: len(parts), 0], written[:, 1]], dim=1)
-    return results(parts, ckpt, hashes, scale_digests)
+    table, written = array("q", chain.from_iterable(desc)), array("Q", bytes(24 * len(parts)))
+    check(native.fill_batch(table, made, made, made, made, CHUNK_BYTES, written), parts, table, arena, ckpt)
+    for k in range(len(parts)):  # the source's hash from the reading, the result's from the writing
+        written[3 * k] = read[3 * k]
+    return results(parts, ckpt, written, scale_digests)

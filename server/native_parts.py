@@ -14,17 +14,19 @@ same call for its reading and writing; MXFP4 keeps its own way.
 from __future__ import annotations
 
 import os
+from array import array
+from itertools import chain
 
 import torch
 
 from expertd.errors import ScaleError, ShardFormatError
 from expertd.index import checksum_text
+from expertd.kernels import native
 
 from .arena import Arena
 from .layout import check_scale_values
-from .parts import CHUNK_BYTES, HASH_BYTES, Output, Part, buffer, part_digest
+from .parts import CHUNK_BYTES, HASH_BYTES, Output, Part, buffer_at, part_digest
 from .reader import Checkpoint
-from .small_parts import int64_rows
 
 # A part whose result is at most this is filled by small_parts with others like it (a span read for all of them:
 # DeepSeek-V3's counts at small dims); larger parts come here, their per-part cost a small share of their bytes.
@@ -35,16 +37,12 @@ def usable(device: torch.device) -> bool:
     """Whether parts can be filled here: on the CPU, where the compiled library and XXH3's streaming functions are."""
     if device.type != "cpu":
         return False
-    from expertd.kernels import native
-
     return native.can_fill_batch()
 
 
 def scale_count(src) -> int | None:
     """How many scales an FP8 source's blocks have, where its scale tensor holds exactly those in a dtype the compiled
     table is made from (float32, bf16, fp16); else None."""
-    from expertd.kernels import native
-
     m, n = src.info.shape
     count = -(-m // src.block[0]) * -(-n // src.block[1])
     dtype = src.scale.dtype
@@ -60,16 +58,16 @@ def takes(part: Part) -> bool:
             and scale_count(part.src) is not None)
 
 
-def results(parts: list[Part], ckpt: Checkpoint, hashes: torch.Tensor, scale_digests: list) -> list:
-    """Per part (source digest, identities learned, checksum of the written bytes) from its [source, result] XXH3
-    values, as `filling.fill` gives them."""
+def results(parts: list[Part], ckpt: Checkpoint, hashes, scale_digests: list) -> list:
+    """Per part (source digest, identities learned, checksum of the written bytes) from its XXH3 values (`hashes`:
+    3 per part, source, result, scales), as `filling.fill` gives them."""
     out = []
-    for part, (h_in, h_out), scale_digest in zip(parts, hashes.view(torch.uint64).tolist(), scale_digests):
-        digest = checksum_text(h_in)
+    for k, (part, scale_digest) in enumerate(zip(parts, scale_digests)):
+        digest = checksum_text(hashes[3 * k])
         ids = {ckpt.identity(part.src.info): digest}
         if part.src.scale is not None:
             ids[ckpt.identity(part.src.scale)] = scale_digest
-        out.append((part_digest(digest, scale_digest), ids, checksum_text(h_out)))
+        out.append((part_digest(digest, scale_digest), ids, checksum_text(hashes[3 * k + 1])))
     return out
 
 
@@ -81,13 +79,12 @@ def destination(part: Part, output: Output, arena: Arena) -> tuple[int, int]:
     return arena.fd(part.where), part.where.offset + part.offset
 
 
-def check(done: int, parts: list[Part], table: torch.Tensor, arena: Arena, ckpt: Checkpoint) -> None:
-    """Raise for the part a compiled call stopped at (`done` < all): its shard and tensor named, or its segment."""
-    from expertd.kernels import native
-
+def check(done: int, parts: list[Part], table, arena: Arena, ckpt: Checkpoint) -> None:
+    """Raise for the part a compiled call stopped at (`done` < all; `table` its descriptor rows): its shard and tensor
+    named, or its segment."""
     if done >= len(parts):
         return
-    part, row = parts[done], table[done].tolist()
+    part, row = parts[done], table[native.FILL_FIELDS * done: native.FILL_FIELDS * (done + 1)]
     what, code, info = row[12], row[13], part.src.info
     if what == native.FILL_ERR_SCALE:
         check_scale_values(ckpt, part.src.scale)  # names the tensor and what is wrong
@@ -108,8 +105,6 @@ def check(done: int, parts: list[Part], table: torch.Tensor, arena: Arena, ckpt:
 def fill_native(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena) -> list[tuple[str, dict, str]]:
     """Fill `parts` (each `takes`) in one compiled call, scales read, checked and made tables there too; per part
     (source digest, identities learned, checksum of the written bytes), as `filling.fill` gives them."""
-    from expertd.kernels import native
-
     output.flush()  # nothing of the output's buffer may be pending: the compiled loop writes through it
     desc, longest, most, nbytes = [], CHUNK_BYTES, 1, 0
     for part in parts:
@@ -126,12 +121,12 @@ def fill_native(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Aren
                          scale.offset, *src.block, native.FILL_SCALE_DTYPES[scale.dtype], 0, 0))
             nbytes += scale.nbytes
         nbytes += info.nbytes
-    table = int64_rows(desc)
-    hashes = torch.empty(len(parts), 3, dtype=torch.int64)
-    done = native.fill_batch(table, buffer(longest, "read"), buffer(longest, "out"), buffer(8 * most, "scales"),
-                             buffer(512 * most, "table"), CHUNK_BYTES, hashes)
+    table = array("q", chain.from_iterable(desc))
+    hashes = array("Q", bytes(24 * len(parts)))
+    done = native.fill_batch(table, buffer_at(longest, "read"), buffer_at(longest, "out"),
+                             buffer_at(8 * most, "scales"), buffer_at(512 * most, "table"), CHUNK_BYTES, hashes)
     check(done, parts, table, arena, ckpt)
     ckpt.counted(nbytes)
-    sums = hashes.view(torch.uint64).tolist()
-    scale_digests = [checksum_text(h[2]) if p.src.scale is not None else None for p, h in zip(parts, sums)]
-    return results(parts, ckpt, hashes[:, :2], scale_digests)
+    scale_digests = [checksum_text(hashes[3 * k + 2]) if p.src.scale is not None else None
+                     for k, p in enumerate(parts)]
+    return results(parts, ckpt, hashes, scale_digests)

@@ -43,6 +43,14 @@ def buffer(nbytes: int, which: str = "read") -> torch.Tensor:
     return buf[:nbytes]
 
 
+def buffer_at(nbytes: int, which: str) -> int:
+    """The address of `buffer(nbytes, which)` (no view made: a compiled call needs only where it starts)."""
+    buf = getattr(_local, which, None)
+    if buf is None or buf.numel() < nbytes:
+        buf = buffer(nbytes, which)
+    return buf.data_ptr()
+
+
 class Output:
     """Where one batch's results go, by address.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+from array import array
 
 import pytest
 import torch
@@ -142,20 +143,20 @@ def test_the_compiled_table_is_the_references_for_every_code_and_scale(scale_dty
     out = torch.empty(m, n, dtype=torch.bfloat16)
     fds = [os.open(tmp_path / name, os.O_RDONLY) for name in ("x", "s")]
     try:
-        desc = torch.tensor([[native.FILL_LUT16, fds[0], 3, m, n, -1, out.data_ptr(), fds[1], 6, *block,
-                              native.FILL_SCALE_DTYPES[scale_dtype], 0, 0]], dtype=torch.int64)
-        hashes = torch.empty(1, 3, dtype=torch.int64)
-        small = torch.empty(1024, dtype=torch.uint8)  # pieces of 1 KiB: two rows at a time
-        done = native.fill_batch(desc, small, small.clone(), torch.empty(8 * scales.numel(), dtype=torch.uint8),
-                                 torch.empty(512 * scales.numel(), dtype=torch.uint8), 1024, hashes)
+        desc = array("q", [native.FILL_LUT16, fds[0], 3, m, n, -1, out.data_ptr(), fds[1], 6, *block,
+                           native.FILL_SCALE_DTYPES[scale_dtype], 0, 0])
+        hashes = array("Q", [0, 0, 0])
+        sizes = (1024, 1024, 8 * scales.numel(), 512 * scales.numel())  # pieces of 1 KiB: 2 rows
+        buffers = [torch.empty(size, dtype=torch.uint8) for size in sizes]
+        done = native.fill_batch(desc, *(b.data_ptr() for b in buffers), 1024, hashes)
     finally:
         for fd in fds:
             os.close(fd)
-    assert done == 1, desc.tolist()
+    assert done == 1, list(desc)
     want = weight_dequant_reference(codes.view(torch.float8_e4m3fn), scales.float(), block, out_dtype=torch.bfloat16)
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
     assert bool(torch.isinf(want.float()).any()) == (scale_dtype != torch.float16)  # overflowing products seen
-    got = hashes.view(torch.uint64)[0].tolist()
+    got = list(hashes)
     want_hashes = [xxhash.xxh3_64_intdigest(t.view(torch.uint8).numpy().tobytes()) for t in (codes, out, scales)]
     assert got == want_hashes
 
@@ -166,13 +167,11 @@ def test_a_scale_that_is_not_finite_and_positive_stops_the_call_at_its_part(tmp_
     out = torch.empty(2, 256, dtype=torch.bfloat16)
     fds = [os.open(tmp_path / name, os.O_RDONLY) for name in ("x", "s")]
     try:
-        rows = [[native.FILL_LUT16, fds[0], 0, 1, 256, -1, out.data_ptr(), fds[1], 8 * k, 1, 128, 0, 0, 0]
-                for k in range(2)]
-        desc = torch.tensor(rows, dtype=torch.int64)
-        buf = torch.empty(4096, dtype=torch.uint8)
-        done = native.fill_batch(desc, buf, buf.clone(), buf.clone(), buf.clone(), 4096, torch.empty(2, 3,
-                                                                                                    dtype=torch.int64))
+        desc = array("q", [field for k in range(2) for field in
+                           (native.FILL_LUT16, fds[0], 0, 1, 256, -1, out.data_ptr(), fds[1], 8 * k, 1, 128, 0, 0, 0)])
+        buffers = [torch.empty(4096, dtype=torch.uint8) for _ in range(4)]
+        done = native.fill_batch(desc, *(b.data_ptr() for b in buffers), 4096, array("Q", bytes(48)))
     finally:
         for fd in fds:
             os.close(fd)
-    assert done == 0 and desc[0, 12] == native.FILL_ERR_SCALE and desc[0, 13] == 1  # its second scale, 0.0
+    assert done == 0 and desc[12] == native.FILL_ERR_SCALE and desc[13] == 1  # its second scale, 0.0
