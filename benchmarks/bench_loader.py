@@ -14,6 +14,8 @@ L3  start-to-serving (`expertd start` until status says serving: process start, 
     61 layers, 256 routed experts, first 3 dense, MTP layer 61; ~92k checkpoint tensors) / the same of
     about the same bytes in ~70 tensors (`--preset dsv3-bytes`). Goal <= 2. Also printed: the extra per
     checkpoint tensor (issue 30: <= 30 us); `bench_counts.py` breaks it down by phase (plan, build, publish).
+--python-share: a single-threaded build's Python CPU seconds (loader thread outside the compiled calls, main thread):
+    many threads take turns on the GIL for it, so bytes / those seconds bound the loader at any thread count.
 L2  reading every checkpoint tensor (hash only, t threads): page faults through the shard mappings vs
     madvise(MADV_POPULATE_READ) first vs os.preadv into a reused buffer: GB/s read each.
 
@@ -135,6 +137,41 @@ def load_once(checkpoint: str, threads: int, device: str = "cpu", per_chunk: boo
     return elapsed, [(t.segment.split(".")[3], t.checksum) for t in built.index.tensors]  # K of NS.PID.GEN.K.RANDOM
 
 
+def python_seconds(checkpoint: str, reps: int) -> tuple[float, float]:
+    """CPU seconds of Python per single-threaded build (medians of `reps`): on the loader's thread outside the compiled
+    calls, and on the main thread. What many threads take turns on (the GIL): bytes / their sum bounds any count."""
+    from expertd.kernels import native
+    from expertd.server import building
+    from expertd.server.loader import build, prepare
+
+    spent = {"task": 0.0, "compiled": 0.0}
+    fill, fill_batch = building.fill, native.fill_batch
+
+    def timed(key, fn):
+        def run(*args):
+            t0 = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                spent[key] += time.thread_time() - t0
+        return run
+
+    building.fill, native.fill_batch = timed("task", fill), timed("compiled", fill_batch)
+    worker, main = [], []
+    try:
+        for _ in range(reps):
+            spent.update(task=0.0, compiled=0.0)
+            ckpt, plan = prepare(checkpoint)
+            t0 = time.thread_time()
+            built = build(ckpt, plan, namespace=f"benchpy{os.getpid()}", generation=1, threads=1, device="cpu")
+            main.append(time.thread_time() - t0)
+            built.close()
+            worker.append(spent["task"] - spent["compiled"])
+    finally:
+        building.fill, native.fill_batch = fill, fill_batch
+    return sorted(worker)[len(worker) // 2], sorted(main)[len(main) // 2]
+
+
 def read_once(opened, threads: int, mode: str) -> float:
     """t threads hash every FP8 source: through page faults, after MADV_POPULATE_READ, or via preadv."""
     from expertd.index import checksum, tensor_bytes
@@ -232,6 +269,8 @@ def main() -> int:
     ap.add_argument("--per-chunk", action="store_true",
                     help="L1: also the per-chunk Python path the whole-task compiled calls replaced (before / after)")
     ap.add_argument("--cuda", action="store_true", help="L1: also `device: cuda` builds (same layout and checksums)")
+    ap.add_argument("--python-share", action="store_true",
+                    help="the Python CPU time of a build and the GB/s it bounds any thread count to")
     ap.add_argument("--counts-checkpoint", help="L3: a checkpoint with many tensors (default: generated dsv3-counts)")
     ap.add_argument("--bytes-checkpoint",
                     help="L3: about the same bytes in few tensors (default: generated dsv3-bytes)")
@@ -280,6 +319,12 @@ def main() -> int:
         print(f"| {t} | {fill_gbps:.2f} | {load_gbps:.2f} | **{load_gbps / fill_gbps:.2f}** | >= 0.8 | {pw_gbps:.2f} | "
               f"{load_gbps / pw_gbps:.2f} |" + "".join(f" {gbps[k]:.2f} | {gbps[k] / fill_gbps:.2f} |"
                                                         for k in kinds[3:]), flush=True)
+    if args.python_share:
+        worker, main = python_seconds(checkpoint, max(3, args.reps))
+        print(f"\nPython per build (CPU s, 1 thread, median; system calls included): loader thread outside the "
+              f"compiled calls {worker * 1e3:.0f} ms, main thread {main * 1e3:.0f} ms: at most "
+              f"{plan.nbytes / (worker + main) / 1e9:.1f} GB/s at any thread count while the GIL is the one lock they "
+              "share", flush=True)
     if "L2" in only:
         print("\nreading every checkpoint tensor, hash only (GB/s read):\n")
         print("| threads | page faults | MADV_POPULATE_READ | preadv |")
