@@ -38,12 +38,15 @@ def test_bench_loader_on_given_checkpoints(tmp_path):
     generate(few, preset="tiny", seed=0, shards=1)
     generate(many, preset="tiny", seed=0, shards=5)
     text = run("bench_loader.py", "--workdir", str(tmp_path / "work"), "--threads", "1,2", "--reps", "1",
-               "--checkpoint", TINY, "--counts-checkpoint", many, "--bytes-checkpoint", few)
+               "--checkpoint", TINY, "--counts-checkpoint", many, "--bytes-checkpoint", few, "--per-chunk",
+               "--python-share")
     assert f"checkpoint {TINY}:" in text
     for threads in ("1", "2"):  # L1 (each run checked equal to the first: the script exits 1 otherwise), then L2
         l1, l2 = table_rows(text, threads)
         assert float(l1[1]) > 0 and float(l1[2]) > 0 and float(l1[3].strip("*")) > 0
+        assert float(l1[7]) > 0  # the per-chunk path beside it, its layout checked equal too
         assert all(float(v) > 0 for v in l2[1:])
+    assert re.search(r"main thread [0-9]+ ms: at most [0-9.]+ GB/s", text), text
     ratio = re.search(r"L3 ratio \*\*([0-9.]+)\*\*", text)
     assert ratio and float(ratio.group(1)) > 0
     assert "| many | " in text and "| few | " in text
