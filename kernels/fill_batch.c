@@ -94,11 +94,13 @@ static uint16_t to_bf16(float v) {
     return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16); /* to nearest even: torch's rounding */
 }
 
+/* How many scales part d has: one per block of rows x columns (desc 9, 10), partial edge blocks included. */
+static int64_t scale_count(const int64_t *d) { return ((d[3] + d[9] - 1) / d[9]) * ((d[4] + d[10] - 1) / d[10]); }
+
 /* Read, hash and check part d's scales (ceil(m / rows) * ceil(n / columns) of them) into `raw`, widened to float32
  * into `vals`; returns how many, or -1 where one failed (desc[12], desc[13] say what). */
 static int64_t read_scales(int64_t *d, const int64_t *env, uint8_t *raw, float *vals, uint64_t *scale_hash) {
-    int64_t m = d[3], n = d[4], count = ((m + d[9] - 1) / d[9]) * ((n + d[10] - 1) / d[10]);
-    int64_t item = d[11] == SCALE_F32 ? 4 : 2;
+    int64_t count = scale_count(d), item = d[11] == SCALE_F32 ? 4 : 2;
     if (read_all((int)d[7], raw, (size_t)(count * item), d[8], d)) {
         d[13] = SCALE_FILE;
         return -1;
@@ -131,8 +133,7 @@ static int64_t read_scales(int64_t *d, const int64_t *env, uint8_t *raw, float *
 static int make_table(int64_t *d, const int64_t *env, uint8_t *raw, uint16_t *lut, uint64_t *scale_hash) {
     const float *codes = (const float *)(intptr_t)env[6];
     uint16_t nan_pos = (uint16_t)env[7], nan_neg = (uint16_t)env[8];
-    int64_t most = ((d[3] + d[9] - 1) / d[9]) * ((d[4] + d[10] - 1) / d[10]);
-    float *vals = (float *)(raw + 4 * most);
+    float *vals = (float *)(raw + 4 * scale_count(d));
     int64_t count = read_scales(d, env, raw, vals, scale_hash);
     if (count < 0) return -1;
     for (int64_t k = 0; k < count; k++) {

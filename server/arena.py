@@ -185,8 +185,7 @@ class Arena:
             try:
                 done = os.pwrite(fd, data, at)
             except OSError as exc:
-                raise self._os_error(exc, f"write {len(data)} bytes at offset {at} of segment {placement.segment}",
-                                     len(data)) from exc
+                raise self.write_error(placement, at - placement.offset, len(data), exc.errno) from exc
             data, at = data[done:], at + done
 
     def fd(self, placement: Placement) -> int:

@@ -70,7 +70,7 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device
     native, whole = _native(device), _whole_calls(device, arena)
     output = Output(arena, direct=(device.type == "cuda" and whole is None) or not arena.writes)
     if output.direct:  # pwrite needs no reservation: it takes the pages it fills, and says ENOSPC where none are left
-        _reserve(parts, arena, populate=True)
+        _reserve(parts, arena)
     for i, part in enumerate(parts):
         if part.old is not None:
             data = tensor_bytes(part.old)
@@ -100,17 +100,18 @@ def _whole_calls(device: torch.device, arena: Arena):
     return None
 
 
-def _reserve(parts: list[Part], arena: Arena, populate: bool) -> None:
-    """Reserve the parts' ranges, one call for each run of back-to-back parts of one segment."""
+def _reserve(parts: list[Part], arena: Arena) -> None:
+    """Reserve the parts' ranges and map their pages in (results go through the mapping), one call for each run of
+    back-to-back parts of one segment."""
     start = end = where = None
     for part in parts:
         if part.where is not where or part.offset != end:
             if where is not None:
-                arena.reserve(where, start, end - start, populate)
+                arena.reserve(where, start, end - start, populate=True)
             where, start = part.where, part.offset
         end = part.offset + part.nbytes
     if where is not None:
-        arena.reserve(where, start, end - start, populate)
+        arena.reserve(where, start, end - start, populate=True)
 
 
 def _native(device: torch.device) -> bool:

@@ -16,11 +16,11 @@ from itertools import accumulate, chain
 
 import torch
 
-from .arena import Arena
 from expertd.index import checksum_text
 from expertd.kernels import native
 
-from .native_parts import check, destination, results, scale_count
+from .arena import Arena
+from .native_parts import check, copy_row, destination, results, scale_count
 from .parts import CHUNK_BYTES, Output, Part, buffer_at
 from .reader import Checkpoint
 
@@ -58,13 +58,13 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _runs(parts: list[Part]) -> list[list[int]]:
-    """Consecutive scaled parts of one shape, block and scale count: each run is one kernel launch."""
+    """Consecutive scaled parts of one shape and block: each run is one kernel launch."""
     runs: list[list[int]] = []
     for i, part in enumerate(parts):
         src = part.src
         if src.scale is None:
             continue
-        key = (src.info.shape, src.block, src.scale.nbytes // src.scale.dtype.itemsize)
+        key = (src.info.shape, src.block)  # hence one scale count (`takes` checked each scale tensor holds it)
         if runs and runs[-1][0] == key and runs[-1][-1] == i - 1:
             runs[-1].append(i)
         else:
@@ -100,8 +100,8 @@ def fill_gpu(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena,
     out_starts = [0, *accumulate(outs)][:-1]
     host_in, host_out = _pinned("in", total), _pinned("out", sum(outs))
     # 1. every source read into pinned memory and hashed; every scale read, hashed, checked, widened: no GIL
-    rows = [(native.FILL_COPY, ckpt.fd(p.src.info), p.src.info.offset, n, 1, -1, host_in.data_ptr() + at,
-             -1, 0, 1, 1, 0, 0, 0) for p, n, at in zip(parts, sizes, starts)]
+    rows = [copy_row(ckpt.fd(p.src.info), p.src.info.offset, n, -1, host_in.data_ptr() + at)
+            for p, n, at in zip(parts, sizes, starts)]
     scaled = [i for i, p in enumerate(parts) if p.src.scale is not None]
     for i in scaled:
         src = parts[i].src
@@ -133,7 +133,7 @@ def fill_gpu(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena,
     for p, n, at, out_at, size in zip(parts, sizes, starts, out_starts, outs):
         dst_fd, dst_at = destination(p, output, arena)
         src_at, nbytes = (made + out_at, size) if p.src.scale is not None else (stored + at, n)
-        desc.append((native.FILL_COPY, -1, src_at, nbytes, 1, dst_fd, dst_at, -1, 0, 1, 1, 0, 0, 0))
+        desc.append(copy_row(-1, src_at, nbytes, dst_fd, dst_at))
     table, written = array("q", chain.from_iterable(desc)), array("Q", bytes(24 * len(parts)))
     check(native.fill_batch(table, made, made, made, made, CHUNK_BYTES, written), parts, table, arena, ckpt)
     for k in range(len(parts)):  # the source's hash from the reading, the result's from the writing

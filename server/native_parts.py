@@ -35,9 +35,13 @@ SMALL_RESULT = HASH_BYTES
 
 def usable(device: torch.device) -> bool:
     """Whether parts can be filled here: on the CPU, where the compiled library and XXH3's streaming functions are."""
-    if device.type != "cpu":
-        return False
-    return native.can_fill_batch()
+    return device.type == "cpu" and native.can_fill_batch()
+
+
+def copy_row(src_fd: int, src_at: int, nbytes: int, dst_fd: int, dst_at: int) -> tuple:
+    """A descriptor row of stored bytes copied, hashed once: from a file (or from memory, `src_fd` -1) to a file (or
+    to memory, `dst_fd` -1)."""
+    return native.FILL_COPY, src_fd, src_at, nbytes, 1, dst_fd, dst_at, -1, 0, 1, 1, 0, 0, 0
 
 
 def scale_count(src) -> int | None:
@@ -111,8 +115,7 @@ def fill_native(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Aren
         info, src = part.src.info, part.src
         dst_fd, dst_at = destination(part, output, arena)
         if src.scale is None:
-            desc.append((native.FILL_COPY, ckpt.fd(info), info.offset, info.nbytes, 1, dst_fd, dst_at,
-                         -1, 0, 1, 1, 0, 0, 0))
+            desc.append(copy_row(ckpt.fd(info), info.offset, info.nbytes, dst_fd, dst_at))
         else:
             m, n = info.shape
             longest, most = max(longest, 2 * n), max(most, scale_count(src))
