@@ -35,6 +35,52 @@ def _decode_e4m3(b):
 
 
 @triton.jit
+def _tile_scales(sp, r0, c0, ri, ci, mask_m, mask_n, s_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SCALE: tl.constexpr, MASKED: tl.constexpr):
+    """The scales one tile meets, shaped to broadcast over it: one, one per row, one per column, one per element
+    (SCALE 0..3); masked lanes read 1.0."""
+    if SCALE == 0:
+        s = tl.load(sp + (r0 // BLOCK_M) * s_cols + c0 // BLOCK_N)
+    elif SCALE == 1:
+        at = ((r0 + ri) // BLOCK_M) * s_cols + c0 // BLOCK_N
+        if MASKED:
+            s = tl.load(sp + at, mask=mask_m, other=1.0)[:, None]
+        else:
+            s = tl.load(sp + at)[:, None]
+    elif SCALE == 2:
+        at = (r0 // BLOCK_M) * s_cols + (c0 + ci) // BLOCK_N
+        if MASKED:
+            s = tl.load(sp + at, mask=mask_n, other=1.0)[None, :]
+        else:
+            s = tl.load(sp + at)[None, :]
+    else:
+        at = ((r0 + ri) // BLOCK_M)[:, None] * s_cols + ((c0 + ci) // BLOCK_N)[None, :]
+        if MASKED:
+            s = tl.load(sp + at, mask=mask_m[:, None] & mask_n[None, :], other=1.0)
+        else:
+            s = tl.load(sp + at)
+    return s
+
+
+@triton.jit
+def _to_out(y, OUT_KIND: tl.constexpr, NAN_BF16: tl.constexpr, BF16_CVT: tl.constexpr):
+    """float32 results in the output's dtype: bf16 as int16 bits (round to nearest even, NaN as NAN_BF16),
+    fp16, or float32 as is."""
+    if OUT_KIND == 0:
+        if BF16_CVT:
+            r = y.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
+        else:
+            u = y.to(tl.uint32, bitcast=True)
+            r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int32)  # round to nearest even
+        v = tl.where(y != y, NAN_BF16, r).to(tl.int16)
+    elif OUT_KIND == 1:
+        v = y.to(tl.float16)
+    else:
+        v = y
+    return v
+
+
+@triton.jit
 def _dequant_kernel(
     x_ptr,  # uint8 [E, M, N]
     s_ptr,  # float32 [E, s_rows, s_cols]
@@ -70,10 +116,10 @@ def _dequant_kernel(
     # 8 contiguous bytes per thread at most, so the load gets the store's layout (8 results = 16 bytes per
     # thread); with 16-byte loads the compiler would stage every tile through shared memory between them
     xoffs = tl.max_contiguous(offs, [1, 8])
+    mask_m = ri < M - r0
+    mask_n = ci < N - c0
+    mask = mask_m[:, None] & mask_n[None, :]
     if MASKED:
-        mask_m = ri < M - r0
-        mask_n = ci < N - c0
-        mask = mask_m[:, None] & mask_n[None, :]
         b = tl.load(x_ptr + base + xoffs, mask=mask, other=0)
     else:
         b = tl.load(x_ptr + base + xoffs)
@@ -82,41 +128,12 @@ def _dequant_kernel(
     else:
         x = _decode_e4m3(b.to(tl.int32))
 
-    sp = s_ptr + e * s_rows * s_cols
-    if SCALE == 0:
-        s = tl.load(sp + (r0 // BLOCK_M) * s_cols + c0 // BLOCK_N)
-    elif SCALE == 1:
-        at = ((r0 + ri) // BLOCK_M) * s_cols + c0 // BLOCK_N
-        if MASKED:
-            s = tl.load(sp + at, mask=mask_m, other=1.0)[:, None]
-        else:
-            s = tl.load(sp + at)[:, None]
-    elif SCALE == 2:
-        at = (r0 // BLOCK_M) * s_cols + (c0 + ci) // BLOCK_N
-        if MASKED:
-            s = tl.load(sp + at, mask=mask_n, other=1.0)[None, :]
-        else:
-            s = tl.load(sp + at)[None, :]
-    else:
-        at = ((r0 + ri) // BLOCK_M)[:, None] * s_cols + ((c0 + ci) // BLOCK_N)[None, :]
-        if MASKED:
-            s = tl.load(sp + at, mask=mask, other=1.0)
-        else:
-            s = tl.load(sp + at)
+    s = _tile_scales(s_ptr + e * s_rows * s_cols, r0, c0, ri, ci, mask_m, mask_n, s_cols, BLOCK_M, BLOCK_N,
+                     SCALE, MASKED)
     y = x * s
 
     yp = y_ptr + base + offs
-    if OUT_KIND == 0:
-        if BF16_CVT:
-            r = y.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
-        else:
-            u = y.to(tl.uint32, bitcast=True)
-            r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.int32)  # round to nearest even
-        v = tl.where(y != y, NAN_BF16, r).to(tl.int16)
-    elif OUT_KIND == 1:
-        v = y.to(tl.float16)
-    else:
-        v = y
+    v = _to_out(y, OUT_KIND, NAN_BF16, BF16_CVT)
     if MASKED:
         tl.store(yp, v, mask=mask)
     else:
