@@ -6,10 +6,11 @@
 Each rank attaches to its own host's daemon ($EXPERTD_ENDPOINT; the daemon must serve this rank's
 experts: `expert_parallel` in its config) and builds the model transformers' own expert parallelism
 gives (`DistributedConfig(ep_size=world, fsdp_size=world)` by default), every local shard a view of the
-host's shared memory. It runs one forward pass, writes --ready-file, then waits: every --poll seconds
-rank 0 shares the newest generation it has seen, and when one is newer every rank refreshes the same
-model together (a collective forward needs all ranks on one generation). SIGTERM (or SIGINT) to any rank
-ends all ranks at their next poll: each detaches, leaves the process group and exits 0, so torchrun exits 0
+host's shared memory. It runs one forward pass; once every rank has, rank 0 writes --ready-file. Then it
+waits: every --poll seconds rank 0 shares the newest generation it has seen, and when one is newer every
+rank refreshes the same model together (a collective forward needs all ranks on one generation). SIGTERM
+(or SIGINT) to any rank ends all ranks at their next poll: each detaches, leaves the process group and exits
+0, so torchrun exits 0
 (`kill -TERM $(pgrep -P TORCHRUN_PID)`; a SIGTERM to torchrun itself stops the ranks the same way, but
 torchrun then reports its own SignalException with a traceback).
 
@@ -58,6 +59,7 @@ def main() -> int:
         with torch.no_grad():
             model(probe)
         print(f"rank {rank}/{world}: serving generation {client.generation} from {client.endpoint}", flush=True)
+        dist.barrier()  # the ready file says every rank serves (and has said so), not rank 0 alone
         if args.ready_file and rank == 0:
             open(args.ready_file, "w").close()
         while True:

@@ -44,6 +44,10 @@ REFRESHED = ["model.layers.1.mlp.experts.gate_up_proj", "model.layers.0.self_att
 RANGED, RANGED_AGAIN = ([f"model.layers.{n}.mlp.experts.{e}.{p}_proj.weight" for n in (0, 1) for e in es for p in ps]
                         for es, ps in (((1, 2, 5, 6), ("up", "down")), ((0, 3, 4, 7), ("gate", "up"))))
 TOKEN = "vllm-engines-read-token-0123"
+# The daemons' cap on derived bytes (the tests of limits set their own per reader): by default it is the served bytes,
+# which one engine's layouts of these tiny models can pass on some CPUs (vLLM's AVX2 expert packing pads these dims by
+# 12%; with the padded vocabulary and the fused q/k/v beside it, an engine asks for more than the served bytes)
+ROOMY = 64 << 20
 pytestmark = pytest.mark.timeout(2400)  # the first session on a machine builds the vLLM virtualenv (minutes)
 
 
@@ -83,6 +87,7 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
                                         ("limited", ckpt["bf16"], {"max_derived_bytes_per_reader": 64 << 10}),
                                         ("refresh-limited", ckpt["bf16"],
                                          {"max_derived_bytes_per_reader": room_for_one_generation(ckpt["bf16"])})):
+            extra = {"max_derived_bytes": ROOMY, **extra}
             daemons[name] = DaemonProcess.launch(root / f"daemon-{name}", checkpoint, f"{namespace}{name}", **extra)
         for d in daemons.values():
             d.wait_serving()
@@ -138,7 +143,8 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
              "extra": {**ep["follow"], "follow": True}, "refresh": {"tensors": REFRESHED, "seed": 3}},
             {"name": "ranges", "model": model_folder(ckpt["paged"], str(root / "no-weights-paged")),
              "load_format": "expertd", "extra": ep["ranges"], "residency": True,
-             "refresh": {"tensors": RANGED, "seed": 3, "fresh": {"map": False}, "again": (RANGED_AGAIN, 4)}},
+             "refresh": {"tensors": RANGED, "seed": 3, "fresh": {"map": False}, "again": (RANGED_AGAIN, 4),
+                         "shuffle": True}},
             {"name": "refresh-limited", "model": bf16_config("refresh-limited"), "load_format": "expertd",
              "extra": {**ep["refresh-limited"], "follow": True},
              "refresh": {"tensors": REFRESHED, "seed": 3, "hold": True},
@@ -322,8 +328,14 @@ def test_refresh_after_an_update_equals_a_fresh_engine_on_the_new_generation(run
     assert run["tokens_after"] == run["fresh_tokens"]
     done = run["refreshed"]
     assert done["generation"] == run["generation"] == 2
-    assert len(done["remapped"]) == 1 and is_expert(done["remapped"][0]) and ".layers.1." in done["remapped"][0]
-    assert done["modules"] == ["model.layers.0.self_attn.qkv_proj", "model.norm"]
+    # the fused projection: reloaded where vLLM packs it for its kernel (oneDNN, on AVX-512), remapped onto the
+    # daemon's gather of the new bytes where vLLM uses it as fused (AVX2), as the unchanged layer 1's says
+    fused = "model.layers.0.self_attn.qkv_proj"
+    gathered = run["residency_after"]["model.layers.1.self_attn.qkv_proj.weight"][1]
+    experts = [name for name in done["remapped"] if is_expert(name)]
+    assert len(experts) == 1 and ".layers.1." in experts[0], done
+    assert sorted(done["remapped"]) == sorted(experts + [f"{fused}.weight"] * gathered), done
+    assert done["modules"] == [fused] * (not gathered) + ["model.norm"], done
     assert run["live_after"] == [2]  # the engine's lease left generation 1, which retired
     where = run["residency_after"]
     experts = {name for name in where if is_expert(name)}

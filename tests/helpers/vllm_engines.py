@@ -112,9 +112,10 @@ def generate(llm, prompts: list, max_tokens: int) -> list:
     return [list(r.outputs[0].token_ids) for r in results]
 
 
-def push(endpoint: str, names: list, seed: int) -> int:
+def push(endpoint: str, names: list, seed: int, shuffle: bool = False) -> int:
     """Publish a generation in which the tensors `names` (served or checkpoint names) are replaced by others of
-    their kind (scaled by random factors in [1, 2)): a trainer's update."""
+    their kind (scaled by random factors in [1, 2); with `shuffle`, their elements in a random order first: a
+    change of a few experts that no host's rounding hides from greedy tokens): a trainer's update."""
     import torch
 
     from expertd.client import ExpertClient
@@ -122,8 +123,12 @@ def push(endpoint: str, names: list, seed: int) -> int:
     with ExpertClient(endpoint, heartbeat=False) as client:
         served = {**client.tensors(), **client.served_tensors()}
         gen = torch.Generator().manual_seed(seed)
-        new = {name: (served[name].float() * (1 + torch.rand(served[name].shape, generator=gen))).to(
-            served[name].dtype) for name in names}
+        new = {}
+        for name in names:
+            old = served[name].float()
+            if shuffle:
+                old = old.flatten()[torch.randperm(old.numel(), generator=gen)].view(old.shape)
+            new[name] = (old * (1 + torch.rand(old.shape, generator=gen))).to(served[name].dtype)
         return client.update(new)
 
 
@@ -137,7 +142,9 @@ def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None
         from expertd.client import ExpertClient
 
         held = ExpertClient(engine["extra"]["endpoint"], heartbeat=False)
-    out["generation"] = push(engine["extra"]["endpoint"], engine["refresh"]["tensors"], engine["refresh"]["seed"])
+    shuffle = engine["refresh"].get("shuffle", False)
+    out["generation"] = push(engine["extra"]["endpoint"], engine["refresh"]["tensors"], engine["refresh"]["seed"],
+                             shuffle)
     if engine["extra"].get("follow"):  # the engine refreshes on its own once its client heard of the generation
         import time
 
@@ -156,8 +163,10 @@ def follow(llm, engine: dict, prompts: list, max_tokens: int, out: dict) -> None
     out["fresh_tokens"] = generate(second, prompts, max_tokens)
     out["fresh_residency"] = second.apply_model(residency)[0]
     if engine["refresh"].get("again"):  # a second update and refresh of the same engine, and a fresh engine's tokens
-        names, seed = engine["refresh"]["again"]  # (before any engine goes: an in-process engine that does takes
-        push(engine["extra"]["endpoint"], names, seed)  # vLLM's process groups with it, and `llm` could not run)
+        # (before any engine goes: an in-process engine that does takes vLLM's process groups with it, and `llm`
+        # could not run)
+        names, seed = engine["refresh"]["again"]
+        push(engine["extra"]["endpoint"], names, seed, shuffle)
         plugin.refresh(llm)
         out["tokens_again"] = generate(llm, prompts, max_tokens)
         third = engine_for({**engine, "extra": {**engine["extra"], **engine["refresh"].get("fresh", {})}})
