@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import torch
 
@@ -24,18 +28,41 @@ def run(cmd: list[str], cwd, timeout: float = 600) -> subprocess.CompletedProces
     return proc
 
 
+CACHE = os.path.join(os.path.expanduser("~"), ".cache", "expertd")
+
+
+@contextlib.contextmanager
+def locked(name: str):
+    """Hold ~/.cache/expertd/NAME.lock: one test process (of parallel ones, or of sessions side by side) at a time
+    makes or changes what the name stands for."""
+    os.makedirs(CACHE, exist_ok=True)
+    with open(os.path.join(CACHE, f"{name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def cached_venv(name: str, *steps: list[str]) -> str:
     """The python of the virtualenv ~/.cache/expertd/NAME, made once: each step is pip's arguments, run in it in
     order (`install ...`, `uninstall -y ...`); one whose steps did not all finish is made again."""
-    venv = os.path.join(os.path.expanduser("~"), ".cache", "expertd", name)
+    venv = os.path.join(CACHE, name)
     python = os.path.join(venv, "bin", "python")
     ready = os.path.join(venv, ".expertd-ready")
-    if not os.path.exists(ready):
-        run([sys.executable, "-m", "venv", "--clear", venv], cwd="/")
-        for step in steps:
-            run([python, *PIP, *step], cwd=venv, timeout=1800)
-        open(ready, "w").close()
+    with locked(name):
+        if not os.path.exists(ready):
+            run([sys.executable, "-m", "venv", "--clear", venv], cwd="/")
+            for step in steps:
+                run([python, *PIP, *step], cwd=venv, timeout=1800)
+            open(ready, "w").close()
     return python
+
+
+def wheel_digest(wheel: str) -> str:
+    """What a wheel holds (each file's name and bytes), whatever its zip's timestamps."""
+    h = hashlib.sha256()
+    with zipfile.ZipFile(wheel) as z:
+        for name in sorted(z.namelist()):
+            h.update(name.encode() + b"\0" + hashlib.sha256(z.read(name)).digest())
+    return h.hexdigest()
 
 
 def copy_tracked_files(dst) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from helpers.install import PIP, TORCH, cached_venv, run
+from helpers.install import PIP, TORCH, cached_venv, locked, run, wheel_digest
 
 TF4 = "transformers==4.57.6"  # the last 4.x, still pinned by many inference stacks
 TF_PREVIOUS = "transformers==5.23.0"  # the release before 5.24, which moved DeepSeek-V3's routers to fp32
@@ -30,8 +30,16 @@ def transformers_venv(spec: str, server: bool = False) -> str:
 
 
 def install_wheel(python: str, wheel: str) -> str:
-    """This tree's wheel into a cached venv, replacing what an earlier session put there."""
-    run([python, *PIP, "install", "--no-deps", "--force-reinstall", wheel], cwd=os.path.dirname(wheel))
+    """This tree's wheel into a cached venv, replacing what an earlier session put there; where the venv holds the
+    same files already (a test process beside this one installed them), it is left as it is: a reinstall would
+    pull them from under that process's engines."""
+    venv = os.path.dirname(os.path.dirname(python))
+    marker, digest = os.path.join(venv, ".expertd-wheel"), wheel_digest(wheel)
+    with locked(os.path.basename(venv)):
+        if not os.path.exists(marker) or open(marker).read() != digest:
+            run([python, *PIP, "install", "--no-deps", "--force-reinstall", wheel], cwd=os.path.dirname(wheel))
+            with open(marker, "w") as f:
+                f.write(digest)
     return python
 
 
