@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
+import tempfile
 import uuid
 
 import pytest
@@ -14,6 +16,32 @@ from helpers.workers import Worker
 
 # the expert-parallel tests' checkpoint fixtures (dsv3, qwen3, gpt_oss: module-scoped, made only where a test asks)
 pytest_plugins = ["helpers.ep"]
+
+# The longest files first (minutes each on two cores; the vLLM one also makes its virtualenv on a new machine), so
+# that `pytest -n 2 --dist loadfile` does not end on one of them while the other process has nothing left
+LONGEST_FIRST = ("test_model_matrix.py", "test_vllm.py", "test_transformers_releases.py", "test_benchmarks.py",
+                 "test_adoption.py", "test_generations.py", "test_expert_parallel.py", "test_shm_dir.py",
+                 "test_install.py", "test_vllm_serve.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """Test folders under a short base (/tmp/pt-XXXXXXXX, removed at the end) rather than pytest's
+    /tmp/pytest-of-USER/pytest-N, which `pytest -n` lengthens by /popen-gwN: the ipc:// socket paths made in a test's
+    folder (daemons', vLLM's) must stay within the 107 bytes a socket address holds."""
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = config._expertd_basetemp = tempfile.mkdtemp(prefix="pt-", dir="/tmp")
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_expertd_basetemp", None)
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ import torch
 from expertd.client import ExpertClient
 from expertd.server import ledger, sealed
 from expertd.server.config import config_from_dict
-from helpers.daemon import daemon_settings, daemon_status, expertd_cmd, save_config
+from helpers.daemon import daemon_settings, expertd_cmd, save_config
 from helpers.reference import reference_tensors
 
 NOBODY = 65534
@@ -88,6 +88,11 @@ def stop_and_read(daemon) -> str:
     err = daemon.proc.communicate(timeout=60)[1]
     assert daemon.proc.returncode == 0, err
     return err
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def lines_with(log: str, needle: str) -> list[str]:
@@ -342,20 +347,21 @@ def test_root_segment_named_file_is_left_alone_by_a_daemon_of_another_user(tiny_
     with open(planted, "w") as f:
         f.write("root's")
     env = {**os.environ, "HOME": home, "EXPERTD_NATIVE": "0"}
-    daemon = subprocess.Popen(DAEMON_AS_NOBODY + expertd_cmd("start", "--config", config, python=sys.executable),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # its log, read while it runs: root's status request is not its owner's, so the log says when it serves
+    logged = os.path.join(shared_tmp, "daemon.log")
+    with open(logged, "w") as log_file:
+        daemon = subprocess.Popen(DAEMON_AS_NOBODY + expertd_cmd("start", "--config", config, python=sys.executable),
+                                  stdout=subprocess.DEVNULL, stderr=log_file, text=True, env=env)
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and daemon.poll() is None:
-            status = daemon_status(f"ipc://{run}/expertd.sock")
-            if status and status["state"] == "serving":
-                break
+        while time.monotonic() < deadline and daemon.poll() is None and "serving generation" not in read(logged):
             time.sleep(0.2)
-        assert daemon.poll() is None, daemon.communicate()[1]
+        assert daemon.poll() is None and "serving generation" in read(logged), read(logged)
         served = [p for p in shm_files(namespace) if p != planted]
         assert served and all(os.stat(p).st_uid == NOBODY for p in served)
         daemon.send_signal(signal.SIGTERM)
-        log = daemon.communicate(timeout=60)[1]
+        daemon.wait(timeout=60)
+        log = read(logged)
         assert daemon.returncode == 0, log
         left = lines_with(log, "alone")
         assert len(left) == 1 and os.path.basename(planted) in left[0] and "Traceback" not in log, log
@@ -363,5 +369,5 @@ def test_root_segment_named_file_is_left_alone_by_a_daemon_of_another_user(tiny_
     finally:
         if daemon.poll() is None:
             daemon.kill()
-            daemon.communicate()
+            daemon.wait()
         os.unlink(planted)
