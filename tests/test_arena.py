@@ -14,6 +14,8 @@ from expertd.index import TensorEntry
 from expertd.server import arena as arena_mod
 from expertd.server.arena import ALIGN, Arena
 
+pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
+
 
 def test_segments_are_private_reserved_and_removed(namespace):
     arena = Arena(namespace, 1, segment_bytes=3 * ALIGN)

@@ -9,6 +9,8 @@ import yaml
 
 from tests.helpers.daemon import expertd_cmd, write_config
 
+pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
+
 
 def config(folder, **keys) -> str:
     """folder/cfg.yaml with `keys` (a socket in folder/run unless `endpoint` is given)."""

@@ -15,6 +15,8 @@ from expertd.errors import ConfigError, ExpertdError
 from expertd.protocol import check_endpoint
 from tests.helpers.daemon import expertd_cmd
 
+pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
+
 REPO = Path(__file__).resolve().parent.parent
 
 # (endpoint, words its error must hold): a socket path without ipc://, tcp:// without a port, an unknown scheme, ...

@@ -5,6 +5,8 @@ import pytest
 from expertd.errors import ConfigError
 from expertd.server.config import load_config
 
+pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
+
 
 def write(tmp_path, text: str) -> str:
     path = tmp_path / "cfg.yaml"

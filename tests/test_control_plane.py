@@ -17,6 +17,8 @@ from expertd.client import ExpertClient
 from helpers import import_gate
 from helpers.daemon import DaemonProcess, daemon_settings, expertd_cmd, save_config, write_config
 
+pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
+
 HEAVY = ("torch", "transformers", "safetensors", "numpy")
 
 CONTROL_MODULES = ("expertd.server.daemon", "expertd.server.service", "expertd.server.adopt",

@@ -14,6 +14,8 @@ from expertd.errors import DaemonError, ProtocolError
 from expertd.protocol import PROTOCOL_VERSION
 from expertd.server.leases import lease_tag
 
+pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
+
 
 @pytest.fixture
 def raw(start_daemon, tiny_checkpoint):

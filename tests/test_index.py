@@ -15,6 +15,8 @@ from expertd.index import (
     encode_sources, write_json_atomic,
 )
 
+pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
+
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 SEG = "/ns.100.3.000"
 DOWN = [f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in range(2)]

@@ -30,6 +30,8 @@ from expertd.server.config import config_from_dict  # noqa: E402
 from expertd.server.daemon import Daemon  # noqa: E402
 from helpers.golden import INDEX_BIN, SELECT, TOKEN, checksum_vectors, load, regenerate  # noqa: E402
 
+pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
+
 
 @pytest.fixture(scope="module")
 def golden() -> dict:

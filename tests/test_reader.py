@@ -22,6 +22,8 @@ from expertd.server.layout import plan_checkpoint
 from expertd.server.reader import Checkpoint, read_shard_header
 from helpers.checkpoints import EXPERT
 
+pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
+
 
 @pytest.fixture
 def ckpt(tiny_checkpoint, tmp_path):

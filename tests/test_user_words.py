@@ -14,6 +14,8 @@ from expertd import errors
 from expertd.protocol import pack, unpack_reply
 from tests.helpers.daemon import expertd_cmd
 
+pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
+
 REPO = Path(__file__).resolve().parent.parent
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("EXPERTD_")}
 
