@@ -123,7 +123,8 @@ def e2_attach(workdir: str, checkpoint: str, reps: int, bf16: str | None) -> dic
                 client.load_model()
             if rep:
                 single.append(time.perf_counter() - t0)
-        env = {**os.environ, "EXPERTD_ENDPOINT": ep.endpoint, "OMP_NUM_THREADS": "1"}
+        # TMPDIR: torchrun's own torchelastic_* folders go into the work folder, not into /tmp
+        env = {**os.environ, "EXPERTD_ENDPOINT": ep.endpoint, "OMP_NUM_THREADS": "1", "TMPDIR": workdir}
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                         "127.0.0.1", "--master_port", str(free_port()), script, out, str(reps),
                         *([bf16] if bf16 else [])],
