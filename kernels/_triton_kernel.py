@@ -35,7 +35,7 @@ def _decode_e4m3(b):
 
 
 @triton.jit
-def _tile_scales(sp, r0, c0, ri, ci, mask_m, mask_n, s_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _tile_scales(sp, r0, c0, ri, ci, mask_m, mask_n, mask, s_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  SCALE: tl.constexpr, MASKED: tl.constexpr):
     """The scales one tile meets, shaped to broadcast over it: one, one per row, one per column, one per element
     (SCALE 0..3); masked lanes read 1.0."""
@@ -56,7 +56,7 @@ def _tile_scales(sp, r0, c0, ri, ci, mask_m, mask_n, s_cols, BLOCK_M: tl.constex
     else:
         at = ((r0 + ri) // BLOCK_M)[:, None] * s_cols + ((c0 + ci) // BLOCK_N)[None, :]
         if MASKED:
-            s = tl.load(sp + at, mask=mask_m[:, None] & mask_n[None, :], other=1.0)
+            s = tl.load(sp + at, mask=mask, other=1.0)
         else:
             s = tl.load(sp + at)
     return s
@@ -128,7 +128,7 @@ def _dequant_kernel(
     else:
         x = _decode_e4m3(b.to(tl.int32))
 
-    s = _tile_scales(s_ptr + e * s_rows * s_cols, r0, c0, ri, ci, mask_m, mask_n, s_cols, BLOCK_M, BLOCK_N,
+    s = _tile_scales(s_ptr + e * s_rows * s_cols, r0, c0, ri, ci, mask_m, mask_n, mask, s_cols, BLOCK_M, BLOCK_N,
                      SCALE, MASKED)
     y = x * s
 

@@ -33,22 +33,24 @@ def part_digest(weight: str, scale: str | None) -> str:
 _local = threading.local()
 
 
-def buffer(nbytes: int, which: str = "read") -> torch.Tensor:
-    """This thread's reusable buffer `which` ("read": sources, "out": results on their way to `pwrite`),
-    at least `nbytes` long: it stays in cache from read to dequant to write."""
+def _grown(nbytes: int, which: str) -> torch.Tensor:
+    """This thread's buffer `which`, made or grown to at least `nbytes`."""
     buf = getattr(_local, which, None)
     if buf is None or buf.numel() < nbytes:
         buf = torch.empty(max(nbytes, CHUNK_BYTES), dtype=torch.uint8)
         setattr(_local, which, buf)
-    return buf[:nbytes]
+    return buf
+
+
+def buffer(nbytes: int, which: str = "read") -> torch.Tensor:
+    """This thread's reusable buffer `which` ("read": sources, "out": results on their way to `pwrite`),
+    at least `nbytes` long: it stays in cache from read to dequant to write."""
+    return _grown(nbytes, which)[:nbytes]
 
 
 def buffer_at(nbytes: int, which: str) -> int:
     """The address of `buffer(nbytes, which)` (no view made: a compiled call needs only where it starts)."""
-    buf = getattr(_local, which, None)
-    if buf is None or buf.numel() < nbytes:
-        buf = buffer(nbytes, which)
-    return buf.data_ptr()
+    return _grown(nbytes, which).data_ptr()
 
 
 class Output:

@@ -7,7 +7,6 @@ prerequisites fail these tests with the package to install (CI installs them), n
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -26,6 +25,7 @@ from expertd.errors import ConfigError
 from expertd.index import checksum, checksum_parts, tensor_bytes, tensor_checksum
 from expertd.protocol import check_endpoint
 from expertd.server.leases import lease_tag
+from helpers.install import CACHE, locked
 from helpers.polling import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,11 +72,8 @@ def cpp_build() -> Path:
     if missing:
         pytest.fail(f"cannot build the C++ client (client/cpp): missing {', '.join(missing)}. "
                     f"Install them with:\n  {APT}", pytrace=False)
-    cache = Path(os.path.expanduser("~")) / ".cache" / "expertd"
-    cache.mkdir(parents=True, exist_ok=True)
-    build = cache / f"cpp-{_build_key()}"
-    with open(cache / f"{build.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one build per key, whichever session gets there first
+    build = Path(CACHE) / f"cpp-{_build_key()}"
+    with locked(build.name):  # one build per key, whichever test process or session gets there first
         if not (build / ".built").exists():
             generator = ["-G", "Ninja"] if shutil.which("ninja") else []
             t0 = time.monotonic()

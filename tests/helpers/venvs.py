@@ -9,6 +9,7 @@ venv gets this tree's wheel installed afresh per test session (`install_wheel`).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from helpers.install import PIP, TORCH, cached_venv, locked, run, wheel_digest
 
@@ -36,10 +37,9 @@ def install_wheel(python: str, wheel: str) -> str:
     venv = os.path.dirname(os.path.dirname(python))
     marker, digest = os.path.join(venv, ".expertd-wheel"), wheel_digest(wheel)
     with locked(os.path.basename(venv)):
-        if not os.path.exists(marker) or open(marker).read() != digest:
+        if not os.path.exists(marker) or Path(marker).read_text() != digest:
             run([python, *PIP, "install", "--no-deps", "--force-reinstall", wheel], cwd=os.path.dirname(wheel))
-            with open(marker, "w") as f:
-                f.write(digest)
+            Path(marker).write_text(digest)
     return python
 
 
