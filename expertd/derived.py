@@ -15,8 +15,7 @@ sources' identity (name, dtype, shape and the checksum of their served bytes, as
 shape, the blocks and the inflated index, the latter by its own digest (`index_digest`: a model's layers of one kind
 share one index, hashed once however many layers ask, and an index is one block's elements: 59 MiB for one of
 DeepSeek-V3's experts). Nobody can store other bytes under a name: a name is the digest of what it names, and a
-client recomputes it from its own request and index (`client/variants.py`). Derivations named before (gather "v": 1,
-the index's bytes hashed after the header) are known by `legacy_key`, for a successor adopting an older daemon's.
+client recomputes it from its own request and index (`client/variants.py`).
 
 The index is inflated, checked and gathered in chunks of CHUNK entries (`chunks`, `gather_into`): the daemon's
 memory beyond the derived bytes stays a few MiB whatever the index's length or the number of sources.
@@ -47,13 +46,9 @@ def source_identity(entry) -> list:
     return [entry.name, entry.dtype, [int(s) for s in entry.shape], entry.checksum or ""]
 
 
-def key(header: dict, index_chunks=()) -> str:
-    """The name of a derivation: BLAKE2b-256 of its canonical header (sorted compact JSON, which holds no NUL),
-    a NUL, then (a legacy gather's only) the inflated index's bytes."""
-    digest = _digest(header)
-    for chunk in index_chunks:
-        digest.update(chunk)
-    return KEY_PREFIX + digest.hexdigest()
+def key(header: dict) -> str:
+    """The name of a derivation: BLAKE2b-256 of its canonical header (sorted compact JSON, which holds no NUL)."""
+    return KEY_PREFIX + _digest(header).hexdigest()
 
 
 def index_digest(chunks) -> str:
@@ -168,11 +163,6 @@ class Gather:
     def key(self, sources: list) -> str:
         """This derivation's name (no torch)."""
         return key(self.header(sources, self.index_digest()))
-
-    def legacy_key(self, sources: list) -> str:
-        """Its name as a daemon before gather "v": 2 named it (the index's bytes hashed after the header), to know
-        such a daemon's derivations again at adoption."""
-        return key({**self.request_header(sources), "v": 1}, self.differences())
 
     def chunks(self, check: bool = False, digest=None):
         """(start, int64 tensor of entries) for each chunk of the index; with `check`, every entry checked to lie in

@@ -39,7 +39,7 @@ from .arena import unlink_segment
 from .jobs import forget_frames
 from .quota import Quota, reader_of
 from .variant_ranges import make_changed, older_forms, placed_bytes, prior
-from .variants import LEGACY, Planned, Variant, check, make, older_name, plan_casts, plan_gathers, summary
+from .variants import Planned, Variant, check, make, plan_casts, plan_gathers, summary
 
 log = logging.getLogger("expertd.variants")
 
@@ -123,9 +123,8 @@ class Derivations:
                 return self._reply(gen, self._list(gen, found))
         if len(planned) <= INLINE_ITEMS and sum(p.entries for p in planned) <= INLINE_ENTRIES \
                 and sum(p.nbytes for p in planned) <= INLINE_BYTES:
-            legacy = self._legacy()
             for p in planned:
-                check(p, legacy)
+                check(p)
             return self._reply(gen, self._make_now(gen, planned, reader, rid))
         self._wait(reader, rid, gen, planned)
         return replies.VariantReply(generation=gen.number, tensors=[], building=True).wire()
@@ -160,7 +159,6 @@ class Derivations:
     def _resolve(self, gen, planned: list[Planned]) -> list[Variant | None]:
         """Each checked item's variant where one exists: the served tensor itself, this generation's, or another live
         generation's made of the same bytes (reused); None where it is to be made."""
-        self._rename(planned)
         others = {}
         for other in self.gens.live.values():
             if other is not gen:
@@ -177,19 +175,6 @@ class Derivations:
                     found = replace(theirs, of=p.entry, key=p.key, also=p.more)
             out.append(found)
         return out
-
-    def _legacy(self) -> bool:
-        """Whether a live generation holds gathers an older daemon named (adopted: `variants.legacy_variant`)."""
-        return any(k.startswith(LEGACY) for g in self.gens.live.values() for k in g.variants)
-
-    def _rename(self, planned: list[Planned]) -> None:
-        """An older daemon's adopted gather that an item is (by its older name, `Planned.legacy`: the same request
-        over the same sources' bytes) goes under the item's name from now on, in whichever live generation holds it."""
-        for p in planned:
-            for g in self.gens.live.values() if p.legacy else ():
-                theirs = g.variants.pop(p.legacy, None)
-                if theirs is not None:
-                    g.variants[p.key] = replace(theirs, key=p.key)
 
     def _todo(self, gen, planned: list[Planned], reader: str) -> list[tuple[Planned, int, tuple | None]]:
         """What is to be made (each name once; a derivation an older generation's variant of the same form keeps
@@ -269,14 +254,11 @@ class Derivations:
             if job.stop.is_set():
                 raise InterruptedError("the daemon is stopping")
             if first is None:
-                check(p, legacy)
+                check(p)
             else:
                 p.gather.digest = first.gather.digest
                 p.key = p.gather.key([p.entry, *p.more])
                 p.gather.form = first.gather.form if not p.more else None
-                older_name(p, legacy)
-
-        legacy = self._legacy()
 
         firsts: dict[tuple, Planned] = {}
         for p in job.planned:

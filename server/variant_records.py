@@ -5,8 +5,7 @@ Per live generation that has variants, `{run_dir}/{namespace}.gen{N}.variants.js
 name, its entry (segment, offset, bytes, shape, dtype, checksum), what it was made of (`of` and `also`: names in the
 generation's index), the reader whose request made it and the bytes its segment takes. A derived stack that keeps an
 older layout's blocks (`variant_ranges`) has its entry's `extents`, the segment it made and each of its segments'
-size (format 2; a daemon that reads format 1 only makes such variants again; format 3 names gathers as gather
-"v": 2 does), and a gather of one source its form
+size, and a gather of one source its form
 (`Planned.form`: a successor's next push keeps its unchanged blocks too). It is small beside the
 generation's own record (a few hundred bytes a variant) and kept apart from it, so that the multi-MB index record is
 written once, at publish. `Recorder.flush` rewrites it between requests, never inside one: at most every
@@ -28,12 +27,11 @@ from expertd.index import TensorEntry, TensorIndex
 from expertd.segments import segment_path
 
 from . import hostpaths, ledger, sealed
-from .variants import LEGACY, Variant, legacy_variant
+from .variants import Variant
 
 log = logging.getLogger("expertd.ledger")
 
 VARIANTS_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # 1: no variant with extents; 1, 2: gathers named as gather "v": 1 (`legacy_variant`)
 RECORD_EVERY_S = 0.5  # a generation's variants record lags its variants by at most this (plus one request burst)
 ENTRY_FIELDS = ("name", "segment", "offset", "nbytes", "shape", "dtype", "sources", "checksum")
 
@@ -83,9 +81,9 @@ def read(run_dir: str, index: TensorIndex) -> dict[str, Variant]:
         raise
     except (OSError, ValueError) as exc:  # UnsafePath (a key file that is not ours) is an OSError
         raise ValueError(f"{path}: unreadable ({exc})") from None
-    if data.get("variants") not in READABLE_VERSIONS:
-        raise ValueError(f"{path}: variants record format {data.get('variants')!r}, this expertd reads "
-                         f"{', '.join(map(str, READABLE_VERSIONS))}")
+    if data.get("variants") != VARIANTS_VERSION:  # an older expertd's: discarded (the adopter says so, once)
+        raise ValueError(f"{path}: variants record format {data.get('variants')!r} (this expertd reads "
+                         f"{VARIANTS_VERSION} only); its derived tensors are made again when asked")
     if data.get("generation") != number or data.get("namespace") != namespace:
         raise ValueError(f"{path}: records generation {data.get('generation')!r} of namespace "
                          f"{data.get('namespace')!r}, expected generation {number} of {namespace!r}")
@@ -94,8 +92,6 @@ def read(run_dir: str, index: TensorIndex) -> dict[str, Variant]:
         variants = [from_record(item, served) for item in data["tensors"]]
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: malformed ({type(exc).__name__}: {exc})") from None
-    if data["variants"] < 3:  # an older daemon's gathers: known by their older names until asked (`Derivations`)
-        variants = [legacy_variant(v) for v in variants]
     return {v.key: v for v in variants}
 
 
@@ -152,7 +148,7 @@ class Recorder:
 
     def adopted(self, number: int, count: int) -> None:
         """Generation `number`'s record, as a predecessor left it, lists `count` variants (-1: rewrite it)."""
-        self.recorded[number] = (count, 0)
+        self.recorded[number] = count
 
     def flush(self, gens, force: bool = False) -> None:
         """Rewrite the records of live generations `gens` whose variants changed since they were last recorded."""
@@ -161,7 +157,7 @@ class Recorder:
         live = {g.number: g for g in gens}
         for number in [n for n in self.recorded if n not in live]:  # retired: its record went with it
             del self.recorded[number]
-        todo = [g for n, g in live.items() if _mark(g) != self.recorded.get(n, (0, 0))]
+        todo = [g for n, g in live.items() if len(g.variants) != self.recorded.get(n, 0)]
         if not todo:
             return
         self._written = time.monotonic()
@@ -170,7 +166,7 @@ class Recorder:
             for gen in todo:
                 variants = list(gen.variants.values())
                 write(self.run_dir, self.namespace, gen.number, variants, gen.index.shm_dir)
-                self.recorded[gen.number] = _mark(gen)
+                self.recorded[gen.number] = len(gen.variants)
         except OSError as exc:
             if not self._failing:
                 log.error("cannot record the variants of generation(s) %s in %s (%s): serving on; a successor makes "
@@ -182,8 +178,3 @@ class Recorder:
             log.info("the variants of generation(s) %s are recorded again", ", ".join(str(g.number) for g in todo))
         self._failing = False
 
-
-def _mark(gen) -> tuple[int, int]:
-    """What tells a generation's variants changed since recorded: their count, and how many an older daemon named
-    (adopted under `LEGACY` names, renamed when first asked: the record then lists the new name)."""
-    return len(gen.variants), sum(key.startswith(LEGACY) for key in gen.variants)

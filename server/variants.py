@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from expertd.derived import Gather, cast_key
 from expertd.errors import VariantRejected
@@ -85,7 +85,6 @@ class Planned:
     gather: Gather | None = None
     more: tuple = ()  # a gather's further sources
     key: str = field(default="", init=False)  # its derivation's name, once `check` has run
-    legacy: str = field(default="", init=False)  # a gather's name as an older daemon recorded it (`older_name`)
 
     @property
     def nbytes(self) -> int:
@@ -161,9 +160,9 @@ def _also(item: GatherItem, served: dict[str, TensorEntry], entry: TensorEntry, 
     return out
 
 
-def check(planned: Planned, legacy: bool = False) -> str:
-    """The item checked whole (a gather's index inflated chunk by chunk, every entry in range) and named (with
-    `legacy`, a gather also by its older name: `older_name`); nothing made. Pure: runs on the request loop for small
+def check(planned: Planned) -> str:
+    """The item checked whole (a gather's index inflated chunk by chunk, every entry in range) and named; nothing
+    made. Pure: runs on the request loop for small
     requests, in a derivation job for large ones."""
     if planned.served:
         planned.key = ""
@@ -171,25 +170,7 @@ def check(planned: Planned, legacy: bool = False) -> str:
         planned.key = cast_key(planned.entry, planned.dtype)
     else:
         planned.key = planned.gather.checked_key([planned.entry, *planned.more])
-        older_name(planned, legacy)
     return planned.key
-
-
-LEGACY = "v1:"  # before an adopted gather's name: it is a daemon's before gather "v": 2 (`legacy_variant`)
-
-
-def legacy_variant(variant: Variant) -> Variant:
-    """A recorded gather named by a daemon before gather "v": 2, under its name as `LEGACY` + that name: no request
-    names it so, until one whose `Planned.legacy` it is finds it (`Derivations`) and renames it."""
-    gather = variant.entry.dtype == variant.of.dtype  # a cast changes the dtype: its name is the same in both
-    return replace(variant, key=LEGACY + variant.key) if gather and not variant.key.startswith(LEGACY) else variant
-
-
-def older_name(planned: Planned, legacy: bool) -> None:
-    """With `legacy` (a live generation holds an older daemon's gathers), a gather's older name too: its index
-    inflated and hashed once more, after the header (as a daemon before gather "v": 2 named it)."""
-    if legacy:
-        planned.legacy = LEGACY + planned.gather.legacy_key([planned.entry, *planned.more])
 
 
 def make(gen, planned: Planned, owner: str, placed: int, group: str | None, should_stop=None) -> Variant:

@@ -291,40 +291,33 @@ def test_a_successor_adopts_a_derived_layout_that_keeps_an_older_layouts_blocks(
     assert [os.path.getsize(f"/dev/shm/{name}") for name in made_now] == [block * source.element_size()], made_now
 
 
-def test_a_successor_adopts_gathers_an_older_daemon_named_and_answers_them_under_new_names(tiny_checkpoint,
-                                                                                            start_daemon, namespace):
-    """A daemon before gather "v": 2 named a gather by its index's bytes after the header (variants record format 2).
-    Its successor adopts such a gather under that older name; the same request asked again finds it by that name
-    (computed once), answers it from the same segment under its new name, and makes nothing."""
+def test_an_older_expertds_variants_record_is_discarded_with_one_line_and_its_derived_tensors_made_again(
+        tiny_checkpoint, start_daemon, namespace):
+    """A variants record in an older format (sealed with the run folder's key, as a predecessor of an older expertd
+    wrote it) is not adopted: one warning names it, its segments are reaped, and the same gather asked again is
+    made anew under the same name."""
     first = start_daemon(tiny_checkpoint)
     with ExpertClient(first.endpoint, timeout=60) as client:
         item, want = gather_item(client.served_tensors()[STACK])
         gathered = gather(first.endpoint, client.lease, item)
-        entry = next(t for t in client.index().tensors if t.name == STACK)
-    gathering = derived.Gather(item, list(entry.shape), "test")
-    older = gathering.legacy_key([entry])
-    assert gathered["derivation"] == gathering.key([entry]) != older
     recorded(first, 1, 1)
-    made = variant_segments(namespace)
     hand_over(first)
     path, folder = ledger.variants_path(run_dir(first), namespace, 1), run_dir(first)
     key = sealed.load_key(folder, namespace)
     record = sealed.read(path, variant_records.purpose(namespace, 1), key)
-    (tensor,) = record["tensors"]
-    record["variants"], tensor["key"] = 2, older  # as a daemon before the new names recorded it
+    record["variants"] = variant_records.VARIANTS_VERSION - 1  # as an older expertd recorded it
     sealed.write(path, record, variant_records.purpose(namespace, 1), key)
 
     second = start_daemon(tiny_checkpoint)
-    assert listed(second, 1) == {"v1:" + older: gathered["segment"]}
+    assert second.status()["generation"] == 1 and listed(second, 1) == {}
+    assert not os.path.exists(f"/dev/shm/{gathered['segment'].lstrip('/')}")  # discarded: reaped
     with ExpertClient(second.endpoint, timeout=60) as client:
-        assert gather(second.endpoint, client.lease, item) == gathered  # its new name, the same segment
+        again = gather(second.endpoint, client.lease, item)
+        assert again["derivation"] == gathered["derivation"]
         (out,) = client.derived([item])
         assert torch.equal(out, want.reshape(out.shape))
         del out
-    assert listed(second, 1) == {gathered["derivation"]: gathered["segment"]}
-    assert variant_segments(namespace) == made  # nothing made again
-    deadline = time.monotonic() + 30  # the record follows: its new name, in this release's format
-    while time.monotonic() < deadline and set(recorded(second, 1, 1)) != {gathered["derivation"]}:
-        time.sleep(0.05)
-    assert set(recorded(second, 1, 1)) == {gathered["derivation"]}
-    assert sealed.read(path, variant_records.purpose(namespace, 1), key)["variants"] == 3
+    out = stop_and_read(second)
+    lines = [line for line in out.splitlines() if "not adopting the variants of generation 1" in line]
+    assert len(lines) == 1 and f"format {variant_records.VARIANTS_VERSION - 1}" in lines[0], out
+    assert not glob.glob(f"/dev/shm/{namespace}*")
