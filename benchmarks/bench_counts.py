@@ -36,7 +36,7 @@ from bench_loader import ensure_preset, warm  # noqa: E402
 from run_all import machine  # noqa: E402
 
 PHASES = ("plan", "build", "index", "JSON", "ledger")
-IMPORTS = "import time; t = time.perf_counter(); import expertd.server.daemon; print(time.perf_counter() - t)"
+IMPORTS = "import time; t = time.perf_counter(); import expertd.server.daemon.loop; print(time.perf_counter() - t)"
 
 
 def imports_seconds(reps: int) -> float:
@@ -47,10 +47,11 @@ def imports_seconds(reps: int) -> float:
 
 def phases(checkpoint: str) -> tuple[dict[str, float], int]:
     """Seconds per phase of one load and publish of `checkpoint` (everything made is removed), and its tensor count."""
-    from expertd.server import ledger, loader
-    from expertd.server.arena import unlink_segment
-    from expertd.server.built import publish
-    from expertd.server.generations import place_index
+    from expertd.server.restart import ledger
+    from expertd.server.load import loader
+    from expertd.server.shm.arena import unlink_segment
+    from expertd.server.load.built import publish
+    from expertd.server.serving.generations import place_index
 
     times, run_dir = {}, tempfile.mkdtemp(prefix="bench-counts-")
     namespace = f"benchcounts{os.getpid()}"
@@ -101,7 +102,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     if args.phases_of:
-        from expertd.server import loader
+        from expertd.server.load import loader
 
         loader.prepare(args.warmup)[0].close()
         gc.collect()  # what the imports left young (~270k objects) is collected once in any daemon, whatever it loads

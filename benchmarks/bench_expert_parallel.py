@@ -67,7 +67,7 @@ def e1_share(workdir: str, checkpoint: str, size: int, reps: int) -> dict:
             runs[kind].append((seconds, status["bytes"]["total"], status["job"]["bytes_read"],
                                status["job"]["seconds"]))
     whole, share = min(runs["whole"]), min(runs["share"])
-    from expertd.server.loader import prepare
+    from expertd.server.load.loader import prepare
 
     ckpt, plan = prepare(checkpoint)
     ckpt.close()

@@ -19,6 +19,7 @@ Medians of --reps; every ratio is of two figures measured in this run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
 import statistics
@@ -35,15 +36,23 @@ from helpers.daemon import DaemonProcess  # noqa: E402
 from run_all import machine  # noqa: E402
 
 
+def generated(args, name: str, make) -> str:
+    """The checkpoint folder `name` under --workdir, made by `make(folder)` unless an earlier run left it there
+    (this benchmark's and bench_expert_ranges_counts.py's)."""
+    folder = os.path.join(args.workdir, name)
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        make(folder)
+    return folder
+
+
 def checkpoint(args) -> str:
     from expertd.tools.generate import generate_model_type
 
-    folder = os.path.join(args.workdir, f"qwen3moe-{args.layers}x{args.experts}-{args.hidden}-{args.moe_intermediate}")
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        generate_model_type(folder, "qwen3_moe", fp8=False, max_shard_size="2GB", num_hidden_layers=args.layers,
-                            num_local_experts=args.experts, hidden_size=args.hidden,
-                            moe_intermediate_size=args.moe_intermediate)
-    return folder
+    return generated(args, f"qwen3moe-{args.layers}x{args.experts}-{args.hidden}-{args.moe_intermediate}",
+                     lambda folder: generate_model_type(
+                         folder, "qwen3_moe", fp8=False, max_shard_size="2GB", num_hidden_layers=args.layers,
+                         num_local_experts=args.experts, hidden_size=args.hidden,
+                         moe_intermediate_size=args.moe_intermediate))
 
 
 def mappings() -> int:
@@ -51,38 +60,47 @@ def mappings() -> int:
         return sum(1 for _ in f)
 
 
-def run(folder: str, args, ranges: bool) -> dict:
-    """Pushes on a fresh daemon (`expert_ranges: ranges`): R1 and R2, then R3 around one more push."""
-    from expertd.client import ExpertClient
-
+@contextlib.contextmanager
+def ranged_daemon(folder: str, args, ranges: bool, timeout: float, **launch):
+    """A fresh daemon on `folder` (`expert_ranges: ranges`, a namespace of its own, under --workdir), once it
+    serves; afterwards stopped and whatever of its namespace is left in /dev/shm removed (this benchmark's and
+    bench_expert_ranges_counts.py's)."""
     namespace = f"edtbench{uuid.uuid4().hex[:8]}"
     daemon = DaemonProcess.launch(os.path.join(args.workdir, "daemon"), folder, namespace, expert_ranges=ranges,
-                                  max_generations=3, revoke_after_s=0)
-    out = {"one": [], "k": {}}
+                                  revoke_after_s=0, **launch)
     try:
-        daemon.wait_serving(timeout=900)
-        with ExpertClient(daemon.endpoint, heartbeat=False) as pusher:
-            names = pusher.tensors()
-            ups = [n for n in names if ".experts." in n and n.endswith("up_proj.weight")]
-            expert = next(n for n in ups if ".layers.0." in n)
-            out["expert_bytes"] = names[expert].numel() * names[expert].element_size()
-            for rep in range(args.reps):
-                out["one"].append(push(pusher, daemon, {expert: names[expert] * (-1) ** (rep + 1)}))
-            for k in (1, 4, 16):  # spread over every layer's stack; new values each time (a push of what is
-                chosen = ups[1:: max(1, len(ups) // k)][:k]  # served changes nothing)
-                out["k"][k] = push(pusher, daemon, {n: names[n] * (k + 1) for n in chosen})
-            with ExpertClient(daemon.endpoint, heartbeat=False) as reader:
-                held = reader.served_tensors()  # a reader mapping every served tensor
-                push(pusher, daemon, {expert: names[expert] * 3})
-                t0 = time.perf_counter()
-                reader.refresh()
-                held = reader.served_tensors()
-                out["refresh_s"], out["maps"] = time.perf_counter() - t0, mappings()
-                del held
+        daemon.wait_serving(timeout=timeout)
+        yield daemon
     finally:
         daemon.stop()
         for path in glob.glob(f"/dev/shm/{namespace}*"):
             os.unlink(path)
+
+
+def run(folder: str, args, ranges: bool) -> dict:
+    """Pushes on a fresh daemon (`expert_ranges: ranges`): R1 and R2, then R3 around one more push."""
+    from expertd.client import ExpertClient
+
+    out = {"one": [], "k": {}}
+    with ranged_daemon(folder, args, ranges, timeout=900, max_generations=3) as daemon, \
+            ExpertClient(daemon.endpoint, heartbeat=False) as pusher:
+        names = pusher.tensors()
+        ups = [n for n in names if ".experts." in n and n.endswith("up_proj.weight")]
+        expert = next(n for n in ups if ".layers.0." in n)
+        out["expert_bytes"] = names[expert].numel() * names[expert].element_size()
+        for rep in range(args.reps):
+            out["one"].append(push(pusher, daemon, {expert: names[expert] * (-1) ** (rep + 1)}))
+        for k in (1, 4, 16):  # spread over every layer's stack; new values each time (a push of what is
+            chosen = ups[1:: max(1, len(ups) // k)][:k]  # served changes nothing)
+            out["k"][k] = push(pusher, daemon, {n: names[n] * (k + 1) for n in chosen})
+        with ExpertClient(daemon.endpoint, heartbeat=False) as reader:
+            held = reader.served_tensors()  # a reader mapping every served tensor
+            push(pusher, daemon, {expert: names[expert] * 3})
+            t0 = time.perf_counter()
+            reader.refresh()
+            held = reader.served_tensors()
+            out["refresh_s"], out["maps"] = time.perf_counter() - t0, mappings()
+            del held
     return out
 
 
@@ -99,21 +117,35 @@ def push(client, daemon, values: dict) -> dict:
             "index": os.path.getsize(index)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workdir", default="/tmp/expertd-bench-ranges")
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--moe-intermediate", type=int, default=1024)
-    parser.add_argument("--reps", type=int, default=3)
+def options(doc: str, workdir: str, hidden: int, moe_intermediate: int) -> argparse.ArgumentParser:
+    """The options this benchmark and bench_expert_ranges_counts.py both take: --workdir, and the experts' dims."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--workdir", default=workdir)
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--moe-intermediate", type=int, default=moe_intermediate)
+    return parser
+
+
+def side_by_side(parser: argparse.ArgumentParser, checkpoint, run, title) -> tuple:
+    """What this benchmark and bench_expert_ranges_counts.py both do: parse the options, make --workdir and
+    `checkpoint(args)` there, print the machine and `title(args)`, then `run(folder, args, ranges)` on a daemon
+    without `expert_ranges` and then on one with it. (args, whole's result, ranged's)."""
     args = parser.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     folder = checkpoint(args)
     print(f"# {machine()}")
-    print(f"# Qwen3-MoE {args.layers} layers x {args.experts} experts, hidden {args.hidden}, moe_intermediate "
-          f"{args.moe_intermediate} (bf16); medians of {args.reps}")
-    whole, ranged = run(folder, args, ranges=False), run(folder, args, ranges=True)
+    print(f"# {title(args)}")
+    return args, run(folder, args, ranges=False), run(folder, args, ranges=True)
+
+
+def main() -> None:
+    parser = options(__doc__, "/tmp/expertd-bench-ranges", hidden=2048, moe_intermediate=1024)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    args, whole, ranged = side_by_side(
+        parser, checkpoint, run, lambda args: f"Qwen3-MoE {args.layers} layers x {args.experts} experts, hidden "
+        f"{args.hidden}, moe_intermediate {args.moe_intermediate} (bf16); medians of {args.reps}")
     part = ranged["expert_bytes"]
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     print("| | expert_ranges: true | false (the whole stack) | ratio |")

@@ -16,32 +16,26 @@ generation the worker's view of each changed part must equal what was pushed, an
 
 from __future__ import annotations
 
-import argparse
-import glob
 import os
 import statistics
 import sys
 import time
-import uuid
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-from bench_expert_ranges import mappings  # noqa: E402
-from helpers.daemon import DaemonProcess  # noqa: E402
-from run_all import machine  # noqa: E402
+from bench_expert_ranges import generated, mappings, options, ranged_daemon, side_by_side  # noqa: E402
 
 
 def checkpoint(args) -> str:
     from expertd.tools.generate import generate
 
-    folder = os.path.join(args.workdir, f"dsv3-counts-{args.hidden}-{args.moe_intermediate}")
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        generate(folder, "dsv3-counts", hidden_size=args.hidden, moe_intermediate_size=args.moe_intermediate,
-                 q_lora_rank=64, kv_lora_rank=64, num_nextn_predict_layers=0)
-    return folder
+    return generated(args, f"dsv3-counts-{args.hidden}-{args.moe_intermediate}",
+                     lambda folder: generate(folder, "dsv3-counts", hidden_size=args.hidden,
+                                             moe_intermediate_size=args.moe_intermediate, q_lora_rank=64,
+                                             kv_lora_rank=64, num_nextn_predict_layers=0))
 
 
 def run(folder: str, args, ranges: bool) -> list[dict]:
@@ -49,14 +43,10 @@ def run(folder: str, args, ranges: bool) -> list[dict]:
     and forward; one row per generation."""
     from expertd.client import ExpertClient
 
-    namespace = f"edtbench{uuid.uuid4().hex[:8]}"
-    log = open(os.path.join(args.workdir, f"daemon-{'ranges' if ranges else 'whole'}.log"), "w")
-    daemon = DaemonProcess.launch(os.path.join(args.workdir, "daemon"), folder, namespace, expert_ranges=ranges,
-                                  max_generations=2, revoke_after_s=0, stdout=log, stderr=log)
     rows, ids = [], torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
     generator = torch.Generator().manual_seed(0)
-    try:
-        daemon.wait_serving(timeout=1800)
+    with (open(os.path.join(args.workdir, f"daemon-{'ranges' if ranges else 'whole'}.log"), "w") as log,
+          ranged_daemon(folder, args, ranges, timeout=1800, max_generations=2, stdout=log, stderr=log) as daemon):
         with ExpertClient(daemon.endpoint, heartbeat=False) as pusher, \
                 ExpertClient(daemon.endpoint, heartbeat=False) as worker:
             model = worker.load_model()
@@ -92,29 +82,18 @@ def run(folder: str, args, ranges: bool) -> list[dict]:
             del now
             assert worker.verify() == [], "verify found corrupted tensors"
             del model
-    finally:
-        daemon.stop()
-        log.close()
-        for path in glob.glob(f"/dev/shm/{namespace}*"):
-            os.unlink(path)
     return rows
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workdir", default="/tmp/expertd-bench-counts")
+    parser = options(__doc__, "/tmp/expertd-bench-counts", hidden=256, moe_intermediate=128)
     parser.add_argument("--generations", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--moe-intermediate", type=int, default=128)
-    args = parser.parse_args()
-    os.makedirs(args.workdir, exist_ok=True)
-    folder = checkpoint(args)
     with open("/proc/sys/vm/max_map_count") as f:
         limit = int(f.read())
-    print(f"# {machine()}")
-    print(f"# DeepSeek-V3's counts (58 MoE layers x 256 experts), hidden {args.hidden}, moe_intermediate "
-          f"{args.moe_intermediate}; {args.generations} generations, one expert per layer changed in each")
-    whole, ranged = run(folder, args, ranges=False), run(folder, args, ranges=True)
+    args, whole, ranged = side_by_side(
+        parser, checkpoint, run, lambda args: f"DeepSeek-V3's counts (58 MoE layers x 256 experts), hidden "
+        f"{args.hidden}, moe_intermediate {args.moe_intermediate}; {args.generations} generations, one expert per "
+        "layer changed in each")
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     print("| medians over the generations | expert_ranges: true | false (stacks rewritten whole) | ratio |")
     print("| --- | --- | --- | --- |")

@@ -47,7 +47,7 @@ def changed_copy(src: str, dst: str, fraction: float) -> tuple[str, list[str]]:
     """A copy of `src` in which whole expert blocks covering `fraction` of the served bytes changed."""
     from safetensors.torch import load_file, save_file
 
-    from expertd.server.loader import prepare
+    from expertd.server.load.loader import prepare
 
     ckpt, plan = prepare(src)
     goal, picked, covered = fraction * plan.nbytes, [], 0
@@ -71,7 +71,7 @@ def changed_copy(src: str, dst: str, fraction: float) -> tuple[str, list[str]]:
 
 
 def g1_in_process(a: str, b: str, reps: int) -> dict:
-    from expertd.server.loader import build, prepare
+    from expertd.server.load.loader import build, prepare
 
     ns = f"benchg1{os.getpid()}"
     ckpt, plan = prepare(a)

@@ -62,7 +62,7 @@ def expert_weights() -> tuple[torch.Tensor, torch.Tensor]:
 def fill(shm_dir: str, experts: int, how: str) -> tuple[object, float, int]:
     """H1: every expert's two tensors into fresh segments, `how` = "pwrite" (the daemon's path on tmpfs)
     or "map" (a copy through the writable mapping); returns the arena, seconds and huge-page kB used."""
-    from expertd.server.arena import Arena
+    from expertd.server.shm.arena import Arena
 
     weights = [(w, memoryview(w.view(torch.uint8).reshape(-1).numpy())) for w in expert_weights()]
     arena = Arena(f"bench{uuid.uuid4().hex[:8]}", 1, shm_dir=shm_dir)
@@ -168,7 +168,7 @@ def loader(checkpoint: str, dirs: dict[str, str], reps: int) -> dict[str, dict]:
     """H4: the loader's build of `checkpoint` into each folder, alternating; GB/s of bf16 placed."""
     from bench_loader import warm
 
-    from expertd.server.loader import build, prepare
+    from expertd.server.load.loader import build, prepare
 
     ckpt, plan = prepare(checkpoint)
     warm(checkpoint)  # page cache warm

@@ -5,7 +5,7 @@
 A record holds the generation's index, the part digests an incremental build compares against (one per
 checkpoint weight of a fused tensor) and the source identities (one per weight and scale). Built here
 synthetically with DeepSeek-V3's tensor counts and name shapes (no shared memory, no checkpoint), then
-written and read with `expertd.server.ledger` side by side with publishing the index JSON alone (what
+written and read with `expertd.server.restart.ledger` side by side with publishing the index JSON alone (what
 every publish wrote before the ledger existed). Prints the best of RUNS and the ratio.
 """
 
@@ -21,8 +21,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from expertd.index import SegmentEntry, TensorEntry, TensorIndex  # noqa: E402
-from expertd.server import ledger  # noqa: E402
-from expertd.server.built import Built, publish  # noqa: E402
+from expertd.server.restart import ledger  # noqa: E402
+from expertd.server.load.built import Built, publish  # noqa: E402
 
 HIDDEN, MOE_INTER, INTER = 7168, 2048, 18432
 

@@ -85,8 +85,8 @@ def fill_once(plan, threads: int, src: torch.Tensor, how: str = "map") -> float:
     (`how="map"`) or with pwrite from memory (`"pwrite"`, as the loader writes on tmpfs), the threads taking
     turns among as many tensors as the loader's do, the writable mappings dropped: the loader's work without
     reading, dequantizing or hashing."""
-    from expertd.server.arena import Arena
-    from expertd.server.building import TURNS_PER_THREAD, interleave
+    from expertd.server.shm.arena import Arena
+    from expertd.server.load.building import TURNS_PER_THREAD, interleave
 
     arena = Arena(f"benchfill{os.getpid()}", 1)
     try:
@@ -120,8 +120,8 @@ def fill_once(plan, threads: int, src: torch.Tensor, how: str = "map") -> float:
 def load_once(checkpoint: str, threads: int, device: str = "cpu", per_chunk: bool = False) -> tuple[float, list]:
     """Seconds to build the checkpoint on `device` with `threads` threads (`per_chunk`: the Python path chunk by
     chunk that whole-task compiled calls replaced, for comparison), and the layout it made."""
-    from expertd.server import gpu_parts, native_parts
-    from expertd.server.loader import build, prepare
+    from expertd.server.load import gpu_parts, native_parts
+    from expertd.server.load.loader import build, prepare
 
     ckpt, plan = prepare(checkpoint)
     usable = native_parts.usable, gpu_parts.usable
@@ -141,8 +141,8 @@ def python_seconds(checkpoint: str, reps: int) -> tuple[float, float]:
     """CPU seconds of Python per single-threaded build (medians of `reps`): on the loader's thread outside the compiled
     calls, and on the main thread. What many threads take turns on (the GIL): bytes / their sum bounds any count."""
     from expertd.kernels import native
-    from expertd.server import building
-    from expertd.server.loader import build, prepare
+    from expertd.server.load import building
+    from expertd.server.load.loader import build, prepare
 
     spent = {"task": 0.0, "compiled": 0.0}
     fill, fill_batch = building.fill, native.fill_batch
@@ -175,7 +175,7 @@ def python_seconds(checkpoint: str, reps: int) -> tuple[float, float]:
 def read_once(opened, threads: int, mode: str) -> float:
     """t threads hash every FP8 source: through page faults, after MADV_POPULATE_READ, or via preadv."""
     from expertd.index import checksum, tensor_bytes
-    from expertd.server.reader import Checkpoint
+    from expertd.server.load.checkpoint import Checkpoint
 
     ckpt = Checkpoint(opened.folder, opened.config, opened.tensors)  # fresh mappings each run
     sources = [info for info in opened.tensors.values()]
@@ -232,7 +232,7 @@ def start_to_serving(workdir: str, checkpoint: str, tag: str) -> tuple[float, di
 
 
 def l3_counts(workdir: str, reps: int, counts: str | None = None, few: str | None = None) -> None:
-    from expertd.server.loader import prepare
+    from expertd.server.load.loader import prepare
 
     counts = counts or ensure_preset(workdir, "dsv3-counts-163", "dsv3-counts", 163)
     few = few or ensure_preset(workdir, "dsv3-bytes", "dsv3-bytes", 4)
@@ -277,7 +277,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     from expertd.procfs import default_threads
-    from expertd.server.loader import prepare
+    from expertd.server.load.loader import prepare
 
     cores = default_threads()
     counts = [int(t) for t in args.threads.split(",")] if args.threads else list(range(1, cores + 1))

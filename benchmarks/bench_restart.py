@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from bench_loader import warm  # noqa: E402
-from expertd.server.leases import lease_tag  # noqa: E402
+from expertd.server.serving.leases import lease_tag  # noqa: E402
 from helpers.daemon import DaemonProcess  # noqa: E402
 from helpers.workers import Worker  # noqa: E402
 from run_all import ensure_checkpoints, machine  # noqa: E402

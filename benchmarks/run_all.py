@@ -117,8 +117,8 @@ def p3_load(checkpoint: str, reps: int) -> dict:
 
     import posix_ipc
 
-    from expertd.server.arena import align_up
-    from expertd.server.loader import load, prepare
+    from expertd.server.shm.arena import align_up
+    from expertd.server.load.loader import load, prepare
 
     for root, _, files in os.walk(checkpoint):  # page cache warm for both sides
         for name in files:

@@ -21,7 +21,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from expertd.server.leases import lease_tag  # noqa: E402
+from expertd.server.serving.leases import lease_tag  # noqa: E402
 from helpers.daemon import DaemonProcess, daemon_settings, save_config  # noqa: E402
 from helpers.reference import reference_tensors  # noqa: E402
 from helpers.worker import digest  # noqa: E402

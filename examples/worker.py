@@ -77,7 +77,7 @@ def refuse_a_running_daemon(endpoint: str) -> None:
         return
     except ExpertdError:  # it answers, if only to refuse this probe (a wrong token)
         pid = ""
-    from expertd.server.runstate import EndpointBusy
+    from expertd.server.restart.runstate import EndpointBusy
 
     raise EndpointBusy(f"a daemon already answers at {endpoint}{pid}: drop --with-daemon to use it, or stop it first "
                        f"(expertd stop --endpoint {endpoint})")
@@ -103,7 +103,7 @@ def run(args) -> int:
     if not args.with_daemon:
         run_worker(args.endpoint, args.new_tokens, args.wait)
         return 0
-    from expertd.server.config import load_config
+    from expertd.server.daemon.config import load_config
 
     endpoint = load_config(args.with_daemon).endpoint
     refuse_a_running_daemon(endpoint)  # before any work: this run would use it and then fail to start its own

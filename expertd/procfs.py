@@ -54,6 +54,16 @@ def runs_expertd(pid: int) -> bool | None:
         return None
 
 
+def process_state(pid: int) -> str | None:
+    """Process `pid`'s state letter in /proc/PID/stat (R, S, D, Z for exited and not yet reaped, ...); None when
+    there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
 def default_threads() -> int:
     """The cores this process may run on (its affinity mask, which containers' cpusets narrow)."""
     try:

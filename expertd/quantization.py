@@ -20,13 +20,13 @@ and what is served: serving quantized bytes as if they were bf16, or with anothe
 be silently wrong.
 
 A codec reads names, shapes and dtypes only, never tensor values, so the client imports it too (a pushed
-state dict is split by its names). Its `kind` names its dequant entry points (`expertd.server.dequant`:
+state dict is split by its names). Its `kind` names its dequant entry points (`expertd.server.load.dequant`:
 one part written whole, one part streamed), which sit over its kernel and are the daemon's alone.
 
 Adding a format (NVFP4, int4): one codec class here — its naming (`stored_suffix`, `aux_suffix`), `decoding`
 (a stored weight and its aux checked, and what they serve as), `check_aux` (aux tensors the format cannot
 have), `check_push` (a pushed weight and its aux) — and its branch in `quantization_format`; its kernel
-beside a `*_reference` in `kernels/`; its `kind`'s entry in `server/dequant.py`. Nothing else branches on it.
+beside a `*_reference` in `kernels/`; its `kind`'s entry in `server/load/dequant.py`. Nothing else branches on it.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class Codec:
     """What every format answers (see the module docstring). Names: a quantized weight served as `NAME` is stored
     as `NAME + stored_suffix` with its aux tensor `NAME + aux_suffix`; any other tensor serves as itself."""
 
-    kind: str  # its dequant entry points in expertd.server.dequant
+    kind: str  # its dequant entry points in expertd.server.load.dequant
     stored_suffix = ""
     aux_suffix = ""
 

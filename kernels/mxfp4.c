@@ -52,49 +52,53 @@ static void mxfp4_tile_scalar(const uint8_t *x, const uint8_t *s, const uint16_t
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define SSSE3 __attribute__((target("ssse3")))
-
-/* 8x8 transpose of 16-bit lanes: v[j] holds column j's 8 values; afterwards v[k] holds row k's. */
-SSSE3 static inline void transpose8x8(__m128i v[8]) {
-    __m128i a0 = _mm_unpacklo_epi16(v[0], v[1]), a1 = _mm_unpackhi_epi16(v[0], v[1]);
-    __m128i a2 = _mm_unpacklo_epi16(v[2], v[3]), a3 = _mm_unpackhi_epi16(v[2], v[3]);
-    __m128i a4 = _mm_unpacklo_epi16(v[4], v[5]), a5 = _mm_unpackhi_epi16(v[4], v[5]);
-    __m128i a6 = _mm_unpacklo_epi16(v[6], v[7]), a7 = _mm_unpackhi_epi16(v[6], v[7]);
-    __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
-    __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
-    __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
-    __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
-    v[0] = _mm_unpacklo_epi64(b0, b4);
-    v[1] = _mm_unpackhi_epi64(b0, b4);
-    v[2] = _mm_unpacklo_epi64(b1, b5);
-    v[3] = _mm_unpackhi_epi64(b1, b5);
-    v[4] = _mm_unpacklo_epi64(b2, b6);
-    v[5] = _mm_unpackhi_epi64(b2, b6);
-    v[6] = _mm_unpacklo_epi64(b3, b7);
-    v[7] = _mm_unpackhi_epi64(b3, b7);
-}
-
 #define AVX2 __attribute__((target("avx2")))
 
-/* 8x8 transposes of 16-bit lanes in each 128-bit half at once. */
-/* Kept apart from transpose8x8 (the decode too): other vector types, shared in C only by a hot-loop-hiding macro */
-AVX2 static inline void transpose8x8x2(__m256i v[8]) {
-    __m256i a0 = _mm256_unpacklo_epi16(v[0], v[1]), a1 = _mm256_unpackhi_epi16(v[0], v[1]);
-    __m256i a2 = _mm256_unpacklo_epi16(v[2], v[3]), a3 = _mm256_unpackhi_epi16(v[2], v[3]);
-    __m256i a4 = _mm256_unpacklo_epi16(v[4], v[5]), a5 = _mm256_unpackhi_epi16(v[4], v[5]);
-    __m256i a6 = _mm256_unpacklo_epi16(v[6], v[7]), a7 = _mm256_unpackhi_epi16(v[6], v[7]);
-    __m256i b0 = _mm256_unpacklo_epi32(a0, a2), b1 = _mm256_unpackhi_epi32(a0, a2);
-    __m256i b2 = _mm256_unpacklo_epi32(a1, a3), b3 = _mm256_unpackhi_epi32(a1, a3);
-    __m256i b4 = _mm256_unpacklo_epi32(a4, a6), b5 = _mm256_unpackhi_epi32(a4, a6);
-    __m256i b6 = _mm256_unpacklo_epi32(a5, a7), b7 = _mm256_unpackhi_epi32(a5, a7);
-    v[0] = _mm256_unpacklo_epi64(b0, b4);
-    v[1] = _mm256_unpackhi_epi64(b0, b4);
-    v[2] = _mm256_unpacklo_epi64(b1, b5);
-    v[3] = _mm256_unpackhi_epi64(b1, b5);
-    v[4] = _mm256_unpacklo_epi64(b2, b6);
-    v[5] = _mm256_unpackhi_epi64(b2, b6);
-    v[6] = _mm256_unpacklo_epi64(b3, b7);
-    v[7] = _mm256_unpackhi_epi64(b3, b7);
-}
+/* The transpose and the decode below are written once for both widths, as macros that define a function:
+ * SSSE3 on __m128i (8 columns) and AVX2 on __m256i (16 columns, the same steps in each 128-bit half, which is
+ * how the AVX2 forms of these instructions work). ATTR is the target, T the vector type, P the intrinsics'
+ * prefix (_mm_ / _mm256_) and SI their whole-register suffix (si128 / si256). */
+
+/* 8x8 transpose of 16-bit lanes (per 128-bit half): v[j] holds column j's 8 values; afterwards v[k] holds row k's. */
+#define DEFINE_TRANSPOSE8X8(ATTR, NAME, T, P)                                        \
+    ATTR static inline void NAME(T v[8]) {                                          \
+        T a0 = P##unpacklo_epi16(v[0], v[1]), a1 = P##unpackhi_epi16(v[0], v[1]);   \
+        T a2 = P##unpacklo_epi16(v[2], v[3]), a3 = P##unpackhi_epi16(v[2], v[3]);   \
+        T a4 = P##unpacklo_epi16(v[4], v[5]), a5 = P##unpackhi_epi16(v[4], v[5]);   \
+        T a6 = P##unpacklo_epi16(v[6], v[7]), a7 = P##unpackhi_epi16(v[6], v[7]);   \
+        T b0 = P##unpacklo_epi32(a0, a2), b1 = P##unpackhi_epi32(a0, a2);           \
+        T b2 = P##unpacklo_epi32(a1, a3), b3 = P##unpackhi_epi32(a1, a3);           \
+        T b4 = P##unpacklo_epi32(a4, a6), b5 = P##unpackhi_epi32(a4, a6);           \
+        T b6 = P##unpacklo_epi32(a5, a7), b7 = P##unpackhi_epi32(a5, a7);           \
+        v[0] = P##unpacklo_epi64(b0, b4);                                           \
+        v[1] = P##unpackhi_epi64(b0, b4);                                           \
+        v[2] = P##unpacklo_epi64(b1, b5);                                           \
+        v[3] = P##unpackhi_epi64(b1, b5);                                           \
+        v[4] = P##unpacklo_epi64(b2, b6);                                           \
+        v[5] = P##unpackhi_epi64(b2, b6);                                           \
+        v[6] = P##unpacklo_epi64(b3, b7);                                           \
+        v[7] = P##unpackhi_epi64(b3, b7);                                           \
+    }
+
+/* One column's 32 results (per 128-bit half) from its 16 bytes of codes and its scale's table row as two planes
+ * (16 low bytes, 16 high bytes): `pshufb` looks each code up in both planes; v[q][j] gets results 8q..8q+7. */
+#define DEFINE_DECODE32(ATTR, NAME, T, P, SI)                                                   \
+    ATTR static inline void NAME(T lo_plane, T hi_plane, T bytes, T v[4][8], int j) {          \
+        const T low4 = P##set1_epi8(0x0F);                                                     \
+        T nl = P##and_##SI(bytes, low4), nh = P##and_##SI(P##srli_epi16(bytes, 4), low4);      \
+        T c01 = P##unpacklo_epi8(nl, nh), c23 = P##unpackhi_epi8(nl, nh); /* result order */  \
+        T l01 = P##shuffle_epi8(lo_plane, c01), h01 = P##shuffle_epi8(hi_plane, c01);          \
+        T l23 = P##shuffle_epi8(lo_plane, c23), h23 = P##shuffle_epi8(hi_plane, c23);          \
+        v[0][j] = P##unpacklo_epi8(l01, h01);                                                  \
+        v[1][j] = P##unpackhi_epi8(l01, h01);                                                  \
+        v[2][j] = P##unpacklo_epi8(l23, h23);                                                  \
+        v[3][j] = P##unpackhi_epi8(l23, h23);                                                  \
+    }
+
+DEFINE_TRANSPOSE8X8(SSSE3, transpose8x8, __m128i, _mm_)
+DEFINE_TRANSPOSE8X8(AVX2, transpose8x8x2, __m256i, _mm256_)
+DEFINE_DECODE32(SSSE3, decode32, __m128i, _mm_, si128)
+DEFINE_DECODE32(AVX2, decode32x2, __m256i, _mm256_, si256)
 
 AVX2 static inline __m256i load2(const uint8_t *lo, const uint8_t *hi) {
     return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)lo)),
@@ -105,7 +109,6 @@ AVX2 static inline __m256i load2(const uint8_t *lo, const uint8_t *hi) {
  * half, so after the per-half transposes each register holds one result row's 16 consecutive columns. */
 AVX2 static int64_t mxfp4_cols_avx2(const uint8_t *x, const uint8_t *s, const uint8_t *planes, uint16_t *yg,
                                     int64_t R, int64_t G, int64_t g, int64_t c0, int64_t c1, int stream) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
     uint16_t st[32 * TILE_R] __attribute__((aligned(64))); /* row k's results at st[k * TILE_R + (r - c0)] */
     int64_t r = c0;
     for (; r + 16 <= c1; r += 16) {
@@ -114,15 +117,7 @@ AVX2 static int64_t mxfp4_cols_avx2(const uint8_t *x, const uint8_t *s, const ui
             int64_t a = (r + j) * G + g, b = (r + 8 + j) * G + g;
             const uint8_t *pa = planes + (int64_t)s[a] * 32, *pb = planes + (int64_t)s[b] * 32;
             __m256i lo_plane = load2(pa, pb), hi_plane = load2(pa + 16, pb + 16);
-            __m256i bytes = load2(x + a * 16, x + b * 16);
-            __m256i nl = _mm256_and_si256(bytes, low4), nh = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-            __m256i c01 = _mm256_unpacklo_epi8(nl, nh), c23 = _mm256_unpackhi_epi8(nl, nh);
-            __m256i l01 = _mm256_shuffle_epi8(lo_plane, c01), h01 = _mm256_shuffle_epi8(hi_plane, c01);
-            __m256i l23 = _mm256_shuffle_epi8(lo_plane, c23), h23 = _mm256_shuffle_epi8(hi_plane, c23);
-            v[0][j] = _mm256_unpacklo_epi8(l01, h01);
-            v[1][j] = _mm256_unpackhi_epi8(l01, h01);
-            v[2][j] = _mm256_unpacklo_epi8(l23, h23);
-            v[3][j] = _mm256_unpackhi_epi8(l23, h23);
+            decode32x2(lo_plane, hi_plane, load2(x + a * 16, x + b * 16), v, j);
         }
         for (int q = 0; q < 4; q++) {
             transpose8x8x2(v[q]);
@@ -148,7 +143,6 @@ static int avx2 = 0;
 SSSE3 static void mxfp4_tile_ssse3(const uint8_t *x, const uint8_t *s, const uint8_t *planes, uint16_t *y,
                                    int64_t R, int64_t G, int64_t g0, int64_t g1, int64_t c0, int64_t c1,
                                    int stream) {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
     for (int64_t g = g0; g < g1; g++) {
         uint16_t *yg = y + (g - g0) * 32 * R;
         int64_t r = avx2 ? mxfp4_cols_avx2(x, s, planes, yg, R, G, g, c0, c1, stream) : c0;
@@ -159,15 +153,7 @@ SSSE3 static void mxfp4_tile_ssse3(const uint8_t *x, const uint8_t *s, const uin
                 const uint8_t *p = planes + (int64_t)s[at] * 32; /* 16 low bytes, then 16 high bytes */
                 __m128i lo_plane = _mm_loadu_si128((const __m128i *)p);
                 __m128i hi_plane = _mm_loadu_si128((const __m128i *)(p + 16));
-                __m128i b = _mm_loadu_si128((const __m128i *)(x + at * 16));
-                __m128i nl = _mm_and_si128(b, low4), nh = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-                __m128i c01 = _mm_unpacklo_epi8(nl, nh), c23 = _mm_unpackhi_epi8(nl, nh); /* codes in result order */
-                __m128i l01 = _mm_shuffle_epi8(lo_plane, c01), h01 = _mm_shuffle_epi8(hi_plane, c01);
-                __m128i l23 = _mm_shuffle_epi8(lo_plane, c23), h23 = _mm_shuffle_epi8(hi_plane, c23);
-                v[0][j] = _mm_unpacklo_epi8(l01, h01);
-                v[1][j] = _mm_unpackhi_epi8(l01, h01);
-                v[2][j] = _mm_unpacklo_epi8(l23, h23);
-                v[3][j] = _mm_unpackhi_epi8(l23, h23);
+                decode32(lo_plane, hi_plane, _mm_loadu_si128((const __m128i *)(x + at * 16)), v, j);
             }
             for (int q = 0; q < 4; q++) {
                 transpose8x8(v[q]);

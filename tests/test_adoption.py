@@ -17,9 +17,9 @@ import torch
 
 from expertd.client import ExpertClient
 from expertd.errors import GenerationGone
-from expertd.server import ledger, sealed
-from expertd.server.leases import lease_tag
-from expertd.server.runstate import RunState
+from expertd.server.restart import ledger, sealed
+from expertd.server.serving.leases import lease_tag
+from expertd.server.restart.runstate import RunState
 from helpers.daemon import expertd_cmd
 from helpers.reference import reference_tensors
 

@@ -1,8 +1,8 @@
-"""Variants survive a restart: the dtype casts and derived layouts a daemon made are recorded beside its ledger
-(`server/variant_records.py`), and a successor adopts them with their generation — checked as its segments are, and
-with `adopt_verify: full` by their checksums — so that the same cast or gather asked again is answered from the same
-segment, nothing made anew. A variant whose bytes changed is dropped and its segment unlinked; a variants record
-planted or rewritten without the run folder's key is never read, and the segments it names are reaped."""
+"""Derived tensors survive a restart: the dtype casts and derived layouts a daemon made are recorded beside its
+ledger (`server/restart/derived_records.py`), and a successor adopts them with their generation — checked as its
+segments are, and with `adopt_verify: full` by their checksums — so that the same cast or gather asked again is
+answered from the same segment, nothing made anew. One whose bytes changed is dropped and its segment unlinked; a
+record planted or rewritten without the run folder's key is never read, and the segments it names are reaped."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from expertd import derived, messages
 from expertd.client import ExpertClient
 from expertd.connection import Connection
 from expertd.index import bytes_checksum, checksum_parts
-from expertd.server import ledger, sealed, variant_records
+from expertd.server.restart import ledger, sealed, derived_records as variant_records
 from helpers.daemon import expertd_cmd
 
 NORM = "model.norm.weight"

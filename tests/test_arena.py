@@ -11,8 +11,8 @@ from expertd.segments import map_segment
 from expertd.shm import segment_bytes, view
 from expertd.errors import ShmError, ShmSpaceError
 from expertd.index import TensorEntry
-from expertd.server import arena as arena_mod
-from expertd.server.arena import ALIGN, Arena
+from expertd.server.shm import arena as arena_mod
+from expertd.server.shm.arena import ALIGN, Arena
 
 pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
 

@@ -173,7 +173,7 @@ def test_status_wait_while_loading_exits_3(tmp_path, capsys):
     import zmq
 
     from expertd.protocol import pack, unpack
-    from expertd.server.cli import EXIT_LOADING, main
+    from expertd.server.cli.commands import EXIT_LOADING, main
 
     endpoint = f"ipc://{tmp_path}/loading.sock"
     ctx = zmq.Context()

@@ -76,7 +76,7 @@ def test_good_endpoints_pass_unchanged():
 def test_a_config_resolves_a_relative_socket_path_and_a_flag_refuses_it(tmp_path):
     """A config file anchors `ipc://run/x.sock` at its own folder; on the command line or in $EXPERTD_ENDPOINT the
     same words would name a different file from each process's working folder: refused, the fix said."""
-    from expertd.server.config import load_config, resolve_endpoint
+    from expertd.server.daemon.config import load_config, resolve_endpoint
 
     (tmp_path / "cfg.yaml").write_text("checkpoint: ckpt\nendpoint: ipc://run/x.sock\n")
     assert load_config(str(tmp_path / "cfg.yaml")).endpoint == f"ipc://{tmp_path}/run/x.sock"

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from expertd.client import ExpertClient
-from expertd.server.cli import main
+from expertd.server.cli.commands import main
 from expertd.tools.generate import generate_model_type, quantize_saved_checkpoint
 from helpers.daemon import refused_start
 from helpers.inputs import INPUT_IDS

@@ -3,7 +3,7 @@ import os
 import pytest
 
 from expertd.errors import ConfigError
-from expertd.server.config import load_config
+from expertd.server.daemon.config import load_config
 
 pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
 

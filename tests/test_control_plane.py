@@ -21,12 +21,12 @@ pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
 
 HEAVY = ("torch", "transformers", "safetensors", "numpy")
 
-CONTROL_MODULES = ("expertd.server.daemon", "expertd.server.service", "expertd.server.adopt",
-                   "expertd.server.runstate", "expertd.server.generations", "expertd.server.leases",
-                   "expertd.server.jobs",
-                   "expertd.server.pushes", "expertd.server.variants", "expertd.server.stopping",
-                   "expertd.server.starting", "expertd.server.cli", "expertd.connection", "expertd.leasing",
-                   "expertd.segments", "expertd.index_segment")
+CONTROL_MODULES = ("expertd.server.daemon.loop", "expertd.server.daemon.service", "expertd.server.restart.adopt",
+                   "expertd.server.restart.runstate", "expertd.server.serving.generations",
+                   "expertd.server.serving.leases", "expertd.server.serving.jobs", "expertd.server.push.pushes",
+                   "expertd.server.derived.tensors", "expertd.server.cli.stopping", "expertd.server.cli.starting",
+                   "expertd.server.cli.commands", "expertd.connection", "expertd.leasing", "expertd.segments",
+                   "expertd.index_segment")
 
 
 def test_control_modules_import_no_torch():

@@ -37,7 +37,7 @@ def model_checkpoint(request, tmp_path_factory) -> tuple[str, str, torch.Tensor,
 
 def test_plan_computes_what_from_pretrained_loads(model_checkpoint, namespace):
     """The planner marks the converted parameters; the loader's tensors equal from_pretrained's, bit for bit."""
-    from expertd.server.loader import build, prepare
+    from expertd.server.load.loader import build, prepare
 
     model_type, folder, _, state = model_checkpoint
     ckpt, plan = prepare(folder)
@@ -65,7 +65,7 @@ def test_plan_computes_what_from_pretrained_loads(model_checkpoint, namespace):
 
 
 def test_incremental_build_reuses_unchanged_computed_tensors(model_checkpoint, namespace):
-    from expertd.server.loader import build, prepare
+    from expertd.server.load.loader import build, prepare
 
     _, folder, _, _ = model_checkpoint
     first = build(*prepare(folder), namespace=namespace, generation=1, device="cpu")
@@ -110,7 +110,7 @@ def llama_fp8(tmp_path_factory) -> tuple[str, str]:
 
     from safetensors.torch import save_file
 
-    from expertd.server.reader import Checkpoint
+    from expertd.server.load.checkpoint import Checkpoint
 
     root = tmp_path_factory.mktemp("llama")
     folder, moved = str(root / "checkpoint"), root / "transposed"
@@ -132,7 +132,7 @@ def llama_fp8(tmp_path_factory) -> tuple[str, str]:
 def test_fp8_sources_are_dequantized_before_the_ops(llama_fp8, conversion, namespace):
     from transformers.core_model_loading import Transpose, WeightConverter
 
-    from expertd.server.loader import build, prepare
+    from expertd.server.load.loader import build, prepare
     from expertd.shm import map_segments, view
 
     folder, moved = llama_fp8
@@ -160,7 +160,7 @@ def test_a_computed_shape_that_does_not_fit_is_named(llama_fp8, conversion, name
     from transformers.core_model_loading import Transpose, WeightConverter
 
     from expertd.errors import ShapeError
-    from expertd.server.loader import build, prepare
+    from expertd.server.load.loader import build, prepare
 
     folder, _ = llama_fp8
     conversion([WeightConverter("mlp.down_proj.weight", "mlp.down_proj.weight", [Transpose(0, 1)])])
@@ -176,7 +176,7 @@ def test_a_changed_source_recomputes_its_tensor_whole(llama_fp8, conversion, nam
     from safetensors.torch import load_file, save_file
     from transformers.core_model_loading import Transpose, WeightConverter
 
-    from expertd.server.loader import build, prepare
+    from expertd.server.load.loader import build, prepare
     from expertd.shm import map_segments, view
 
     _, moved = llama_fp8

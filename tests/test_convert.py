@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from expertd.tools import convert as convert_mod
-from expertd.server.cli import main
+from expertd.server.cli.commands import main
 from expertd.tools.convert import STATE_FILE, convert
-from expertd.server.reader import Checkpoint
+from expertd.server.load.checkpoint import Checkpoint
 from helpers.checkpoints import EXPERT, INDEX, edit_checkpoint
 from helpers.reference import reference_tensors, write_reference_bf16
 

@@ -24,7 +24,7 @@ from expertd.client import ExpertClient
 from expertd.errors import ConfigError
 from expertd.index import checksum, checksum_parts, tensor_bytes, tensor_checksum
 from expertd.protocol import check_endpoint
-from expertd.server.leases import lease_tag
+from expertd.server.serving.leases import lease_tag
 from helpers.install import CACHE, locked
 from helpers.polling import wait_until
 

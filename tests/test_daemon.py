@@ -12,7 +12,7 @@ from expertd.client import DaemonNotRunning, DaemonTimeout, ExpertClient
 from expertd.connection import Connection
 from expertd.errors import DaemonError, ProtocolError
 from expertd.protocol import PROTOCOL_VERSION
-from expertd.server.leases import lease_tag
+from expertd.server.serving.leases import lease_tag
 
 pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)
 
@@ -147,9 +147,9 @@ def test_tcp_endpoint(start_daemon, tiny_checkpoint):
 
 
 def test_a_loading_daemon_answers_status_and_defers_the_index(tmp_path, tiny_checkpoint):
-    from expertd.server.config import config_from_dict
-    from expertd.server.daemon import Daemon
-    from expertd.server.peers import Peer
+    from expertd.server.daemon.config import config_from_dict
+    from expertd.server.daemon.loop import Daemon
+    from expertd.server.serving.peers import Peer
 
     daemon = Daemon(config_from_dict({"checkpoint": tiny_checkpoint, "endpoint": f"ipc://{tmp_path}/s.sock",
                                       "namespace": "loading"}))

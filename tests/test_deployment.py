@@ -13,7 +13,7 @@ import tempfile
 import pytest
 import yaml
 
-from expertd.server.config import config_from_dict
+from expertd.server.daemon.config import config_from_dict
 
 DOCKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docker")
 ROOT = os.path.dirname(DOCKER)
@@ -169,7 +169,7 @@ def test_multinode_daemons_take_their_ranks_from_the_node_label(tmp_path):
     node's daemon on the host network over CURVE, with the daemon's public key from the keys' Secret, which
     also puts the trainer's key on the daemon's push allow-list."""
     from expertd.security import create_keys
-    from expertd.server.starting import ep_ranks_override
+    from expertd.server.cli.starting import ep_ranks_override
 
     docs = {(d["kind"], d["metadata"]["name"]): d for _, d in kubernetes_documents("kubernetes/multinode")}
     secret = docs[("Secret", "expertd-ep-config")]["stringData"]

@@ -1,4 +1,4 @@
-"""Derived tensors (`expertd.derived`, `server/variants.py`): a served expert stack gathered into another layout by a
+"""Derived tensors (`expertd.derived`, `server/derived/`): a served expert stack gathered into another layout by a
 real daemon, once per host, into a read-only shared segment of its own; reused by a newer generation whose source
 bytes are the same, made afresh when they change; every bad request refused with VariantRejected before anything
 is left in shared memory; nothing of the namespace left once the daemon stops.
@@ -16,25 +16,16 @@ import torch
 
 from expertd import derived
 from expertd.client import ExpertClient
+from helpers import derived_cases
 from helpers.derived_cases import (
-    PAD, _left, _start, ask, derivation, derived_listed, expert_stack, in_shared_memory,
-    leased_client, make_checkpoint, malformed, mapping_of, module_daemon, permutation, reference, refused,
+    PAD, _left, _start, ask, derivation, derived_listed, expert_stack, in_shared_memory, malformed, mapping_of,
+    permutation, reference, refused,
 )
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return make_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory, checkpoint):
-    yield from module_daemon(tmp_path_factory, checkpoint)
-
-
-@pytest.fixture
-def client(daemon):
-    yield from leased_client(daemon)
+# this module's fixtures, test_derived_limits.py's too (tests/helpers/derived_cases.py): a checkpoint and a daemon
+# for the module, a client per test
+checkpoint, daemon, client = derived_cases.checkpoint, derived_cases.daemon, derived_cases.client
 
 
 def test_gather_of_an_expert_stack_is_the_reference_in_read_only_shared_memory(daemon, client):

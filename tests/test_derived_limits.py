@@ -9,31 +9,20 @@ from __future__ import annotations
 import os
 import zlib
 
-import pytest
 import torch
 
 from expertd import derived, messages
 from expertd.client import ExpertClient
 from expertd.errors import DerivedLimit
+from helpers import derived_cases
 from helpers.derived_cases import (
-    PAD, ask, derived_listed, expert_stack, high_water_bytes, leased_client, make_checkpoint, malformed,
-    module_daemon, permutation, reference, refused,
+    PAD, ask, derived_listed, expert_stack, high_water_bytes, malformed, permutation, reference, refused,
 )
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return make_checkpoint(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory, checkpoint):
-    yield from module_daemon(tmp_path_factory, checkpoint)
-
-
-@pytest.fixture
-def client(daemon):
-    yield from leased_client(daemon)
+# this module's fixtures, test_derived.py's too (tests/helpers/derived_cases.py): a checkpoint and a daemon
+# for the module, a client per test
+checkpoint, daemon, client = derived_cases.checkpoint, derived_cases.daemon, derived_cases.client
 
 
 def test_bad_requests_are_refused_by_name_and_make_nothing(daemon, client):

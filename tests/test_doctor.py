@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from expertd.client import ExpertClient
-from expertd.server.cli import main
+from expertd.server.cli.commands import main
 from expertd.tools.doctor import diagnose
-from expertd.server.reader import Checkpoint
+from expertd.server.load.checkpoint import Checkpoint
 from helpers.checkpoints import EXPERT, edit_checkpoint
 
 BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
@@ -107,12 +107,12 @@ def test_daemon_shared_memory_and_restored_model(fp32_norm_checkpoint, tiny_chec
 def test_load_model_with_a_private_copy_fails(tiny_checkpoint, start_daemon, monkeypatch, capsys):
     """A worker that could not map a dtype variant (a daemon that makes none, simulated by the client getting no
     variants) holds private copies: `doctor --load-model` exits 1 naming each and why."""
-    import expertd.client.client as client_module
+    import expertd.client.binder as binder_module
 
     daemon = start_daemon(tiny_checkpoint)
     assert main(["doctor", "--config", daemon.config, "--load-model", "--dtype", "float16"]) == 0  # all variants
     capsys.readouterr()
-    monkeypatch.setattr(client_module, "fetch", lambda *args: [])
+    monkeypatch.setattr(binder_module, "fetch", lambda *args: [])
     assert main(["doctor", "--config", daemon.config, "--load-model", "--dtype", "float16"]) == 1
     text = capsys.readouterr().out
     assert "ERROR private-copy: " in text and "model.embed_tokens.weight: a private copy" in text

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from expertd.client import ExpertClient
-from expertd.server.cli import main
+from expertd.server.cli.commands import main
 from expertd.tools.evaluate import compare, evaluate_model, load_checkpoint_model, token_batch
 from helpers.reference import reference_tensors, write_reference_bf16
 

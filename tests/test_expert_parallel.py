@@ -18,8 +18,8 @@ import torch
 from expertd.errors import ConfigError
 from expertd.index import TensorIndex
 from expertd.partition import ExpertBlock, ExpertParallel, PartitionError
-from expertd.server.config import config_from_dict
-from expertd.server.loader import prepare
+from expertd.server.daemon.config import config_from_dict
+from expertd.server.load.loader import prepare
 from helpers.daemon import expertd_cmd, write_config
 from helpers.ep import EXPERT, HELPERS, experts_of, free_port, reports
 
@@ -49,7 +49,7 @@ def test_plan_serves_dense_tensors_and_only_its_ranks_experts(dsv3):
 def test_pre_fused_expert_stacks_serve_only_their_ranks_rows(gpt_oss):
     """gpt-oss stores each layer's experts as one [E, ...] tensor (MXFP4 blocks, scales, biases): a partitioned
     daemon reads only its ranks' rows of them, and serves exactly those rows of what the whole stack decodes to."""
-    from expertd.server.filling import dequantized
+    from expertd.server.load.filling import dequantized
 
     folder, _ = gpt_oss
     whole_ckpt, whole = prepare(folder)
@@ -80,7 +80,7 @@ def test_pre_fused_expert_stacks_serve_only_their_ranks_rows(gpt_oss):
 def test_unused_expert_tensors_are_partitioned_too():
     """Tensors the model does not use (DeepSeek-V3's MTP layer) are served by checkpoint name: of a partition,
     only its ranks' experts; a layer whose experts do not divide into the size is served whole."""
-    from expertd.server.layout import unused_share
+    from expertd.server.load.layout import unused_share
 
     mtp = [f"model.layers.61.mlp.experts.{e}.{p}.weight" for e in range(8) for p in ("gate_proj", "down_proj")]
     odd = [f"model.layers.62.mlp.experts.{e}.down_proj.weight" for e in range(3)]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from expertd.partition import ExpertParallel
-from expertd.server.loader import prepare
+from expertd.server.load.loader import prepare
 from helpers.checkpoints import edit_checkpoint
 from helpers.daemon import write_config
 from helpers.ep import EXPERT, HELPERS, experts_of, free_port, reports

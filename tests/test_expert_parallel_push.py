@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from expertd.server.loader import prepare
+from expertd.server.load.loader import prepare
 from helpers.ep import EXPERT, experts_of, free_port
 
 
@@ -129,7 +129,7 @@ def test_a_partitioned_gpt_oss_daemon_serves_its_rows_and_takes_its_rows_of_a_pu
     from safetensors import safe_open
 
     from expertd.client import ExpertClient, push_all
-    from expertd.server.filling import dequantized
+    from expertd.server.load.filling import dequantized
 
     folder, _ = gpt_oss
     total = experts_of(folder)

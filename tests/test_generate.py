@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from expertd.client import ExpertClient
-from expertd.server.layout import plan_checkpoint
-from expertd.server.reader import Checkpoint
+from expertd.server.load.layout import plan_checkpoint
+from expertd.server.load.checkpoint import Checkpoint
 from expertd.tools.generate import generate
 from helpers.daemon import expertd_cmd
 from helpers.reference import reference_tensors

@@ -311,7 +311,7 @@ def test_sigquit_prints_every_threads_stack_and_the_daemon_goes_on(tiny_checkpoi
     daemon = start_daemon(tiny_checkpoint)
     daemon.proc.send_signal(signal.SIGQUIT)
     said = []
-    wait_until(lambda: said.append(read_available(daemon.proc.stderr)) or "server/daemon.py" in "".join(said),
+    wait_until(lambda: said.append(read_available(daemon.proc.stderr)) or "server/daemon/loop.py" in "".join(said),
                timeout=30, what="the daemon's stacks on stderr")
     dump = "".join(said)
     assert "Current thread" in dump and "most recent call first" in dump, dump

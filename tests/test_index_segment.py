@@ -21,8 +21,8 @@ from expertd.connection import Connection
 from expertd.errors import CorruptIndex, ProtocolError, ShmError
 from expertd.index import TensorIndex
 from expertd.protocol import PROTOCOL_VERSION
-from expertd.server.arena import segment_pattern
-from expertd.server.generations import place_index
+from expertd.server.shm.arena import segment_pattern
+from expertd.server.serving.generations import place_index
 from helpers.daemon import DaemonProcess, expertd_cmd
 from test_index import sample
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from expertd.hf import model_config
-from expertd.server.cli import main
-from expertd.server.reader import Checkpoint
+from expertd.server.cli.commands import main
+from expertd.server.load.checkpoint import Checkpoint
 from expertd.tools.capture import capture
 from expertd.tools.generate import make_config
 from expertd.tools.inspect import component_of, inspect

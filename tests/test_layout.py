@@ -92,3 +92,23 @@ def test_no_import_circle():
         if name not in state:
             visit(name)
     assert not circles, "\n".join(circles)
+
+
+SERVER_STAGES = ("shm", "load", "serving", "derived", "restart", "push", "daemon", "cli")  # README's Layout order
+
+
+def test_server_stages_import_only_the_stages_below_them():
+    """Each of server/'s subpackages imports only those before it in SERVER_STAGES (and the shared `expertd`), so
+    the daemon reads as a few stages, each testable alone; every module of server/ lies in one of them."""
+    modules = product_modules()
+    server = {name: path for name, path in modules.items() if name.startswith("expertd.server.")}
+    loose = [name for name in server if name.split(".")[2] not in SERVER_STAGES]
+    assert not loose, f"server modules in no stage: {loose}"
+    upward = []
+    for name, path in server.items():
+        mine = SERVER_STAGES.index(name.split(".")[2])
+        for other in imports_of(name, path, set(modules)):
+            if other.startswith("expertd.server.") and SERVER_STAGES.index(other.split(".")[2]) > mine:
+                upward.append(f"{name} imports {other}")
+    assert not upward, "\n".join(upward)
+    assert {p.name for p in (ROOT / "server").iterdir() if p.suffix == ".py"} == {"__init__.py"}

@@ -18,7 +18,7 @@ from expertd.connection import Connection
 from expertd.errors import DaemonError
 from expertd.protocol import PROTOCOL_VERSION
 
-from expertd.server.leases import WATCH_EVERY_S, LeaseTable, lease_tag, watchable
+from expertd.server.serving.leases import WATCH_EVERY_S, LeaseTable, lease_tag, watchable
 
 NORM = "model.layers.2.post_attention_layernorm.weight"
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]

@@ -13,11 +13,11 @@ import torch
 from expertd.errors import ConfigError, ShardFormatError
 from expertd.procfs import default_threads
 from expertd.index import checksum_parts, tensor_checksum
-from expertd.server import dequant, filling
-from expertd.server.arena import Arena
-from expertd.server.config import config_from_dict
-from expertd.server.building import interleave
-from expertd.server.loader import build, prepare
+from expertd.server.load import dequant, filling
+from expertd.server.shm.arena import Arena
+from expertd.server.daemon.config import config_from_dict
+from expertd.server.load.building import interleave
+from expertd.server.load.loader import build, prepare
 from expertd.shm import map_segments, view
 from helpers.procfs import open_paths
 from helpers.reference import reference_tensors
@@ -94,7 +94,7 @@ def test_a_failing_part_stops_the_build_and_leaves_nothing(tiny_checkpoint, name
 
 
 def test_stop_request_cancels_queued_parts(tiny_checkpoint, namespace, monkeypatch):
-    from expertd.server.built import Cancelled
+    from expertd.server.load.built import Cancelled
 
     monkeypatch.setattr(filling, "BATCH_BYTES", 4096)
     asked = []
@@ -153,7 +153,7 @@ def test_small_parts_part_by_part_where_xxhash_exports_no_xxh3(tiny_checkpoint, 
 @pytest.mark.parametrize("how", ["write fails", "stopped"])
 def test_a_failed_build_kept_by_its_job_holds_no_segment_pages(tiny_checkpoint, namespace, monkeypatch, how):
     """The daemon keeps a failed job's exception; its frames must not keep the unlinked segments mapped."""
-    from expertd.server.jobs import Jobs
+    from expertd.server.serving.jobs import Jobs
 
     calls = {"n": 0}
 
@@ -185,7 +185,7 @@ def test_a_failed_build_kept_by_its_job_holds_no_segment_pages(tiny_checkpoint, 
 
 def test_a_build_refused_for_space_closes_its_checkpoint(tiny_checkpoint, namespace, monkeypatch):
     from expertd.errors import ShmSpaceError
-    from expertd.server import shmdir
+    from expertd.server.shm import shmdir
 
     before = open_paths(os.path.realpath(tiny_checkpoint))
     ckpt, plan = prepare(tiny_checkpoint)

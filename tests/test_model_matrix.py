@@ -67,7 +67,7 @@ def test_transformers4_worker_maps_every_tensor(model_checkpoint, tf4_python, st
 
 def test_fp8_families_are_quantized_with_their_scale_dtype(model_checkpoint):
     """The checkpoint of an FP8 family holds FP8 weights with partial blocks and scales in the family's dtype."""
-    from expertd.server.reader import Checkpoint
+    from expertd.server.load.checkpoint import Checkpoint
 
     model_type, folder, _ = model_checkpoint
     ckpt = Checkpoint.open(folder)
@@ -83,8 +83,8 @@ def test_fp8_families_are_quantized_with_their_scale_dtype(model_checkpoint):
 
 
 def test_cli_generates_a_model_type(tmp_path, capsys):
-    from expertd.server.cli import main
-    from expertd.server.reader import Checkpoint
+    from expertd.server.cli.commands import main
+    from expertd.server.load.checkpoint import Checkpoint
 
     out = str(tmp_path / "qwen3")
     assert main(["generate", out, "--model-type", "qwen3_moe", "--no-fp8"]) == 0

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from expertd.client import ExpertClient
 from expertd.errors import UpdateRejected
-from expertd.server import dequant
-from expertd.server.cli import main
-from expertd.server.loader import build, prepare
+from expertd.server.load import dequant
+from expertd.server.cli.commands import main
+from expertd.server.load.loader import build, prepare
 from expertd.tools.generate import generate_model_type
 from expertd.tools.requantize import write_mxfp4
 from expertd.shm import map_segments, view

@@ -1,5 +1,5 @@
-"""The loader's whole-task compiled calls (`server/native_parts.py`, `kernels/fill_batch.c`): the same served bytes,
-checksums and placement as the Python path part by part, on every format the table covers and through both ways
+"""The loader's whole-task compiled calls (`server/load/native_parts.py`, `kernels/fill_batch.c`): the same served
+bytes, checksums and placement as the Python path part by part, on every format the table covers and through both ways
 of writing; a shard that ends early is named, and nothing is left behind."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch
 
 from expertd.errors import ShardFormatError
 from expertd.kernels import native
-from expertd.server import native_parts
-from expertd.server.arena import Arena
-from expertd.server.loader import build, prepare
+from expertd.server.load import native_parts
+from expertd.server.shm.arena import Arena
+from expertd.server.load.loader import build, prepare
 from expertd.tools.generate import generate_model_type, quantize_saved_checkpoint
 from helpers.reference import reference_tensors
 from test_loader_pool import layout, served
@@ -114,7 +114,7 @@ def test_a_bad_scale_is_named_before_any_byte_of_its_task_is_written(tiny_checkp
     tensors[victim.scale.name].view(-1)[0] = 0.0
     save_file(tensors, victim.scale.file, metadata={"format": "pt"})
     monkeypatch.setattr(native_parts, "SMALL_RESULT", 0)
-    monkeypatch.setattr("expertd.server.layout.check_scale_values", lambda *a: None)  # planning lets it through
+    monkeypatch.setattr("expertd.server.load.layout.check_scale_values", lambda *a: None)  # planning lets it through
     with pytest.raises(ScaleError) as err:
         build(*prepare(folder), namespace=namespace, generation=1, threads=2, device="cpu")
     assert victim.scale.name in str(err.value)

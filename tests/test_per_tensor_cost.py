@@ -18,10 +18,12 @@ from collections import Counter
 
 import pytest
 
-from expertd.server import ledger, loader
-from expertd.server.arena import unlink_segment
-from expertd.server.built import publish
-from expertd.server.generations import place_index
+from expertd.server.restart import ledger
+
+from expertd.server.load import loader
+from expertd.server.shm.arena import unlink_segment
+from expertd.server.load.built import publish
+from expertd.server.serving.generations import place_index
 from expertd.tools.generate import generate
 
 # Python calls per checkpoint tensor added, by phase (measured: plan 52, most of it transformers' renaming rules and

@@ -26,8 +26,8 @@ from expertd.index import TensorIndex  # noqa: E402
 from expertd.messages import OPS  # noqa: E402
 from expertd.protocol import ERRORS, PROTOCOL_VERSION, pack, unpack_reply  # noqa: E402
 from expertd.security import Credentials  # noqa: E402
-from expertd.server.config import config_from_dict  # noqa: E402
-from expertd.server.daemon import Daemon  # noqa: E402
+from expertd.server.daemon.config import config_from_dict  # noqa: E402
+from expertd.server.daemon.loop import Daemon  # noqa: E402
 from helpers.golden import INDEX_BIN, SELECT, TOKEN, checksum_vectors, load, regenerate  # noqa: E402
 
 pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)

@@ -18,8 +18,8 @@ from expertd.errors import (
     ShardFormatError,
     UnsupportedDtypeError,
 )
-from expertd.server.layout import plan_checkpoint
-from expertd.server.reader import Checkpoint, read_shard_header
+from expertd.server.load.layout import plan_checkpoint
+from expertd.server.load.checkpoint import Checkpoint, read_shard_header
 from helpers.checkpoints import EXPERT
 
 pytestmark = pytest.mark.quick  # the quick subset: `pytest -m quick` (README)

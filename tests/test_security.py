@@ -15,7 +15,7 @@ import torch
 from expertd.client import ExpertClient, push_all
 from expertd.errors import ConfigError, DaemonTimeout, PushDenied
 from expertd.security import create_keys
-from expertd.server.config import config_from_dict
+from expertd.server.daemon.config import config_from_dict
 from helpers.daemon import expertd_cmd
 
 TOKEN = "read-token-0123456789abcdef"

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from expertd.errors import ConfigError
-from expertd.server.config import config_from_dict
-from expertd.server.shmdir import HUGETLBFS, inspect, mount_of
+from expertd.server.daemon.config import config_from_dict
+from expertd.server.shm.shmdir import HUGETLBFS, inspect, mount_of
 from helpers.daemon import expertd_cmd, write_config
 
 SCENARIO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "shm_dir_scenario.py")

@@ -60,7 +60,7 @@ def test_the_cli_prints_a_wrong_tokens_class_once(start_daemon, tiny_checkpoint)
     (["--bogus", "status"], "expertd: error: unrecognized arguments: --bogus (see `expertd --help`)"),
 ])
 def test_an_unknown_flag_blames_the_command_it_was_given_to(argv, blamed, capsys):
-    from expertd.server.cli import build_parser
+    from expertd.server.cli.commands import build_parser
 
     with pytest.raises(SystemExit) as caught:
         build_parser().parse_args(argv)
@@ -71,7 +71,7 @@ def test_an_unknown_flag_blames_the_command_it_was_given_to(argv, blamed, capsys
 def test_no_cli_function_is_longer_than_80_lines():
     import ast
 
-    tree = ast.parse((REPO / "server" / "cli.py").read_text())
+    tree = ast.parse((REPO / "server" / "cli" / "commands.py").read_text())
     long = {f.name: f.end_lineno - f.lineno + 1 for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
             and f.end_lineno - f.lineno + 1 > 80}
     assert not long, long
@@ -84,7 +84,7 @@ def test_no_cli_function_is_longer_than_80_lines():
 def test_a_folder_that_is_no_checkpoint_says_what_it_lacks(tiny_checkpoint, tmp_path, remove, said):
     import shutil
 
-    from expertd.server.reader import Checkpoint
+    from expertd.server.load.checkpoint import Checkpoint
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_checkpoint, folder)
@@ -98,7 +98,7 @@ def test_a_folder_that_is_no_checkpoint_says_what_it_lacks(tiny_checkpoint, tmp_
 
 @pytest.mark.parametrize("nbytes, size", [(int(9.6 * 2**20), "11m"), (2**30, "1127m"), (70 * 2**30, "77g"), (1, "1m")])
 def test_the_suggested_shm_size_follows_from_the_models_bytes(nbytes, size):
-    from expertd.server.arena import more_space_hint
+    from expertd.server.shm.arena import more_space_hint
 
     assert f"--shm-size={size}," in more_space_hint("/dev/shm", nbytes)
     assert f"larger size= (at least {size})" in more_space_hint("/mnt/expertd-huge", nbytes)

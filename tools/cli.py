@@ -52,7 +52,7 @@ def cmd_convert(args) -> int:
 def cmd_inspect(args) -> int:
     from .inspect import inspect
 
-    from expertd.server.config import resolve_target
+    from expertd.server.daemon.config import resolve_target
 
     target = resolve_target(None, args.config, args.token)
     src = args.src or target.endpoint
@@ -76,7 +76,7 @@ def cmd_evaluate(args) -> int:
 
     from .evaluate import evaluate_model, load_checkpoint_model, token_batch, write_outputs
 
-    from expertd.server.config import resolve_target
+    from expertd.server.daemon.config import resolve_target
 
     target = resolve_target(args.endpoint, args.config, args.token)
     if args.checkpoint is None and target.endpoint is None:
@@ -111,7 +111,7 @@ def cmd_doctor(args) -> int:
 
     from .doctor import diagnose
 
-    from expertd.server.config import resolve_target
+    from expertd.server.daemon.config import resolve_target
 
     target = resolve_target(args.endpoint, args.config, args.token)
     endpoint, token = target.endpoint, target.token

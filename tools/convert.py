@@ -34,8 +34,8 @@ from expertd.index import write_json_atomic
 from expertd.quantization import Codec, quantization_format
 from expertd.units import parse_size
 
-from expertd.server.layout import Source, check_scale_values, make_source
-from expertd.server.reader import INDEX_FILE, SINGLE_FILE, Checkpoint
+from expertd.server.load.layout import Source, check_scale_values, make_source
+from expertd.server.load.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 
 log = logging.getLogger("expertd.convert")
 
@@ -248,7 +248,7 @@ def _write_tensor(f, tensor: torch.Tensor) -> None:
 
 def _write_shard(plan: ConversionPlan, shard: OutShard, path: str, device: torch.device, bar) -> None:
     """Stream one shard to `path` + '.partial', then rename: a file under the final name is always complete."""
-    from expertd.server.filling import dequantized
+    from expertd.server.load.filling import dequantized
 
     tmp = path + PARTIAL_SUFFIX
     ckpt = plan.source
@@ -271,7 +271,7 @@ def _write_shard(plan: ConversionPlan, shard: OutShard, path: str, device: torch
 def convert(src: str, dst: str, *, device: str = "auto", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
             keep_fp8_where_unscaled: bool = False, progress: bool = False) -> ConvertResult:
     """Convert checkpoint folder `src` into a bf16 HuggingFace checkpoint in `dst`; resumable, idempotent."""
-    from expertd.server.loader import resolve_device
+    from expertd.server.load.loader import resolve_device
 
     dev = resolve_device(device)
     ckpt = Checkpoint.open(src)

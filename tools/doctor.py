@@ -27,8 +27,8 @@ import torch
 from expertd.errors import CheckpointError, ShmError
 from expertd.quantization import ScaledFp8, quantization_format
 
-from expertd.server.layout import plan_checkpoint
-from expertd.server.reader import Checkpoint
+from expertd.server.load.layout import plan_checkpoint
+from expertd.server.load.checkpoint import Checkpoint
 
 log = logging.getLogger("expertd.doctor")
 

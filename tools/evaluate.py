@@ -37,9 +37,9 @@ def load_checkpoint_model(folder: str, dtype: torch.dtype = torch.bfloat16):
     from expertd.hf_dtypes import loaded_dtypes
     from expertd.quantization import quantization_format
 
-    from expertd.server.dequant import DEQUANT
-    from expertd.server.layout import make_source
-    from expertd.server.reader import Checkpoint
+    from expertd.server.load.dequant import DEQUANT
+    from expertd.server.load.layout import make_source
+    from expertd.server.load.checkpoint import Checkpoint
 
     ckpt = Checkpoint.open(folder)
     try:

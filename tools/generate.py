@@ -22,7 +22,7 @@ from expertd.hf import fusions_for, model_state
 from expertd.hf_dtypes import loaded_dtypes
 from expertd.kernels import quantize_fp8_blockwise
 
-from expertd.server.layout import is_fp8_weight
+from expertd.server.load.layout import is_fp8_weight
 from .requantize import shard_files
 
 # The presets' dims: one row a preset, its columns PRESET_FIELDS (the order of each preset dict's keys too).

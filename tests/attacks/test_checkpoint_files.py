@@ -17,7 +17,7 @@ import subprocess
 import pytest
 
 from expertd.errors import NotRegularFileError
-from expertd.server.reader import Checkpoint
+from expertd.server.load.checkpoint import Checkpoint
 from helpers.checkpoints import INDEX
 from helpers.daemon import expertd_cmd, refused_start
 

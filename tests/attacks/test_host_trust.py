@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from expertd.client import ExpertClient
-from expertd.server import ledger, sealed
-from expertd.server.config import config_from_dict
+from expertd.server.restart import ledger, sealed
+from expertd.server.daemon.config import config_from_dict
 from helpers.daemon import daemon_settings, expertd_cmd, save_config
 from helpers.reference import reference_tensors
 

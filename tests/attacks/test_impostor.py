@@ -249,7 +249,7 @@ def test_folders_another_uid_makes_in_tmp_do_not_block_the_default(tiny_checkpoi
 DEFAULTS = """
 import json
 from expertd.protocol import default_endpoint
-from expertd.server.config import config_from_dict
+from expertd.server.daemon.config import config_from_dict
 cfg = config_from_dict({"checkpoint": "/nonexistent"})
 tcp = config_from_dict({"checkpoint": "/nonexistent", "endpoint": "tcp://127.0.0.1:5555", "namespace": "ns"})
 print(json.dumps([default_endpoint(), cfg.endpoint, cfg.resolved_run_dir, tcp.resolved_run_dir]))

@@ -28,7 +28,7 @@ from expertd.connection import Connection
 from expertd.errors import LeaseExpired, LeaseLimit, LeaseRevoked, MappedLimit
 from expertd.protocol import PROTOCOL_VERSION
 from expertd.security import Credentials, create_keys
-from expertd.server.leases import lease_tag
+from expertd.server.serving.leases import lease_tag
 from helpers.polling import wait_until
 
 pytestmark = pytest.mark.timeout(600)
@@ -238,16 +238,18 @@ def test_two_readers_pinning_old_generations_do_not_block_a_push(tiny_checkpoint
             assert trainer.update({NORM: base * 3}) == 3
             with pytest.raises(LeaseRevoked):  # what its holder is told (until it releases it)
                 raw.request("heartbeat", client=pinned)
-            wait_until(lambda: first._revoked, "the first reader's heartbeat learns of the revocation")
+            wait_until(lambda: first._lease_state.snapshot().revoked,
+                       "the first reader's heartbeat learns of the revocation")
             assert first.lease != pinned  # it leased the latest by itself
             first.refresh()
-            assert first.generation == 3 and first.verify() == [] and first._revoked == []
+            assert first.generation == 3 and first.verify() == []
+            assert first._lease_state.snapshot().revoked == ()
             assert torch.equal(first.tensors()[NORM], base * 3)
             with pytest.raises(LeaseExpired):  # released by refresh()
                 raw.request("heartbeat", client=pinned)
             trainer.refresh()
             assert trainer.update({NORM: base * 4}) == 4  # now generation 2 (second) is revoked alike
-            wait_until(lambda: second._revoked, "the second reader learns of it")
+            wait_until(lambda: second._lease_state.snapshot().revoked, "the second reader learns of it")
             second.refresh()
             assert second.generation == 4 and second.verify() == []
         finally:

@@ -22,7 +22,7 @@ from expertd.client import ExpertClient
 from expertd.connection import Connection
 from expertd.errors import LeaseExpired, LeaseLimit
 from expertd.protocol import PROTOCOL_VERSION
-from expertd.server.leases import lease_tag
+from expertd.server.serving.leases import lease_tag
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -132,7 +132,7 @@ def still_serving(dep: Deployment, generation: int = 1, norm: torch.Tensor | Non
 ])
 def test_permission_settings_are_checked(tmp_path, extra, message):
     from expertd.errors import ConfigError
-    from expertd.server.config import config_from_dict
+    from expertd.server.daemon.config import config_from_dict
 
     with pytest.raises(ConfigError, match=message):
         config_from_dict({"checkpoint": str(tmp_path), **extra})

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from expertd.client import ExpertClient
-from expertd.server.arena import segment_pattern
+from expertd.server.shm.arena import segment_pattern
 from helpers.checkpoints import edit_checkpoint
 from helpers.daemon import expertd_cmd
 from helpers.reference import reference_tensors

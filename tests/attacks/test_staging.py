@@ -29,8 +29,8 @@ from expertd.connection import Connection
 from expertd.client import push as push_mod
 from expertd.errors import DaemonError, ShmError
 from expertd.index import tensor_checksum
-from expertd.server import updates
-from expertd.server.updates import ACL_XATTR, Push, Staging, writer_acl
+from expertd.server.push import updates
+from expertd.server.push.updates import ACL_XATTR, Push, Staging, writer_acl
 from expertd.segments import map_segment
 from expertd.shm import segment_bytes
 from test_group_mode import NOBODY, daemon_group  # noqa: F401  (a group made for the test, deleted after)

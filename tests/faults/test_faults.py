@@ -12,7 +12,7 @@ import sys
 import posix_ipc
 import pytest
 
-from expertd.server.leases import lease_tag
+from expertd.server.serving.leases import lease_tag
 from helpers.daemon import expertd_cmd, write_config
 from helpers.polling import wait_until
 
@@ -68,7 +68,7 @@ def test_second_daemon_on_a_namespace_refuses(tiny_checkpoint, start_daemon, nam
 
 
 def test_reaping_spares_live_owners_and_other_namespaces(namespace):
-    from expertd.server.runstate import RunState
+    from expertd.server.restart.runstate import RunState
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -90,7 +90,7 @@ def test_reaping_spares_live_owners_and_other_namespaces(namespace):
 def test_segments_of_a_live_foreign_daemon_are_never_touched(namespace, tmp_path):
     """A live expertd process owning segments of the namespace (another container's, say) blocks reaping."""
     from expertd.errors import ExpertdError
-    from expertd.server.runstate import RunState
+    from expertd.server.restart.runstate import RunState
 
     holder = subprocess.Popen([sys.executable, "-c", "import time, sys; time.sleep(60)", "expertd"])
     wait_until(lambda: b"expertd" in open(f"/proc/{holder.pid}/cmdline", "rb").read(), "the holder to start", 10)

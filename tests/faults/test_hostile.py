@@ -171,7 +171,7 @@ def test_auth_token_is_required_when_set(tiny_checkpoint, start_daemon, monkeypa
 
 def test_non_local_tcp_bind_needs_a_token(tmp_path, tiny_checkpoint):
     """Beyond this host: CURVE, or (insecure_tcp) a token at least."""
-    from expertd.server.config import load_config
+    from expertd.server.daemon.config import load_config
 
     cfg = write_config(tmp_path, tiny_checkpoint, "ns", endpoint="tcp://0.0.0.0:5999")
     with pytest.raises(ConfigError, match="without encryption; set curve_secret_key .* or insecure_tcp: true"):

@@ -1,6 +1,9 @@
-"""What the derived-tensor tests share (`tests/test_derived.py`, `tests/test_derived_limits.py`): a Qwen3-MoE
-checkpoint, one daemon per test module (it must exit 0 and leave nothing of its namespace), a client, the reference
-gather, and what a refused request must leave as it was."""
+"""What the derived-tensor tests share (`tests/test_derived.py`, `tests/test_derived_limits.py`): their fixtures (a
+Qwen3-MoE checkpoint and one daemon per test module, which must exit 0 and leave nothing of its namespace, and a
+client per test), the reference gather, and what a refused request must leave as it was.
+
+A test module takes the fixtures by binding them to its own names:
+`checkpoint, daemon, client = derived_cases.checkpoint, derived_cases.daemon, derived_cases.client`."""
 
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ from helpers.daemon import DaemonProcess
 PAD = 64  # -1 entries mixed into the permutation: zeros in the derived block
 
 
-def make_checkpoint(tmp_path_factory) -> str:
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
     folder = str(tmp_path_factory.mktemp("derived") / "qwen3_moe")
     generate_model_type(folder, "qwen3_moe", fp8=False)
     return folder
@@ -41,9 +45,9 @@ def _left(namespace: str) -> list[str]:
     return sorted(glob.glob(f"/dev/shm/{namespace}*"))
 
 
-def module_daemon(tmp_path_factory, checkpoint):
-    """One daemon for a test module (a fixture's body); afterwards it must have exited 0 and left nothing of its
-    namespace."""
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, checkpoint):
+    """One daemon for a test module; afterwards it must have exited 0 and left nothing of its namespace."""
     daemon, namespace = _start(tmp_path_factory.mktemp("run"), checkpoint)
     yield daemon
     code = daemon.stop()
@@ -53,7 +57,8 @@ def module_daemon(tmp_path_factory, checkpoint):
     assert code == 0 and not left, (code, left)
 
 
-def leased_client(daemon):
+@pytest.fixture
+def client(daemon):
     with ExpertClient(daemon.endpoint, timeout=60) as c:
         yield c
 

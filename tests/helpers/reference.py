@@ -8,7 +8,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from expertd.server.reader import Checkpoint
+from expertd.server.load.checkpoint import Checkpoint
 
 def reference_tensors(folder: str) -> dict[str, torch.Tensor]:
     """name -> tensor for every checkpoint tensor but the aux ones, each quantized weight dequantized to bf16

@@ -17,8 +17,8 @@ from expertd.errors import CheckpointError
 from ..hif8 import hif8_decode
 from expertd.quantization import ScaledFp8, UnsupportedQuantization, quantization_format
 
-from expertd.server.layout import Source, is_fp8_weight, make_source
-from expertd.server.reader import Checkpoint
+from expertd.server.load.layout import Source, is_fp8_weight, make_source
+from expertd.server.load.checkpoint import Checkpoint
 from .groups import component_of, expert_of, layer_of
 
 
@@ -57,7 +57,7 @@ class InspectSource:
 def _checkpoint_items(ckpt: Checkpoint) -> list[Item]:
     """Each stored tensor: a quantized weight loads as the daemon serves it (dequantized by its format, which
     `format` names), its aux tensors as stored; a format expertd does not serve loads as stored, noted."""
-    from expertd.server.filling import dequantized
+    from expertd.server.load.filling import dequantized
 
     try:
         codec = quantization_format(ckpt.config, os.path.join(ckpt.folder, "config.json"))

@@ -1,0 +1,1 @@
+"""The command line: `expertd start`, `stop` and the other commands."""

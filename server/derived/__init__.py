@@ -1,0 +1,1 @@
+"""Derived tensors made for readers (casts and gathers): asked, checked, made, counted against a quota."""

@@ -1,0 +1,1 @@
+"""Pushes: updates staged by trainers and reloads built into new generations."""

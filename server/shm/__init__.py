@@ -1,0 +1,1 @@
+"""Shared memory: the segments (arena), the folder they live in, and the host paths the daemon trusts."""
