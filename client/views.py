@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from expertd.extents import places, position
+from expertd.extents import extents_of, position
 from expertd.index import TensorEntry, TensorIndex
 from expertd.shm import to_dtype, view
 
@@ -16,8 +16,8 @@ class IndexViews(Mapping):
     checkpoint name (derived only when a name is asked for that is not served, as a 4.x model's are).
 
     Where `dtypes` wants another dtype for a name than the one served, the view is taken from the dtype
-    variant the daemon made of its served tensor (`variants`: (served name, dtype) -> its entry), or, where
-    there is none, is a private copy (named in `copies`). `only` restricts it to these served tensors (and the
+    derived tensor the daemon made of its served tensor (`derived`: (served name, dtype) -> its entry), or,
+    where there is none, is a private copy (named in `copies`). `only` restricts it to these served tensors (and the
     checkpoint views inside them).
     """
 
@@ -25,9 +25,9 @@ class IndexViews(Mapping):
                  dtypes: dict[str, torch.dtype] | None = None, only: set[str] | None = None):
         self.index, self.segments, self.dtypes, self.only = index, segments, dtypes or {}, only
         self.served = {e.name: e for e in index.tensors if only is None or e.name in only}
-        self.variants: dict[tuple[str, str], TensorEntry] = {}
-        self.copies: list[str] = []  # names bound to a private copy (no variant of their served tensor)
-        self.cast: list[str] = []  # names bound to a variant
+        self.derived: dict[tuple[str, str], TensorEntry] = {}
+        self.copies: list[str] = []  # names bound to a private copy (no derived tensor of their served tensor)
+        self.cast: list[str] = []  # names bound to a derived tensor
         self._checkpoint = None
 
     def _entry(self, name: str):
@@ -59,7 +59,7 @@ class IndexViews(Mapping):
         want = self.dtypes.get(name)
         if want is None or entry.dtype == str(want):
             return view(self.segments, entry)
-        cast = self.variants.get((entry.base or entry.name, str(want)))
+        cast = self.derived.get((entry.base or entry.name, str(want)))
         if cast is None:
             self.copies.append(name)
             return view(self.segments, entry).to(want)
@@ -67,11 +67,11 @@ class IndexViews(Mapping):
         return view(self.segments, self._within(entry, cast, want))
 
     def _within(self, entry: TensorEntry, cast: TensorEntry, want: torch.dtype) -> TensorEntry:
-        """Where `entry` (a served tensor, or a checkpoint view inside one) lies in its served tensor's variant."""
+        """Where `entry` (a served tensor, or a checkpoint view inside one) lies in the tensor derived from it."""
         if entry.base is None:
             return cast
         base = self.served[entry.base]  # a checkpoint view is kept only where its base is served (`_entry`)
-        first = position(places(base), entry.segment, entry.offset) // to_dtype(entry.dtype).itemsize
+        first = position(extents_of(base), entry.segment, entry.offset) // to_dtype(entry.dtype).itemsize
         count = entry.nbytes // to_dtype(entry.dtype).itemsize
         return TensorEntry(entry.name, cast.segment, cast.offset + first * want.itemsize, count * want.itemsize,
                            list(entry.shape), str(want))

@@ -11,7 +11,9 @@ transformers' model imports, and text models need none of the three):
 
 It makes a tiny Qwen3-MoE checkpoint (bf16, random weights) in ./vllm-example/qwen3-moe unless --checkpoint names
 one, and a folder beside it with its config only (what vLLM reads; every weight comes from the daemon). It starts a
-daemon on the checkpoint unless one answers at --endpoint (and stops it at the end), then runs
+daemon of its own on the checkpoint, on a private endpoint beside it (./vllm-example/expertd.sock; stopped at the
+end) — or, given --endpoint (or $EXPERTD_ENDPOINT), uses the daemon that answers there and starts one only when none
+does — then runs
 `LLM(load_format="expertd")` and prints the greedy tokens of two prompts. The tiny model has no tokenizer, so the
 prompts are token ids (`skip_tokenizer_init=True`); vLLM's CPU path cannot run the bundled tiny DeepSeek-V3 (its MLA
 kernel takes the release's latent sizes only).
@@ -33,7 +35,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from expertd.connection import Connection  # noqa: E402
 from expertd.errors import DaemonNotRunning, DaemonTimeout, ExpertdError  # noqa: E402
-from expertd.protocol import default_endpoint  # noqa: E402
+from expertd.protocol import default_endpoint, ipc_path  # noqa: E402
 
 PROMPTS = [[1, 2, 3, 4, 5], [42, 7, 100]]
 
@@ -64,6 +66,14 @@ def state(endpoint: str) -> str | None:
         return "answering"
     finally:
         conn.close()
+
+
+def private_endpoint(checkpoint: str) -> str:
+    """An ipc:// endpoint beside the checkpoint (a socket path fits 107 bytes; else under this user's runtime base)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(checkpoint)), "expertd.sock")
+    if len(path.encode()) > 100:
+        path = os.path.join(os.path.dirname(ipc_path(default_endpoint())), "vllm-example", "expertd.sock")
+    return f"ipc://{path}"
 
 
 def start_daemon(checkpoint: str, endpoint: str, namespace: str) -> subprocess.Popen:
@@ -98,11 +108,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=os.path.join("vllm-example", "qwen3-moe"),
                         help="the checkpoint the daemon serves (made when it has no config.json)")
-    parser.add_argument("--endpoint", default=os.environ.get("EXPERTD_ENDPOINT") or default_endpoint())
+    parser.add_argument("--endpoint", default=os.environ.get("EXPERTD_ENDPOINT"),
+                        help="a daemon that serves the checkpoint (default: one of its own, on a private endpoint)")
     parser.add_argument("--namespace", default="vllm-example", help="the started daemon's (its segments' prefix)")
     parser.add_argument("--tokens", type=int, default=8, help="tokens to generate per prompt")
     args = parser.parse_args()
     model = config_folder(args.checkpoint)
+    if args.endpoint is None:  # never whatever daemon happens to answer on the default endpoint: one of its own
+        args.endpoint = private_endpoint(args.checkpoint)
     daemon = None if state(args.endpoint) else start_daemon(args.checkpoint, args.endpoint, args.namespace)
     try:
         for prompt, tokens in zip(PROMPTS, generate(model, args.endpoint, args.tokens)):

@@ -13,7 +13,8 @@ import threading
 import zmq
 
 from expertd import messages
-from expertd.errors import DaemonNotRunning, DaemonTimeout, ProtocolError
+from expertd.errors import DaemonNotRunning, DaemonNotTrusted, DaemonTimeout, ProtocolError
+from expertd.option_words import CLI, OptionWords
 from expertd.protocol import MAX_MESSAGE_BYTES, check_endpoint, ipc_path, pack, unpack_reply
 from expertd.replies import Reply, read_reply
 from expertd.security import Credentials
@@ -34,13 +35,42 @@ def _refused(path: str) -> bool:
     return False
 
 
-def check_running(endpoint: str) -> None:
+def _blocking(path: str) -> str:
+    """The first folder on the way to `path` this process may not search, with its owner, group and mode."""
+    import grp
+    import pwd
+    import stat
+
+    folder = os.path.dirname(os.path.abspath(path))
+    chain = [folder]
+    while os.path.dirname(chain[-1]) != chain[-1]:
+        chain.append(os.path.dirname(chain[-1]))
+    for step in reversed(chain):
+        if not os.access(step, os.X_OK):
+            st = os.stat(step)
+            try:
+                owner, group = pwd.getpwuid(st.st_uid).pw_name, grp.getgrgid(st.st_gid).gr_name
+            except KeyError:
+                owner, group = str(st.st_uid), str(st.st_gid)
+            return f"{step} is {owner}:{group} {stat.filemode(st.st_mode)}"
+    return f"{folder}"
+
+
+def check_running(endpoint: str, words: OptionWords = CLI) -> None:
     """Fail at once when no daemon can answer an ipc:// endpoint: no socket file, or nothing listening on it."""
     path = ipc_path(endpoint)
     if path is None:
         return
-    fix = ("start one with `expertd start --config CONFIG` (or point to the right one with --endpoint / "
-           "$EXPERTD_ENDPOINT)")
+    fix = f"start one with `expertd start --config CONFIG` (or {words.point})"
+    try:
+        os.stat(path)
+    except PermissionError:
+        raise DaemonNotTrusted(f"cannot reach the daemon's socket {path}: permission denied on the way to it "
+                               f"({_blocking(path)}); a daemon started with `group: NAME` in its config lets that "
+                               "group's members in: run this as a member of it (its operator adds you: usermod -aG "
+                               "NAME USER, then log in again), or as the daemon's own user") from None
+    except OSError:
+        pass
     if not os.path.exists(path):
         raise DaemonNotRunning(f"no expertd daemon is running at {endpoint}: the socket file {path} does not exist; "
                                f"{fix}")
@@ -54,7 +84,8 @@ class Connection:
     A malformed endpoint is a ConfigError here (`where` names its origin), before any ZeroMQ call."""
 
     def __init__(self, endpoint: str, timeout: float = 10.0, context: zmq.Context | None = None,
-                 token: str | None = None, credentials: Credentials | None = None, where: str | None = None):
+                 token: str | None = None, credentials: Credentials | None = None, where: str | None = None,
+                 words: OptionWords = CLI):
         self.endpoint = check_endpoint(endpoint, where)  # a ConfigError, before ZeroMQ says "Invalid argument"
         self.credentials = credentials or Credentials.resolve(token=token)
         self.token = self.credentials.token
@@ -63,6 +94,7 @@ class Connection:
         self._lock = threading.Lock()
         self._sock = None
         self.on_reply = None  # called with every successful reply (the client reads `latest` from it)
+        self.words = words  # how its hints name the caller's options (`expertd.option_words`)
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
@@ -80,7 +112,7 @@ class Connection:
         `_frames` (buffers) follow the message as frames of their own, sent without a copy (`stage`)."""
         with self._lock:
             if self._sock is None:
-                check_running(self.endpoint)
+                check_running(self.endpoint, self.words)
                 if ipc_path(self.endpoint) is not None:  # before a token goes out: whose socket is it?
                     check_socket(ipc_path(self.endpoint))
             sock = self._socket()
@@ -89,7 +121,8 @@ class Connection:
                 if self.token is not None:
                     message["token"] = self.token
                 message.update(self.credentials.for_op(op))  # the push or admin token, with the ops that need it
-                self.credentials.check_transport(self.endpoint, message)  # no token in clear to whoever holds the port
+                # no token in clear to whoever holds the port
+                self.credentials.check_transport(self.endpoint, message, self.words)
                 packed = pack(message)
                 if len(packed) > MAX_MESSAGE_BYTES:  # the daemon's socket would drop it unanswered
                     raise ProtocolError(f"{messages.words(op)} is a {len(packed)}-byte request; the daemon takes "
@@ -125,13 +158,13 @@ class Connection:
     def _silence(self) -> str:
         """Why a daemon may not answer, as far as this side can tell."""
         if ipc_path(self.endpoint) is not None:
-            return "its socket exists: is it stuck, or is --timeout too short?"
+            return f"its socket exists: is it stuck, or is {self.words.timeout} too short?"
         if self.credentials.server_key is not None:
             return ("with CURVE a daemon never answers a client whose server key is not its public key, nor a client "
                     "key it does not allow: check EXPERTD_SERVER_KEY / server_key= and EXPERTD_CLIENT_KEY; or it is "
-                    "not running there, or --timeout is too short")
+                    f"not running there, or {self.words.timeout} is too short")
         return ("is it running there? A daemon with CURVE never answers a client without its public key: give it "
-                "with EXPERTD_SERVER_KEY / server_key= (or --server-key)")
+                f"with EXPERTD_SERVER_KEY / server_key= (or {self.words.server_key})")
 
     def _reset(self) -> None:
         if self._sock is not None:

@@ -15,7 +15,7 @@ sources' identity (name, dtype, shape and the checksum of their served bytes, as
 shape, the blocks and the inflated index, the latter by its own digest (`index_digest`: a model's layers of one kind
 share one index, hashed once however many layers ask, and an index is one block's elements: 59 MiB for one of
 DeepSeek-V3's experts). Nobody can store other bytes under a name: a name is the digest of what it names, and a
-client recomputes it from its own request and index (`client/variants.py`).
+client recomputes it from its own request and index (`client/derived_tensors.py`).
 
 The index is inflated, checked and gathered in chunks of CHUNK entries (`chunks`, `gather_into`): the daemon's
 memory beyond the derived bytes stays a few MiB whatever the index's length or the number of sources.
@@ -32,7 +32,7 @@ import json
 import math
 import zlib
 
-from .errors import VariantRejected
+from .errors import DerivedRejected
 from .message_types import ABSENT
 from .messages import GatherItem
 
@@ -106,7 +106,7 @@ class Gather:
         self.also = tuple(item.also or ())
         blocks = 1 if self.also or item.blocks or not source_shape else source_shape[0]  # blocks: 1, nil or absent
         if math.prod(shape) != blocks * length or (blocks > 1 and shape[0] != blocks):
-            raise VariantRejected(f"op 'gather': a gather of {name!r} (served as {source_shape}) must keep its "
+            raise DerivedRejected(f"op 'gather': a gather of {name!r} (served as {source_shape}) must keep its "
                                   f"{blocks} block(s) of the first dimension: shape {shape} is not {blocks} blocks "
                                   f"of length {length}")
         self.name, self.length, self.shape, self.blocks = name, length, tuple(shape), blocks
@@ -119,7 +119,7 @@ class Gather:
         """The inflated int32 differences, `chunk` at a time (bytes of 4 * chunk at most), exactly `length` of them:
         a deflate bomb stops at that size, one short or over is refused."""
         if self.length > 2 * self.source_block:
-            raise VariantRejected(f"op 'gather': a gather of {self.name!r} into blocks of {self.length} elements: "
+            raise DerivedRejected(f"op 'gather': a gather of {self.name!r} into blocks of {self.length} elements: "
                                   f"at most twice the served block's {self.source_block}")
         inflater, data, left, carry = zlib.decompressobj(), self.deflated, 4 * self.length, b""
         try:
@@ -134,10 +134,10 @@ class Gather:
                 yield raw[:cut]
             more = inflater.decompress(data, 1) if not inflater.eof else b""
         except zlib.error as exc:
-            raise VariantRejected(f"op 'gather': the gather index for {self.name!r} is not deflated data "
+            raise DerivedRejected(f"op 'gather': the gather index for {self.name!r} is not deflated data "
                                   f"({exc})") from None
         if left or more or not inflater.eof or inflater.unconsumed_tail:
-            raise VariantRejected(f"op 'gather': the gather index for {self.name!r} does not inflate to "
+            raise DerivedRejected(f"op 'gather': the gather index for {self.name!r} does not inflate to "
                                   f"{self.length} int32 differences")
 
     def index_key(self) -> tuple:
@@ -177,7 +177,7 @@ class Gather:
             if check:
                 lo, hi = int(index.min()), int(index.max())
                 if lo < -1 or hi >= self.source_block:
-                    raise VariantRejected(f"op 'gather': the gather index for {self.name!r} holds "
+                    raise DerivedRejected(f"op 'gather': the gather index for {self.name!r} holds "
                                           f"{lo if lo < -1 else hi}, outside [-1, {self.source_block}) (the served "
                                           f"block's elements)")
             carry = int(index[-1])

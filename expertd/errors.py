@@ -151,11 +151,11 @@ class UpdateRejected(DaemonError):
     """An update names unknown tensors, or its shapes, dtypes or staged bytes do not fit."""
 
 
-class VariantRejected(DaemonError):
-    """A dtype variant was asked for a tensor the generation does not serve, or in a dtype that is not a float type."""
+class DerivedRejected(DaemonError):
+    """A dtype cast was asked for a tensor the generation does not serve, or in a dtype that is not a float type."""
 
 
-class DerivedLimit(VariantRejected):
+class DerivedLimit(DerivedRejected):
     """Derived tensors (casts and gathers) asked past a quota: the reader's or the daemon's bytes (in pages) or
     files, or the shm_dir space kept for pushes and reloads. Nothing of the request was made."""
 

@@ -17,8 +17,18 @@ from .errors import ProtocolError
 
 
 # A stack of more ranges than this is written whole again (compaction): a reader maps each range, and a long run of
-# generations must not approach the kernel's limit on a process's mappings (`vm.max_map_count`).
+# generations must not approach the kernel's limit on a process's mappings (`vm.max_map_count`). So a daemon never
+# sends a tensor of more, and a reader refuses one (`from_wire`): a hostile index cannot make it map more.
 MAX_EXTENTS = 64
+# The most ranges a reader takes in one index, all its entries together. Each range is one mapping of the reader's
+# (`vm.max_map_count`: 65,530 by default), and a per-tensor cap alone does not bound them: an index may list any
+# number of tensors. Only expert stacks have ranges, two per MoE layer as the daemon serves them (gate_up_proj,
+# down_proj), each at most MAX_EXTENTS: 16,384 is 256 stacks at their compaction limit all at once, twice the 116 of
+# DeepSeek-V3's 58 MoE layers (7,424 ranges; the worker's whole count measured 4,838 after 16 generations,
+# BENCHMARKS.md) and above Qwen3-235B's 94 layers (12,032), while one index stays within a quarter of the kernel's
+# default limit (a reader holds two generations' views across a refresh). A multiple of the tensor count would not
+# bound it: a hostile daemon chooses the count.
+MAX_INDEX_EXTENTS = 16384
 
 
 @dataclass(frozen=True)
@@ -45,20 +55,41 @@ def merge(extents) -> list[Extent]:
     return out
 
 
-def from_wire(value, name: str, nbytes: int) -> list[Extent]:
-    """An entry's `extents` as the index carries them ([[segment, offset, nbytes], ...]), checked: at least two, each
-    a segment name and non-negative numbers, summing to the entry's `nbytes`."""
+def from_wire(value, name: str, nbytes: int, held: int = 0) -> list[Extent]:
+    """An entry's `extents` as the index carries them ([[segment, offset, nbytes], ...]), checked before anything is
+    mapped: at least two and at most MAX_EXTENTS (at most MAX_INDEX_EXTENTS with the `held` of the index's entries
+    read before it), each a segment name and non-negative numbers, no two holding a byte of a segment twice, summing to
+    the entry's `nbytes`."""
     if not isinstance(value, list) or len(value) < 2:
         raise ProtocolError(f"tensor index: {name}'s extents must be a list of at least two [segment, offset, nbytes]")
+    if len(value) > MAX_EXTENTS:
+        raise ProtocolError(f"tensor index: {name} has {len(value)} extents, more than the {MAX_EXTENTS} a daemon "
+                            f"serves a tensor in (it writes a stack of more ranges whole again)")
+    if held + len(value) > MAX_INDEX_EXTENTS:
+        raise ProtocolError(f"tensor index: {name}'s {len(value)} extents make the index's {held + len(value)}, more "
+                            f"than the {MAX_INDEX_EXTENTS} a reader maps for one index")
     out = []
     for item in value:
         if (not isinstance(item, (list, tuple)) or len(item) != 3 or not isinstance(item[0], str)
                 or not all(type(n) is int and n >= 0 for n in item[1:]) or not item[2]):
             raise ProtocolError(f"tensor index: {name}'s extent {item!r} is not [segment, offset, nbytes > 0]")
         out.append(Extent(item[0], item[1], item[2]))
+    disjoint(out, name)
     if sum(e.nbytes for e in out) != nbytes:
         raise ProtocolError(f"tensor index: {name}'s extents hold {sum(e.nbytes for e in out)} bytes, not its {nbytes}")
     return out
+
+
+def disjoint(extents: list[Extent], name: str) -> None:
+    """Refuse extents of which two hold the same byte of a segment: the daemon writes each byte of a tensor once, and
+    one segment's pages mapped again and again would make a view (and mappings) of any size over a few pages."""
+    spans = sorted((e.segment, e.offset, e.offset + e.nbytes, k) for k, e in enumerate(extents))
+    for (segment, _, end, i), (other, start, stop, j) in zip(spans, spans[1:]):  # sorted: an overlap is adjacent
+        if other == segment and start < end:
+            a, b = extents[min(i, j)], extents[max(i, j)]  # in the tensor's order
+            raise ProtocolError(f"tensor index: {name}'s extents ({a.segment}, {a.offset}, {a.nbytes}) and "
+                                f"({b.segment}, {b.offset}, {b.nbytes}) overlap: both hold bytes [{start}, "
+                                f"{min(end, stop)}) of segment {segment}; no byte may lie in two extents of a tensor")
 
 
 def cut(extents: list[Extent], start: int, length: int) -> list[Extent]:
@@ -72,7 +103,7 @@ def cut(extents: list[Extent], start: int, length: int) -> list[Extent]:
     return out
 
 
-def places(entry) -> list[Extent]:
+def extents_of(entry) -> list[Extent]:
     """Where an index entry's bytes lie, in order: its extents, or its one range."""
     return list(entry.extents) if entry.extents else [Extent(entry.segment, entry.offset, entry.nbytes)]
 
@@ -109,7 +140,7 @@ def replaced(extents: list[Extent], parts: int, changed: list[int], segment: str
 def reach(entries) -> dict[str, int]:
     """Each segment the entries' bytes lie in, and how far into it they reach (what must be mapped of it)."""
     out: dict[str, int] = {}
-    for x in (x for e in entries for x in places(e)):
+    for x in (x for e in entries for x in extents_of(e)):
         out[x.segment] = max(out.get(x.segment, 0), x.offset + x.nbytes)
     return out
 

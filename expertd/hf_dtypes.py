@@ -1,7 +1,7 @@
 """Which dtype `from_pretrained(dtype=...)` gives each tensor of a model, by the rules of the installed transformers.
 
 The daemon serves every tensor in the dtype its transformers loads it as; a worker on another release
-compares its own answer with what is served and asks the daemon for the difference (a dtype variant) rather
+compares its own answer with what is served and asks the daemon for the difference (a dtype cast) rather
 than copying. Both ask here. transformers is imported lazily.
 """
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 from .errors import ProtocolError
-from .extents import Extent, from_wire, places, split
+from .extents import Extent, from_wire, extents_of, split
 from .partition import ExpertBlock, ExpertParallel
 
 SCHEMA_VERSION = 2  # written while no tensor has extents; 3 where one has (`EXTENTS_SCHEMA`)
@@ -115,13 +115,11 @@ class TensorIndex:
             raise ProtocolError(f"tensor index schema {data.get('schema')!r} is not supported "
                                 f"(this expertd reads {', '.join(map(str, READABLE_SCHEMAS))})")
         try:
-            tensors = []
+            tensors, held = [], [0]  # held: the extents of the entries read so far (MAX_INDEX_EXTENTS bounds them)
             for t in data["tensors"]:
-                t = dict(t)
+                t = _read_extents(dict(t), held)
                 t["sources"] = decode_sources(t.get("sources", []))
                 t["experts"] = ExpertBlock.from_dict(t.get("experts"))
-                if t.get("extents") is not None:
-                    t["extents"] = from_wire(t["extents"], str(t.get("name")), t.get("nbytes"))
                 tensors.append(TensorEntry(**t))
             index = cls(
                 schema=SCHEMA_VERSION,
@@ -132,7 +130,8 @@ class TensorIndex:
                 config=dict(data["config"]),
                 segments=[SegmentEntry(**s) for s in data["segments"]],
                 tensors=tensors,
-                views=[TensorEntry(**t) for t in data["views"]] if data.get("views") is not None else None,
+                views=([TensorEntry(**_read_extents(dict(t), held)) for t in data["views"]]
+                       if data.get("views") is not None else None),
                 shm_dir=str(data.get("shm_dir", DEFAULT_SHM_DIR)),  # indexes written before shm_dir: /dev/shm
                 expert_parallel=ExpertParallel.from_dict(data.get("expert_parallel")),
             )
@@ -153,6 +152,15 @@ class TensorIndex:
         for t in self.tensors:
             totals[t.dtype] = totals.get(t.dtype, 0) + t.nbytes
         return totals
+
+
+def _read_extents(entry: dict, held: list[int]) -> dict:
+    """`entry` (a dict of the wire) with its `extents`, if any, read and checked (`from_wire`), before anything is
+    mapped; `held[0]`, the extents of the index's entries read before it, counts them too."""
+    if entry.get("extents") is not None:
+        entry["extents"] = from_wire(entry["extents"], str(entry.get("name")), entry.get("nbytes"), held[0])
+        held[0] += len(entry["extents"])
+    return entry
 
 
 _NUMBER = re.compile(r"\d+")
@@ -282,7 +290,7 @@ def moved(before, after) -> list[str]:
     """Names of the entries of `after` that are new or lie elsewhere than in `before`, in `after`'s order: what a
     newer index changed (a tensor with the same bytes keeps its place)."""
     def place(e: TensorEntry) -> tuple:
-        return tuple(places(e)), e.nbytes, e.shape, e.dtype
+        return tuple(extents_of(e)), e.nbytes, e.shape, e.dtype
 
     was = {e.name: place(e) for e in before}
     return [e.name for e in after if was.get(e.name) != place(e)]

@@ -41,8 +41,10 @@ def pinned(client, generation: int):
     released after. A refresh that asks the new generation's derived layouts keeps the old ones live until they are
     made: with `expert_ranges` the daemon derives only the changed experts' blocks and keeps the old layout's others."""
     from .connection import Connection
+    from .option_words import CLI
 
-    conn = Connection(client.endpoint, client.timeout, credentials=client.credentials)
+    conn = Connection(client.endpoint, client.timeout, credentials=client.credentials,
+                      words=getattr(client, "words", CLI))
     try:
         try:
             lease = lease_request(conn, generation=generation).client

@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .errors import ProtocolError, VariantRejected
+from .errors import ProtocolError, DerivedRejected
 from .message_types import ABSENT, F, Message
 from .protocol import check_version
-from .replies import (Done, HeartbeatReply, HelloReply, IndexSegmentReply, JobReply, LeaseReply, Reply, StageReply,
-                      StatusReply, UpdateReply, VariantReply)
+from .replies import (Done, HeartbeatReply, HelloReply, IndexReply, IndexSegmentReply, JobReply, LeaseReply, Reply,
+                      StageReply, StatusReply, UpdateReply, DerivedReply)
 
 U31, U64, U40 = 2**31, 2**64, 2**40
 
@@ -64,6 +64,10 @@ class Request(Message):
 
     def check(self) -> None:
         """Checks across fields, or beyond types (the protocol version)."""
+
+    def reply_class(self) -> type[Reply]:
+        """What this request's successful reply is (the daemon checks each handler's against it): its op's `reply`."""
+        return self.reply
 
 
 @dataclass
@@ -118,6 +122,10 @@ class Index(Request, op="index", reply=IndexSegmentReply, words="the tensor inde
     """The index of a lease's generation: its segment's descriptor, or (without `segment`) the index inline."""
     client: str | None = F(str, None, most=64)  # the generation this lease reads; else the latest
     segment: bool = F(bool, False)  # only the index segment's descriptor, not the index inline
+
+    def reply_class(self) -> type[Reply]:
+        """The descriptor with `segment`, else the index inline."""
+        return self.reply if self.segment else IndexReply
 
 
 @dataclass
@@ -180,19 +188,19 @@ class Job(Request, op="job", reply=JobReply, words="build progress"):
 # --- derived tensors: dtype casts and gathers, made by the daemon from its served bytes -------------
 
 # the dtypes a served tensor may be cast to for a worker whose transformers loads it so (`cast`)
-VARIANT_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
+DERIVED_DTYPES = ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
 
 
 @dataclass
 class CastItem(Message):
-    """A served tensor (`name`) cast to `dtype`, one of VARIANT_DTYPES."""
+    """A served tensor (`name`) cast to `dtype`, one of DERIVED_DTYPES."""
     name: str = F(str, required=True, most=NAME_CHARS)
     dtype: str = F(str, required=True, most=40)
 
     def check(self, where: str) -> None:
-        if self.dtype not in VARIANT_DTYPES:
-            raise VariantRejected(f"{where}: dtype {self.dtype!r} asked for {self.name!r} is not a float type: a "
-                                  f"variant is one of {', '.join(VARIANT_DTYPES)}")
+        if self.dtype not in DERIVED_DTYPES:
+            raise DerivedRejected(f"{where}: dtype {self.dtype!r} asked for {self.name!r} is not a float type: a "
+                                  f"derived tensor is one of {', '.join(DERIVED_DTYPES)}")
 
 
 @dataclass
@@ -224,12 +232,12 @@ class DerivedRequest(LeaseRequest):
 
 
 @dataclass
-class Cast(DerivedRequest, op="cast", reply=VariantReply, words="dtype variants"):
+class Cast(DerivedRequest, op="cast", reply=DerivedReply, words="dtype casts"):
     tensors: list = F(list, required=True, items=CastItem, most=MAX_ITEMS)
 
 
 @dataclass
-class Gather(DerivedRequest, op="gather", reply=VariantReply, words="derived tensors"):
+class Gather(DerivedRequest, op="gather", reply=DerivedReply, words="derived tensors"):
     tensors: list = F(list, required=True, items=GatherItem, most=MAX_ITEMS)
 
 

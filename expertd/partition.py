@@ -4,7 +4,7 @@ With `expert_parallel: {size: N, ranks: [...]}` a daemon serves every dense tens
 expert parameter `[E, ...]`, only the experts of its EP ranks: rank r owns experts [r·E/N, (r+1)·E/N)
 ("linear" placement, as transformers' `Shard(0)` on the expert dimension). Its ranks' blocks are laid
 back to back in one served tensor, in rank order, so each rank's `[E/N, ...]` block is a contiguous
-view. The served entry carries an `ExpertBlock` (total experts and the served ranges): planner, loader,
+view. The served entry carries an `ExpertBlock` (total experts and the served rows): planner, loader,
 index, updates and the worker's binder read the geometry from it and never recompute it.
 """
 
@@ -58,7 +58,7 @@ class ExpertParallel:
             raise PartitionError(f"expert_parallel.size {self.size} does not divide the {experts} experts of {param}; "
                                  f"valid sizes for this model: {', '.join(map(str, valid))}")
 
-    def ranges(self, experts: int) -> list[tuple[int, int]]:
+    def rows(self, experts: int) -> list[tuple[int, int]]:
         """(first expert, count) of each served rank's block, in rank order."""
         per = experts // self.size
         return [(r * per, per) for r in self.ranks]
@@ -67,7 +67,7 @@ class ExpertParallel:
         """The experts of a stack of `experts` (parameter `param`) this partition serves; PartitionError when its
         size does not divide them."""
         self.check_experts(experts, param)
-        return ExpertBlock(experts, tuple(self.ranges(experts)))
+        return ExpertBlock(experts, tuple(self.rows(experts)))
 
     def serves(self, expert: int, experts: int) -> bool:
         return expert // (experts // self.size) in self.ranks
@@ -104,18 +104,18 @@ def parse_ranks(text: str) -> list[int]:
 @dataclass(frozen=True)
 class ExpertBlock:
     """The experts a served fused tensor holds: `total` in the model's parameter, and the served
-    `ranges` (first, count), laid back to back in this order along dim 0."""
+    `rows` (first, count), laid back to back in this order along dim 0."""
 
     total: int
-    ranges: tuple[tuple[int, int], ...]
+    rows: tuple[tuple[int, int], ...]  # on the wire and in status: `ranges`
 
     @property
     def count(self) -> int:
-        return sum(count for _, count in self.ranges)
+        return sum(count for _, count in self.rows)
 
     def experts(self) -> list[int]:
         """The global expert index of each row block along the served tensor's dim 0."""
-        return [first + k for first, count in self.ranges for k in range(count)]
+        return [first + k for first, count in self.rows for k in range(count)]
 
     def rows_of(self, first: int, count: int) -> int | None:
         """Where experts [first, first + count) start along dim 0 of the served tensor; None unless all of them
@@ -129,12 +129,12 @@ class ExpertBlock:
     def stack_rows(self, shape) -> tuple[tuple[int, int], ...] | None:
         """The rows of a stored expert stack that this block serves, as (first, count) runs in served order: a
         pre-fused weight [E, ...] or its aux (experts outermost, all `total` of them) is cut along dim 0 to the
-        served ranges. None for any other shape (no stack, or one already cut to a share): it cannot be cut by
+        served rows. None for any other shape (no stack, or one already cut to a share): it cannot be cut by
         expert. The planner reads a stack's rows and a pushing client cuts a state dict by this one rule."""
-        return self.ranges if len(shape) and shape[0] == self.total else None
+        return self.rows if len(shape) and shape[0] == self.total else None
 
     def to_dict(self) -> dict:
-        return {"total": self.total, "ranges": [list(r) for r in self.ranges]}
+        return {"total": self.total, "ranges": [list(r) for r in self.rows]}
 
     @classmethod
     def from_dict(cls, data) -> "ExpertBlock | None":

@@ -8,9 +8,11 @@ replies name it too; `index` with `segment: true` returns only that descriptor (
 while loading), without it the index inline (for tools).
 
 Version 3: the index is schema 2 (source patterns, no views) and lease replies carry `index_segment`. Version 4:
-dtype casts and gathers are two typed ops (`cast`, `gather`) instead of `variant`'s untyped items. Version 5: an index
-may be schema 3 (a stack as ranges of several segments, `extents`; the daemon's `expert_ranges`, on by default), so a
-reader that cannot map ranges is refused at the handshake rather than by the first index a push makes.
+dtype casts and gathers are two typed ops (`cast`, `gather`) instead of `variant`'s untyped items. Version 5: an
+index may be schema 3 (a stack as ranges of several segments, `extents`; the daemon's `expert_ranges`, on by default),
+so a reader that cannot map ranges is refused at the handshake rather than by the first index a push makes. Version 6:
+one word per idea — the error `VariantRejected` is `DerivedRejected`, a status generation row's `variants` list is
+`derived.tensors`.
 Every reply is a map with `ok` (bool) and `latest` (the newest generation served); on error
 also `error` (the condition's name, see `ERRORS`) and `message`. Tensor bytes never travel
 here: they stay in shared memory (pushed weights too: they go through a staging segment). Over
@@ -31,7 +33,7 @@ import msgpack
 from . import errors
 from .errors import DaemonError, ProtocolError
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 1 << 20  # requests larger than this are refused unread
 
 ECHO_CHARS = 120  # what an error reply or a log line repeats of a value a client sent
@@ -52,7 +54,7 @@ MAX_REQUEST_BYTES = MAX_MESSAGE_BYTES + STAGE_MESSAGE_BYTES + 4096
 ERRORS = {cls.__name__: cls for cls in (
     errors.NotReady, errors.LeaseExpired, errors.LeaseLimit, errors.Busy, errors.GenerationLimit, errors.GenerationGone,
     errors.UpdateRejected, errors.PushDenied, errors.PermissionDenied, errors.AuthError, errors.VersionMismatch,
-    errors.VariantRejected, errors.LeaseRevoked, errors.MappedLimit, errors.DerivedLimit,
+    errors.DerivedRejected, errors.LeaseRevoked, errors.MappedLimit, errors.DerivedLimit,
 )}
 
 

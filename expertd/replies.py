@@ -48,9 +48,14 @@ class IndexSegmentReply(Reply):  # `index` with segment, and `refresh`
 
 
 @dataclass
-class VariantReply(Reply):
+class IndexReply(Reply):  # `index` without segment: the whole index inline, for tools that ask over the socket
+    index: dict = F(dict, required=True)  # TensorIndex.to_dict()
+
+
+@dataclass
+class DerivedReply(Reply):
     generation: int = F(int, required=True)
-    tensors: list = F(list, required=True, items=dict)  # one index entry per requested variant, in request order
+    tensors: list = F(list, required=True, items=dict)  # one index entry per requested derived tensor, in request order
     building: bool = F(bool, ABSENT)  # true: a large request being made off the request loop: ask again (tensors: [])
 
 

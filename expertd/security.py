@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 from .messages import ADMIN, PERMISSIONS, PUSH
+from .option_words import CLI, OptionWords
 
 Z85_KEY_CHARS = 40
 PLAIN_TCP_ENV = "EXPERTD_ALLOW_PLAIN_TCP_TOKENS"
@@ -100,7 +101,7 @@ class Credentials:
             public, secret = zmq.curve_keypair()
         return cls(token, push_token, admin_token, server_key, public, secret, bool(allow_plain_tcp_tokens))
 
-    def check_transport(self, endpoint: str, message: dict) -> None:
+    def check_transport(self, endpoint: str, message: dict, words: OptionWords = CLI) -> None:
         """ConfigError (naming the endpoint, the option and the risk) before a request carrying a token goes to a
         tcp:// endpoint without CURVE, unless `allow_plain_tcp_tokens`: whoever answers there gets it."""
         carried = [TOKEN_FIELDS[k] for k in TOKEN_FIELDS if message.get(k) is not None]
@@ -109,7 +110,8 @@ class Credentials:
         raise ConfigError(
             f"not sending the {' and the '.join(carried)} to {endpoint}: tcp:// without CURVE is plain text, and any "
             "local user who binds that port while the daemon is down (or anyone on the path) would receive it; give "
-            "the daemon's public key (--server-key, $EXPERTD_SERVER_KEY, server_key=) or, accepting that risk, set "
+            f"the daemon's public key ({words.server_key}, $EXPERTD_SERVER_KEY, server_key=) or, accepting that risk, "
+            "set "
             f"allow_plain_tcp_tokens: true in the config, {PLAIN_TCP_ENV}=1, or ExpertClient(..., "
             "allow_plain_tcp_tokens=True)")
 

@@ -14,7 +14,7 @@ import os
 import threading
 
 from .errors import ShmError
-from .extents import Extent, places, split
+from .extents import Extent, extents_of, split
 from .index import DEFAULT_SHM_DIR, checksum_parts, checksum_text, combined_checksum
 from .trust import check_owner
 
@@ -67,14 +67,14 @@ def map_segment(name: str, nbytes: int, writable: bool = False, shared_write: bo
         os.close(fd)
 
 
-def pieces_checksum(read, extents: list[Extent], parts: int) -> str:
+def extents_checksum(read, extents: list[Extent], parts: int) -> str:
     """The index's checksum of the bytes `extents` make (`read(extent)`: that range's bytes as a buffer), combined
     from `parts` equal parts as `expertd.index.tensor_checksum` does, hashed range by range (nothing concatenated)."""
-    return combined_checksum(pieces_sums(read, extents, parts))
+    return combined_checksum(extents_sums(read, extents, parts))
 
 
-def pieces_sums(read, extents: list[Extent], parts: int) -> list[str]:
-    """The checksum of each of `parts` equal parts of the bytes `extents` make (`pieces_checksum` combines them)."""
+def extents_sums(read, extents: list[Extent], parts: int) -> list[str]:
+    """The checksum of each of `parts` equal parts of the bytes `extents` make (`extents_checksum` combines them)."""
     import xxhash
 
     sums = []
@@ -110,11 +110,11 @@ class Placed:
 
     def checksum(self, entry) -> str:
         """The checksum of `entry`'s bytes as the index records it (its number of parts), hashed range by range."""
-        return pieces_checksum(self.read, places(entry), checksum_parts(entry.checksum))
+        return extents_checksum(self.read, extents_of(entry), checksum_parts(entry.checksum))
 
     def part_sums(self, entry) -> list[str]:
         """The checksum of each of the parts `entry`'s recorded checksum is combined of (`combined_checksum`)."""
-        return pieces_sums(self.read, places(entry), checksum_parts(entry.checksum))
+        return extents_sums(self.read, extents_of(entry), checksum_parts(entry.checksum))
 
     def close(self) -> None:
         for mapping in self.maps.values():

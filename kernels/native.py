@@ -222,6 +222,31 @@ def gather(x_ptr: int, lut_ptr: int, out_ptr: int, n: int, block: tuple[int, int
     fn(x_ptr, lut_ptr, out_ptr, n, block[0], block[1], r0, r1)
 
 
+class BlockTable:
+    """Many small FP8 weights' scales as one table of block results (`block_luts`), each weight then dequantized
+    from its first row by address: `dequant_lut` batched, for weights too small to pay a call and a table each
+    (DeepSeek-V3's experts at small dims). Made by the format's batched entry point (`ScaledFp8.batch`)."""
+
+    def __init__(self, scales: torch.Tensor, dtype: torch.dtype):
+        if not available():
+            raise RuntimeError("the compiled CPU dequant is not available (BlockTable needs it)")
+        self.lut = block_luts(scales, dtype)
+        self.at, self.row = self.lut.data_ptr(), 256 * self.lut.element_size()
+
+    def parts(self, desc: torch.Tensor, hashes: torch.Tensor) -> bool:
+        """Whole weights at once, each hashed before and after, with the GIL dropped (`fill_parts`: `desc` int64
+        [k, 7], column 4 each weight's first table row; bf16 results only). False where the xxhash library does
+        not export XXH3_64bits: the caller then goes weight by weight with `rows`."""
+        if self.lut.element_size() != 2:
+            raise ValueError(f"BlockTable.parts writes 16-bit results, the table holds {self.lut.dtype}")
+        return fill_parts(desc, self.at, hashes)
+
+    def rows(self, x_ptr: int, out_ptr: int, n: int, block: tuple[int, int], first: int, r0: int, r1: int) -> None:
+        """Rows [r0, r1) of one weight's out[M, n] from its fp8 bytes x[M, n], its blocks from table row `first`
+        (`gather`)."""
+        gather(x_ptr, self.at + first * self.row, out_ptr, n, block, r0, r1, self.lut.element_size())
+
+
 def dequant_lut(x_u8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out: torch.Tensor,
                 threads: int | None = None) -> torch.Tensor:
     """out[M, N] = lut of each block at x, rows split over up to `threads` threads (default: torch's

@@ -1,4 +1,6 @@
-"""The client is what workers import: its code must never import server code, kernels, Triton or the offline tools."""
+"""The client is what workers import: its code must never import server code, kernels, Triton or the offline tools.
+What it shares with the daemon (expertd/) imports them nowhere either, but for the kernels inside the formats' dequant
+entry points (`expertd/formats`), which only the daemon and its tools call."""
 
 import ast
 import os
@@ -11,15 +13,16 @@ FORBIDDEN = ("triton", "expertd.server", "expertd.kernels", "expertd.tools")
 
 # folder -> the package its files are installed as (pyproject's package-dir), for relative imports
 PACKAGES = {"client": "expertd.client", "client/engines": "expertd.client.engines",
-            "client/engines/vllm": "expertd.client.engines.vllm"}
+            "client/engines/vllm": "expertd.client.engines.vllm", "expertd/formats": "expertd.formats"}
 ENGINES = os.path.join(ROOT, "client", "engines")
 
 
-def imported_modules(path: str) -> set[str]:
+def imported_modules(path: str, top_level: bool = False) -> set[str]:
+    """The modules `path` imports, anywhere in it (or only at module level)."""
     with open(path) as f:
         tree = ast.parse(f.read())
     found = set()
-    for node in ast.walk(tree):
+    for node in tree.body if top_level else ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -38,7 +41,21 @@ def test_client_and_shared_code_import_nothing_forbidden():
     assert len(files) >= 8
     for path in files:
         bad = {m for m in imported_modules(path) if m.startswith(FORBIDDEN)}
+        if os.path.relpath(path, ROOT).startswith("expertd/formats/"):  # the kernels inside dequant entry points only
+            bad -= {m for m in bad - imported_modules(path, top_level=True) if m.startswith("expertd.kernels")}
         assert not bad, f"{path} imports {bad}"
+
+
+def test_the_client_and_the_formats_load_no_kernels():
+    """A worker imports the client and splits a push by the format's names (`push_all`): no kernel, server code or
+    Triton is loaded."""
+    code = ("import sys, expertd.client, expertd.client.push\n"
+            "from expertd.quantization import quantization_format\n"
+            "for config in ({}, {'quantization_config': {'quant_method': 'mxfp4'}}):\n"
+            "    quantization_format(config).logical({'w': 0, 'w_scale_inv': 0, 'x_blocks': 0, 'x_scales': 0})\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('triton', 'expertd.server', 'expertd.kernels'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == "[]"
 
 
 def test_the_core_package_imports_no_client_and_the_engines_machinery_no_engine():

@@ -184,3 +184,19 @@ def test_expert_parallel_on_a_dense_model_is_refused(dense_checkpoint, namespace
     assert len(lines) == 1 and "PartitionError" in lines[0] and "no expert stacks" in lines[0], lines
     assert dense_checkpoint in lines[0] and "llama" in lines[0]
     assert not glob.glob(f"/dev/shm/{namespace}*")
+
+
+def test_verify_refused_for_a_wrong_token_names_the_command_and_the_fix(tiny_checkpoint, namespace, tmp_path):
+    """`expertd verify` with a wrong token says that verify was refused (it needs a lease to read the served bytes)
+    and where the token goes, not only that the daemon refused an attach the user never asked for."""
+    d = DaemonProcess.launch(tmp_path, tiny_checkpoint, namespace, auth_token="the-right-token-0123456789")
+    try:
+        d.wait_serving()
+        env = {**os.environ, "EXPERTD_TOKEN": "a-wrong-token-0123456789"}
+        done = subprocess.run(expertd_cmd("verify", "--endpoint", d.endpoint), capture_output=True, text=True,
+                              timeout=120, env=env)
+        said = next((line for line in done.stderr.splitlines() if line.startswith("expertd verify:")), "")
+        assert done.returncode != 0 and said.startswith("expertd verify: error: AuthError:"), done.stderr[-2000:]
+        assert "verify reads the served bytes under a lease" in said and "--token" in said, said
+    finally:
+        d.stop()

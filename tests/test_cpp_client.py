@@ -380,3 +380,15 @@ def test_a_bad_endpoint_is_the_python_clients_config_error(cpp_build):
         assert run.returncode == 2, (endpoint, run.stderr)
         assert run.stderr.strip().splitlines() == [f"expertd-cpp-dump: ConfigError: {python.value}"], run.stderr
         assert words in run.stderr and "Invalid argument" not in run.stderr
+
+
+def test_a_build_without_torch_on_path_says_how_to_point_at_it(tmp_path):
+    """CMake run where the python it finds has no torch stops with a line naming the fix (activate the venv, or
+    -DEXPERTD_PYTHON / -DTorch_DIR), not CMake's generic "Could not find a package configuration file"."""
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed (package cmake)")
+    done = subprocess.run(["cmake", "-S", str(CPP), "-B", str(tmp_path / "build"), "-DEXPERTD_PYTHON=/bin/false",
+                           "-DEXPERTD_BUILD_TESTS=OFF"], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    said = " ".join(done.stderr.split())
+    assert "libtorch not found" in said and "-DEXPERTD_PYTHON=" in said and "activate" in said.lower(), said

@@ -51,7 +51,7 @@ def test_compose_daemon_is_healthchecked_and_shares_ipc_with_the_worker():
     accepted(cfg)  # a config the daemon accepts
 
 
-def test_compose_gpu_variant_and_images():
+def test_compose_gpu_derived_and_images():
     gpu = load(os.path.join(DOCKER, "docker-compose.gpu.yml"))
     assert gpu["services"]["expertd"]["build"]["dockerfile"] == "docker/Dockerfile.gpu"
     devices = gpu["services"]["expertd"]["deploy"]["resources"]["reservations"]["devices"]

@@ -1,6 +1,6 @@
 """Derived tensors (`expertd.derived`, `server/derived/`): a served expert stack gathered into another layout by a
 real daemon, once per host, into a read-only shared segment of its own; reused by a newer generation whose source
-bytes are the same, made afresh when they change; every bad request refused with VariantRejected before anything
+bytes are the same, made afresh when they change; every bad request refused with DerivedRejected before anything
 is left in shared memory; nothing of the namespace left once the daemon stops.
 """
 

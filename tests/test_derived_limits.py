@@ -1,4 +1,4 @@
-"""Derived tensors refused: every bad gather request refused by name (the parser's ProtocolError, or VariantRejected)
+"""Derived tensors refused: every bad gather request refused by name (the parser's ProtocolError, or DerivedRejected)
 before anything is made or listed; derived bytes capped (`max_derived_bytes`, per reader and daemon-wide), a new
 generation's layouts made while the old one lives at its cap, deflate bombs and lengths past any budget refused
 before they are inflated. A real daemon, as tests/test_derived.py's.

@@ -105,18 +105,18 @@ def test_daemon_shared_memory_and_restored_model(fp32_norm_checkpoint, tiny_chec
 
 
 def test_load_model_with_a_private_copy_fails(tiny_checkpoint, start_daemon, monkeypatch, capsys):
-    """A worker that could not map a dtype variant (a daemon that makes none, simulated by the client getting no
-    variants) holds private copies: `doctor --load-model` exits 1 naming each and why."""
+    """A worker that could not map a dtype cast (a daemon that makes none, simulated by the client getting no
+    derived tensors) holds private copies: `doctor --load-model` exits 1 naming each and why."""
     import expertd.client.binder as binder_module
 
     daemon = start_daemon(tiny_checkpoint)
-    assert main(["doctor", "--config", daemon.config, "--load-model", "--dtype", "float16"]) == 0  # all variants
+    assert main(["doctor", "--config", daemon.config, "--load-model", "--dtype", "float16"]) == 0  # all derived tensors
     capsys.readouterr()
     monkeypatch.setattr(binder_module, "fetch", lambda *args: [])
     assert main(["doctor", "--config", daemon.config, "--load-model", "--dtype", "float16"]) == 1
     text = capsys.readouterr().out
     assert "ERROR private-copy: " in text and "model.embed_tokens.weight: a private copy" in text
-    assert "served as bfloat16, the model holds float16: no dtype variant was mapped" in text
+    assert "served as bfloat16, the model holds float16: no dtype cast was mapped" in text
     counted = re.search(r"model tensors in the daemon's shared memory: (\d+) of (\d+) \((\d+) not\)", text)
     assert counted and int(counted[3]) > 0 and int(counted[1]) + int(counted[3]) == int(counted[2])
 

@@ -15,6 +15,8 @@ import urllib.request
 import pytest
 import torch
 
+from helpers.polling import wait_until
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -41,14 +43,17 @@ def test_serve_answers_and_follows_new_generations(tiny_checkpoint, start_daemon
         url = read_until(proc, "serving generation 1 on").split(" on ", 1)[1].strip()
         assert json.load(urllib.request.urlopen(url + "/healthz")) == {"generation": 1}
         body = json.dumps({"input_ids": [[0, 5, 17]], "max_new_tokens": 3}).encode()
-        first = json.load(urllib.request.urlopen(urllib.request.Request(url + "/generate", body)))
+
+        def generate() -> dict:
+            return json.load(urllib.request.urlopen(urllib.request.Request(url + "/generate", body)))
+
+        first = generate()
         assert first["generation"] == 1 and len(first["output_ids"][0]) == 6
         with ExpertClient(d.endpoint) as client:
             norm = client.tensors()["model.norm.weight"]
             assert client.update({"model.norm.weight": torch.full_like(norm, 0.5)}) == 2
-        time.sleep(1.5)  # a heartbeat or two: the worker learns of generation 2
-        after = json.load(urllib.request.urlopen(urllib.request.Request(url + "/generate", body)))
-        assert after["generation"] == 2
+        # a heartbeat tells the worker of generation 2 (within a third of the lease timeout): the next request moves
+        wait_until(lambda: generate()["generation"] == 2, "a request served by generation 2", timeout=60, every=0.1)
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(urllib.request.Request(url + "/generate", b'{"input_ids": 3}'))
         assert err.value.code == 400
@@ -74,10 +79,7 @@ def test_ep_worker_stays_up_and_refreshes_every_rank(tiny_checkpoint, start_daem
                             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
     try:
         read_until(proc, "serving generation 1")
-        deadline = time.monotonic() + 60
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert ready.exists()
+        wait_until(ready.exists, "every rank is ready", timeout=60, every=0.1)
         assert subprocess.run([sys.executable, "-m", "expertd.server.cli", "reload", "--endpoint", d.endpoint],
                               capture_output=True, timeout=120).returncode == 0
         read_until(proc, "refreshed to generation 2")

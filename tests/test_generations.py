@@ -116,7 +116,7 @@ def test_forwards_during_reloads_are_old_or_new_exactly(tiny_checkpoint, changed
     finally:
         conn.close()
     result = w.receive()
-    assert result["forwards"] > 10
+    assert result["forwards"] > 2  # forwards ran across the reloads (how many: the machine's pace, not asserted)
     assert set(result["digests"]) <= {digests["a"], digests["b"]}, "a forward saw a mix of generations"
     assert result["refreshes"] >= 2 and digests["b"] in result["digests"]
 

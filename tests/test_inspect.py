@@ -135,6 +135,11 @@ def test_daemon_endpoint_gives_the_served_values(tiny_checkpoint, start_daemon, 
     assert rows["model.layers.1.mlp.gate.e_score_correction_bias"]["dtype"] == "float32"
     assert list(report["formats"]["overall"]) == FEW
     assert_valid_pngs(out, report)
+    none = str(tmp_path / "none")  # statistics alone: no format compared, none in the report
+    assert main(["inspect", daemon.endpoint, "--out", none, "--formats", "none"]) == 0
+    with open(os.path.join(none, "stats.json")) as f:
+        report = json.load(f)
+    assert report["formats"]["overall"] == {} and all("formats" not in t or not t["formats"] for t in report["tensors"])
 
 
 def test_capture_folder_statistics_and_pictures(tmp_path):

@@ -43,7 +43,7 @@ def test_worker_logits_equal_transformers(model_checkpoint, start_daemon, worker
 
 def test_transformers4_worker_maps_every_tensor(model_checkpoint, tf4_python, start_daemon, tmp_path):
     """The same family's checkpoint, served by this release's daemon, to a worker on transformers 4.57: every
-    parameter and loaded buffer in read-only shared memory (variants where 4.57 loads another dtype), logits
+    parameter and loaded buffer in read-only shared memory (derived tensors where 4.57 loads another dtype), logits
     equal to 4.57's own from_pretrained of the bf16 reference."""
     import os
     import subprocess

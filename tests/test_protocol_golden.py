@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers/, also when run as a script
 
 from expertd import derived, index_segment, messages, replies  # noqa: E402
-from expertd.errors import DaemonError, ProtocolError, VariantRejected, VersionMismatch  # noqa: E402
+from expertd.errors import DaemonError, ProtocolError, DerivedRejected, VersionMismatch  # noqa: E402
 from expertd.index import TensorIndex  # noqa: E402
 from expertd.messages import OPS  # noqa: E402
 from expertd.protocol import ERRORS, PROTOCOL_VERSION, pack, unpack_reply  # noqa: E402
@@ -131,7 +131,7 @@ def test_derived_requests_are_typed_and_bounded_before_any_work():
             ({"op": "variant", "client": "c1", "tensors": []}, r"unknown op 'variant'")):
         with pytest.raises(ProtocolError, match=words):
             messages.parse_request(bad)
-    with pytest.raises(VariantRejected, match=r"op 'cast': tensors\[0\]: dtype 'torch.int8' .* is not a float type"):
+    with pytest.raises(DerivedRejected, match=r"op 'cast': tensors\[0\]: dtype 'torch.int8' .* is not a float type"):
         messages.parse_request({"op": "cast", "client": "c1", "tensors": [{"name": "w", "dtype": "torch.int8"}]})
 
 

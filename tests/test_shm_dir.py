@@ -44,9 +44,14 @@ def worktree_files() -> set[str] | None:
 # --- config --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("make, match", [
-    (lambda tmp: str(tmp / "missing"), r"missing does not exist; create it and mount a tmpfs there"),
+    (lambda tmp: str(tmp / "missing"), r"missing does not exist; mount a tmpfs for it \(as root: mkdir -p "
+                                       r"\S+/missing && mount -t tmpfs -o size=SIZE,huge=always expertd \S+/missing, "
+                                       r"SIZE the bytes"),
     (lambda tmp: (tmp / "file").write_text("x") and str(tmp / "file"), r"file is not a directory"),
     (lambda tmp: str(tmp), r"is on \w+ \(mounted at .*\), not tmpfs or hugetlbfs"),
+    (lambda tmp: ((tmp / "full").mkdir(), (tmp / "full" / "kept").write_text("x"), str(tmp / "full"))[-1],
+     r"mount -t tmpfs -o size=SIZE,huge=always expertd /mnt/expertd, .*then shm_dir: /mnt/expertd \(\S+/full holds "
+     r"files a mount would hide\)"),
     (lambda tmp: 7, r"shm_dir must be a folder path"),
 ])
 def test_bad_shm_dir_is_a_config_error_naming_the_path(tmp_path, make, match):
@@ -201,6 +206,8 @@ def served_from_huge_pages(tmp_path, tiny_checkpoint, namespace, kind):
     assert "ShmSpaceError" in small_run["stderr"] and small in small_run["stderr"]
     assert "MiB free but the model needs 96.0 MiB (in huge pages)" in small_run["stderr"]  # 47 tensors + the index
     assert "Traceback" not in small_run["stderr"] and seen["small_files"] == []
+    said = small_run["stderr"]  # said before the socket, the progress bar or any work: one line after the plan's
+    assert "control socket" not in said and "expertd load" not in said and said.count("ShmSpaceError") == 1, said
 
     # nothing left: no files, no /dev/shm segments, no processes, nothing in the working tree
     assert seen["dev_shm_at_end"] == [] and seen["alive"] == []

@@ -64,7 +64,7 @@ def test_transformers4_worker_gets_per_expert_modules_with_exact_logits(tf4_pyth
     assert got["dtypes"] == got["ref_dtypes"]  # the dtypes 4.57's from_pretrained gives (bias in bf16 there)
     assert got["equal"] == {"load_model": True, "restore": True, "from_pretrained": True}
     # every parameter and loaded buffer lies in the daemon's read-only shared memory: what 4.57 loads in another
-    # dtype than this release serves (the routers and the bias in bf16) is the daemon's dtype variant, not a copy
+    # dtype than this release serves (the routers and the bias in bf16) is the daemon's dtype cast, not a copy
     assert got["private"] == [] and got["params"] > 0
 
 

@@ -4,7 +4,7 @@ where 5.24 keeps them in float32), daemon and worker in real virtualenvs, real s
 
 Every worker's logits are `torch.equal` to its own `from_pretrained(dtype=bfloat16)` of the bf16 reference,
 its dtypes are that load's, and every parameter and loaded buffer lies in a read-only shared mapping: a
-tensor the worker's release loads in another dtype than the daemon serves is the daemon's dtype variant,
+tensor the worker's release loads in another dtype than the daemon serves is the daemon's dtype cast,
 cast once per host.
 """
 
@@ -20,7 +20,7 @@ import pytest
 from expertd import messages
 from expertd.protocol import PROTOCOL_VERSION
 from expertd.connection import Connection
-from expertd.errors import GenerationGone, VariantRejected
+from expertd.errors import GenerationGone, DerivedRejected
 from expertd.tools.generate import generate, generate_model_type
 from helpers.releases import check_report, run_workers, with_released_keys
 from helpers.reference import write_reference_bf16
@@ -49,7 +49,7 @@ def family(request, tmp_path_factory):
 
 
 def cast_lines(report: dict) -> list[str]:
-    return [line for line in report["log"] if "dtype variants" in line or "private copies" in line]
+    return [line for line in report["log"] if "dtype casts" in line or "private copies" in line]
 
 
 def test_newest_daemon_serves_every_release(family, tf4_python, tf_previous_python, start_daemon, tmp_path):
@@ -65,17 +65,17 @@ def test_newest_daemon_serves_every_release(family, tf4_python, tf_previous_pyth
     check_report(previous, "5.23")
     check_report(previous2, "5.23")
     assert cast_lines(newest) == []  # the daemon serves what this release loads: nothing to cast
-    variants = daemon.status()["generations"][0]["variants"]
+    derived = daemon.status()["generations"][0]["derived"]["tensors"]
     if name in ROUTERS:
-        # 5.24 keeps the routers in float32, the others load them in bf16: each asked for bf16 variants, in one
+        # 5.24 keeps the routers in float32, the others load them in bf16: each asked for bf16 derived tensors, in one
         # line per attach, and the daemon cast each router once for all of them
         for report in (old4, previous, previous2):
             (line,) = cast_lines(report)
-            assert "dtype variants the daemon cast once" in line and "gate.weight" in line, line
+            assert "dtype casts the daemon cast once" in line and "gate.weight" in line, line
         # (4.57 also loads the e_score_correction_bias 5.x keeps in float32 as bf16)
-        assert {v["name"].rsplit(".mlp.", 1)[1] for v in variants} == {"gate.weight", "gate.e_score_correction_bias"}
-        assert {(v["served_dtype"], v["dtype"]) for v in variants} == {("torch.float32", "torch.bfloat16")}
-        assert len({v["name"] for v in variants}) == len(variants)  # once per host, whichever worker asked first
+        assert {v["name"].rsplit(".mlp.", 1)[1] for v in derived} == {"gate.weight", "gate.e_score_correction_bias"}
+        assert {(v["served_dtype"], v["dtype"]) for v in derived} == {("torch.float32", "torch.bfloat16")}
+        assert len({v["name"] for v in derived}) == len(derived)  # once per host, whichever worker asked first
 
 
 def test_previous_daemon_serves_the_newest_worker(family, tf_previous_python, start_daemon, tmp_path, namespace):
@@ -85,31 +85,31 @@ def test_previous_daemon_serves_the_newest_worker(family, tf_previous_python, st
     daemon = start_daemon(checkpoint, python=tf_previous_python)
     (report,) = run_workers([sys.executable], daemon.endpoint, reference, tmp_path)
     check_report(report, transformers.__version__)
-    if name in ROUTERS:  # 5.23 serves routers in bf16; this release wants float32: variants, not copies
+    if name in ROUTERS:  # 5.23 serves routers in bf16; this release wants float32: derived tensors, not copies
         (line,) = cast_lines(report)
         assert "float32" not in line.split("served as")[0] and "_keep_in_fp32_modules_strict" in line, line
-        variants = daemon.status()["generations"][0]["variants"]
-        assert variants and {(v["served_dtype"], v["dtype"]) for v in variants} == {("torch.bfloat16", "torch.float32")}
+        derived = daemon.status()["generations"][0]["derived"]["tensors"]
+        assert derived and {(v["served_dtype"], v["dtype"]) for v in derived} == {("torch.bfloat16", "torch.float32")}
 
 
 def _lease(conn: Connection) -> str:
     return conn.send(messages.Lease(pid=os.getpid(), protocol=PROTOCOL_VERSION), messages.LeaseReply).client
 
 
-def test_variant_refusals_and_lifetime(tiny_checkpoint, start_daemon, namespace):
+def test_derived_refusals_and_lifetime(tiny_checkpoint, start_daemon, namespace):
     daemon = start_daemon(tiny_checkpoint)
     conn = Connection(daemon.endpoint, timeout=60)
     try:
         lease = _lease(conn)
         def ask(tensors, **kw):
             items = [messages.CastItem(**t) for t in tensors]
-            return conn.send(messages.Cast(client=lease, tensors=items, **kw), messages.VariantReply)
+            return conn.send(messages.Cast(client=lease, tensors=items, **kw), messages.DerivedReply)
 
-        with pytest.raises(VariantRejected, match=r"no tensor 'model.nope.weight' in generation 1.*'torch.float32'"):
+        with pytest.raises(DerivedRejected, match=r"no tensor 'model.nope.weight' in generation 1.*'torch.float32'"):
             ask([{"name": "model.nope.weight", "dtype": "torch.float32"}])
-        with pytest.raises(VariantRejected, match=r"'torch.int8' asked for 'model.norm.weight' is not a float type"):
+        with pytest.raises(DerivedRejected, match=r"'torch.int8' asked for 'model.norm.weight' is not a float type"):
             ask([{"name": "model.norm.weight", "dtype": "torch.int8"}])
-        assert daemon.status()["generations"][0]["variants"] == []  # a refused request makes nothing
+        assert daemon.status()["generations"][0]["derived"]["tensors"] == []  # a refused request makes nothing
 
         reply = ask([{"name": "model.norm.weight", "dtype": "torch.float16"}])
         (entry,) = reply.tensors
@@ -117,11 +117,11 @@ def test_variant_refusals_and_lifetime(tiny_checkpoint, start_daemon, namespace)
         path = f"/dev/shm{entry['segment']}"
         assert os.path.exists(path) and oct(os.stat(path).st_mode & 0o777) == "0o600"
         assert ask([{"name": "model.norm.weight", "dtype": "torch.float16"}]).tensors == [entry]  # made once
-        (listed,) = daemon.status()["generations"][0]["variants"]
+        (listed,) = daemon.status()["generations"][0]["derived"]["tensors"]
         assert listed["segment"] == entry["segment"]
         text = subprocess.run([sys.executable, "-m", "expertd.server.cli", "status", "--endpoint", daemon.endpoint],
                               capture_output=True, text=True, timeout=120).stdout
-        assert "variants  1 tensor(s), 640 bytes (bfloat16 -> float16)" in text, text
+        assert "derived tensors  1 tensor(s), 640 bytes (bfloat16 -> float16)" in text, text
 
         only1 = ask([{"name": "model.layers.1.mlp.gate.weight", "dtype": "torch.bfloat16"}]).tensors[0]
         conn.send(messages.Reload())  # generation 2 (the same checkpoint: every tensor shared with 1)
@@ -129,7 +129,7 @@ def test_variant_refusals_and_lifetime(tiny_checkpoint, start_daemon, namespace)
             if daemon.status()["generation"] == 2 and daemon.status()["state"] == "serving":
                 break
             time.sleep(0.1)
-        # a variant asked while both live is generation 1's cast, reused (the same bytes), not a second one
+        # a derived tensor asked while both live is generation 1's cast, reused (the same bytes), not a second one
         assert ask([{"name": "model.norm.weight", "dtype": "torch.float16"}], generation=2).tensors == [entry]
         conn.send(messages.Refresh(client=lease), messages.IndexSegmentReply)  # generation 1 retires
         with pytest.raises(GenerationGone, match="generation 1 is not served any more"):
@@ -138,7 +138,8 @@ def test_variant_refusals_and_lifetime(tiny_checkpoint, start_daemon, namespace)
         assert not os.path.exists(f"/dev/shm{only1['segment']}")  # generation 1's alone: freed as it retired
         ask([{"name": "model.layers.0.input_layernorm.weight", "dtype": "torch.float32"}], generation=2)
         (gen2,) = daemon.status()["generations"]
-        assert {v["name"] for v in gen2["variants"]} == {"model.norm.weight", "model.layers.0.input_layernorm.weight"}
+        assert {v["name"] for v in gen2["derived"]["tensors"]} == {"model.norm.weight",
+                                                                  "model.layers.0.input_layernorm.weight"}
     finally:
         conn.close()
     assert daemon.stop() == 0

@@ -139,3 +139,20 @@ def test_the_example_worker_refuses_with_daemon_when_one_already_answers(tmp_pat
     assert run.stderr.strip() == (f"worker: error: EndpointBusy: a daemon already answers at {endpoint}: drop "
                                   f"--with-daemon to use it, or stop it first (expertd stop --endpoint {endpoint})")
     assert len(seen) == 1  # the one probe; no daemon was started, no model loaded
+
+
+def test_the_vllm_example_runs_its_own_daemon_on_a_private_endpoint_unless_told():
+    """examples/vllm_engine.py never takes whatever daemon answers on the default endpoint (a newcomer's other
+    daemon serves another model): without --endpoint its daemon listens beside the checkpoint."""
+    import importlib.util
+
+    from expertd.protocol import default_endpoint, ipc_path
+
+    spec = importlib.util.spec_from_file_location("vllm_example", REPO / "examples" / "vllm_engine.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)  # vLLM itself is imported only when it generates
+    assert example.private_endpoint("/srv/vllm-example/qwen3-moe") == "ipc:///srv/vllm-example/expertd.sock"
+    deep = "/" + "d" * 120 + "/qwen3-moe"  # a socket path fits 107 bytes: then under the runtime base
+    assert example.private_endpoint(deep) == (
+        f"ipc://{os.path.dirname(ipc_path(default_endpoint()))}/vllm-example/expertd.sock")
+    assert example.private_endpoint(deep) != default_endpoint()

@@ -13,7 +13,7 @@ such as DeepSeek-V3's `e_score_correction_bias`, in fp32). A disagreement is a f
   `expertd doctor --load-model` exits 1 naming each one and why.
 - warning: a cast that works but costs something (a stored fp32 tensor rounded to bf16 once at build, as
   from_pretrained rounds it; served in another dtype than the model needs, so workers map the daemon's
-  dtype variant, cast once per host). Exit 1 with --strict.
+  dtype cast, cast once per host). Exit 1 with --strict.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class Doctor:
                                  f"from_pretrained(dtype={dtype_name(self.dtype)}))")
         want = expected_dtypes(model, self.dtype)
         private = None
-        if self.shm_dir is not None:  # with a daemon: what lies in its read-only shared memory (variants included)
+        if self.shm_dir is not None:  # with a daemon: what lies in its read-only shared memory (derived too)
             from expertd.client.residency import private_tensors
 
             private = set(private_tensors(model, self.shm_dir))
@@ -247,12 +247,12 @@ class Doctor:
                       f"the model holds {r.model}, from_pretrained(dtype={dtype_name(self.dtype)}) gives {r.expected}"
                       + (f"; served as {upstream}" if upstream else ""))
         elif r.shared is False and r.index:
-            why = (f"served as {upstream}, the model holds {r.model}: no dtype variant was mapped (a daemon that makes "
+            why = (f"served as {upstream}, the model holds {r.model}: no dtype cast was mapped (a daemon that makes "
                    "none?)" if upstream != r.model else f"the model's {r.model} tensor is a copy of the shared view")
             self.find("error", "private-copy", r.name, f"a private copy, not the daemon's shared memory ({why})")
         elif r.model is None and upstream and target and upstream != target and not upstream.startswith("float8"):
-            self.find("warning", "variant-needed", r.name, f"served as {upstream}, from_pretrained(dtype="
-                      f"{dtype_name(self.dtype)}) gives {target}: workers map the daemon's dtype variant (cast once "
+            self.find("warning", "cast-needed", r.name, f"served as {upstream}, from_pretrained(dtype="
+                      f"{dtype_name(self.dtype)}) gives {target}: workers map the daemon's dtype cast (cast once "
                       "per host)")
         if r.checkpoint and r.served and "+scale" not in r.checkpoint and "|" not in r.checkpoint and \
                 _itemsize(r.checkpoint) > _itemsize(r.served):

@@ -37,7 +37,6 @@ def load_checkpoint_model(folder: str, dtype: torch.dtype = torch.bfloat16):
     from expertd.hf_dtypes import loaded_dtypes
     from expertd.quantization import quantization_format
 
-    from expertd.server.load.dequant import DEQUANT
     from expertd.server.load.layout import make_source
     from expertd.server.load.checkpoint import Checkpoint
 
@@ -49,7 +48,7 @@ def load_checkpoint_model(folder: str, dtype: torch.dtype = torch.bfloat16):
             t = ckpt.read(stored)
             src = make_source(ckpt, codec, name, stored, aux) if aux is not None else None
             if src is not None and src.decoding is not None:
-                t = DEQUANT[src.kind].reference(t, ckpt.read(aux), src.block, dtype)
+                t = src.codec.reference(t, ckpt.read(aux), src.block, dtype)
             elif t.is_floating_point() and t.dtype != dtype and t.dim() >= 2:
                 t = t.to(dtype)
             tensors[name] = t

@@ -233,10 +233,13 @@ def sum_squares(x: torch.Tensor) -> float:
 
 
 def measure(x: torch.Tensor, names=None) -> dict[str, FormatError]:
-    """The error of each format in `names` (default all) on the finite values of `x`."""
+    """The error of each format in `names` (None: all; an empty list: none) on the finite values of `x`."""
+    names = FORMATS if names is None else names
+    if not names:
+        return {}
     ref = finite_2d(x)
     ref_sq = sum_squares(ref)
-    return {name: FormatError(sum_squares(ref - FORMATS[name](ref)), ref_sq) for name in (names or FORMATS)}
+    return {name: FormatError(sum_squares(ref - FORMATS[name](ref)), ref_sq) for name in names}
 
 
 def relative_error(x: torch.Tensor, q: torch.Tensor) -> float:

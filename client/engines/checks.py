@@ -8,6 +8,9 @@ from __future__ import annotations
 from expertd.errors import ModelMismatch
 from expertd.partition import PartitionError
 
+MISMATCH_FIX = ("point the engine at the daemon that serves this checkpoint (its endpoint option, or "
+                "$EXPERTD_ENDPOINT), or start one on it with `expertd start`")
+
 # Config values that decide the model's tensor names and shapes; each tuple is one value under its several names
 # (transformers releases and families spell the expert count differently). Values absent on either side are not
 # compared: a config may leave out what its class derives (head_dim).
@@ -46,7 +49,7 @@ def check_config(served: dict, wanted: dict, endpoint: str, model: str) -> None:
         mine, theirs = _value(wanted, names), _value(served, names)
         if mine is not None and theirs is not None and mine != theirs:
             raise ModelMismatch(f"the daemon at {endpoint} serves another model than {model}: its config has "
-                                f"{names[0]}={theirs!r}, the engine's {names[0]}={mine!r}")
+                                f"{names[0]}={theirs!r}, the engine's {names[0]}={mine!r}; {MISMATCH_FIX}")
 
 
 def check_loaded(expected: set[str], loaded: set[str] | None, endpoint: str, model: str) -> None:
@@ -57,4 +60,4 @@ def check_loaded(expected: set[str], loaded: set[str] | None, endpoint: str, mod
     missing = sorted(expected - loaded)
     if missing:
         raise ModelMismatch(f"the daemon at {endpoint} serves no tensor for {len(missing)} parameter(s) of {model}'s "
-                            f"model, e.g. {missing[:3]}")
+                            f"model, e.g. {missing[:3]}; {MISMATCH_FIX}")

@@ -26,7 +26,7 @@ from .probes import Positions, digit_count, digits
 from .state import EngineState
 
 LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-REQUEST_BYTES = 768 << 10  # a variant request's items, under the daemon's message cap
+REQUEST_BYTES = 768 << 10  # a derived tensor request's items, under the daemon's message cap
 
 
 def _layer(name: str) -> str | None:

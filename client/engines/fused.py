@@ -4,8 +4,8 @@ biases) or pads (the vocabulary), once per host, where the engine uses the resul
 Found like the experts' layout (`experts`): the model's own `load_weights` is run on probes of the feeding tensors,
 each element carrying its position in their concatenation in base-255 digits, and where each landed in the
 parameter (zero where none did: padding) is a gather index over the concatenated sources. The daemon makes the
-bytes from its served ones (`variant` with `gather` and `also`); the engine maps them after checking they equal its
-own. Parameters a kernel repacked into a handle (oneDNN's linear layers on AVX-512: the parameter is emptied) have
+bytes from its served ones (`derived tensor` with `gather` and `also`); the engine maps them after checking they equal
+its own. Parameters a kernel repacked into a handle (oneDNN's linear layers on AVX-512: the parameter is emptied) have
 nothing left to bind and keep that private copy.
 """
 

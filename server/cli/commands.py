@@ -78,11 +78,11 @@ def cmd_status(args) -> int:
     for gen in status.generations or ():
         print(f"  generation {gen['generation']:<4} {gen['tensors']} tensors, {gen['bytes']:,} bytes "
               f"({gen['bytes_shared_with_latest']:,} shared with the latest), {len(gen['leases'])} lease(s)")
-        variants = gen.get("variants") or []
-        if variants:  # casts made once for workers whose transformers loads some tensors in another dtype
+        derived = (gen.get("derived") or {}).get("tensors") or []
+        if derived:  # casts made once for workers whose transformers loads some tensors in another dtype
             kinds = sorted({f"{v['served_dtype'].removeprefix('torch.')} -> {v['dtype'].removeprefix('torch.')}"
-                            for v in variants})
-            print(f"    variants  {len(variants)} tensor(s), {sum(v['nbytes'] for v in variants):,} bytes "
+                            for v in derived})
+            print(f"    derived  {len(derived)} tensor(s), {sum(v['nbytes'] for v in derived):,} bytes "
                   f"({', '.join(kinds)})")
     if status.job:
         print(f"  last build  {_job_line(status.job)}")
@@ -136,7 +136,10 @@ def cmd_verify(args) -> int:
 
     conn = _connection(args)
     try:
-        lease = lease_request(conn)
+        try:
+            lease = lease_request(conn)
+        except DaemonError as exc:  # the user asked for a verify, not an attach: say which it needed
+            raise type(exc)(f"verify reads the served bytes under a lease, and the {exc}", exc.kind) from None
         try:
             index = leased_index(conn, lease, args.timeout)
             bad = corrupted_tensors(index)

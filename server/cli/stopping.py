@@ -46,14 +46,22 @@ def cmd_stop(args) -> int:
 
 def _running(pid: int) -> bool:
     """Whether the daemon's process still runs, when it is on this host (a tcp:// daemon elsewhere: unknown, False).
-    A process that is exiting has an empty command line before it becomes a zombie: it still runs until then."""
+    A process that is exiting has an empty command line before it becomes a zombie, and its first thread is a zombie
+    while the others still exit: it still runs until then."""
     from expertd.procfs import process_state, runs_expertd
 
     state = process_state(pid)
-    if state is None or state in ("Z", "X"):
+    if state is None or state == "X" or (state == "Z" and _threads(pid) <= 1):
         return False
     named = runs_expertd(pid)
     return named is True or (named is False and _command_line_empty(pid))
+
+
+def _threads(pid: int) -> int:
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
 
 
 def _command_line_empty(pid: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import grp
 import os
 import re
@@ -94,12 +95,18 @@ def load_config(path: str) -> DaemonConfig:
     return config_from_dict(raw, base_dir=os.path.dirname(os.path.abspath(path)), source=path)
 
 
+def _guessed(key: str, known: set[str]) -> str:
+    """`key`, and the known key it is most likely a slip of: "namspace (did you mean `namespace`?)"."""
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"{key} (did you mean `{close[0]}`?)" if close else key
+
+
 def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -> DaemonConfig:
     known = {f.name for f in fields(DaemonConfig)}
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(map(str, set(raw) - known))
     if unknown:
-        raise ConfigError(f"config {source}: unknown key(s) {', '.join(map(str, unknown))}; known keys: "
-                          f"{', '.join(sorted(known))}")
+        raise ConfigError(f"config {source}: unknown key(s) {', '.join(_guessed(k, known) for k in unknown)} "
+                          "(README, \"Config keys\", lists them all)")
     if "checkpoint" not in raw or not isinstance(raw["checkpoint"], str):
         raise ConfigError(f"config {source}: 'checkpoint' (a folder path) is required")
     values = dict(raw)

@@ -82,6 +82,13 @@ class Daemon:
             log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
                      self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout)
         self.runstate.reap(self.cfg.shm_dir, keep=adopted.segments if adopted is not None else frozenset())
+        if adopted is None:  # what a first build needs, said before the socket, the progress bar and any work
+            from ..load.building import first_build_bytes
+            from ..shm.arena import check_free
+            from ..shm.shmdir import inspect as inspect_shm_dir
+
+            shm = inspect_shm_dir(self.cfg.shm_dir, strict=False)
+            check_free(shm, self.cfg.shm_dir, first_build_bytes(plan, shm.unit))
         ctx = zmq.Context()
         try:
             sock = self._bind(ctx)
@@ -108,8 +115,7 @@ class Daemon:
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)
             while not self._stop.is_set() and self.weights.load_error is None:
-                busy = self.weights.readers.derivations.job is not None  # its next step waits for a tick
-                if dict(poller.poll(10 if busy else 100)).get(sock):
+                if dict(poller.poll(10 if self.weights.deriving else 100)).get(sock):
                     for _ in range(BURST):  # drain what is queued before the next poll
                         if not self._serve_one(sock):
                             break
@@ -118,7 +124,7 @@ class Daemon:
                     self._hup.clear()
                 self.weights.tick(reload_requested=hup)
                 if self.metrics is not None:
-                    self.metrics.refresh(self.weights)
+                    self.metrics.refresh(self.weights.snapshot())
         finally:
             self._stop.set()
             if self.metrics is not None:
@@ -156,11 +162,15 @@ class Daemon:
             log.info("received %s, stopping", signal.Signals(signum).name)
         self._stop.set()
 
+    def _gid(self) -> int | None:
+        """The config's `group:` as a gid (None without one)."""
+        return grp.getgrnam(self.cfg.group).gr_gid if self.cfg.group else None
+
     def _bind(self, ctx: zmq.Context) -> zmq.Socket:
         endpoint = self.cfg.endpoint
         path = ipc_path(endpoint)
         if path is not None:
-            self.runstate.own_socket_folder(path)  # checked again right before the bind
+            self.runstate.own_socket_folder(path, self._gid())  # checked again right before the bind
             if os.path.exists(path):
                 if endpoint_answers(ctx, endpoint):
                     raise self._endpoint_busy()
@@ -199,7 +209,7 @@ class Daemon:
         """Refuse at once (before a long load) when another daemon answers on our ipc:// endpoint."""
         path = ipc_path(self.cfg.endpoint)
         if path is not None:
-            self.runstate.own_socket_folder(path)  # a folder or socket of someone else's: exit 2 before anything
+            self.runstate.own_socket_folder(path, self._gid())  # someone else's folder or socket: exit 2 at once
         if path is not None and os.path.exists(path):
             ctx = zmq.Context()
             try:
@@ -227,7 +237,7 @@ class Daemon:
         if len(frames) < 2:
             return True  # no routing identity: nobody to answer
         identity, data = frames[0].bytes, []
-        msg = None
+        msg, latest = None, True  # every reply names the latest generation, but one to an unexpected error
         try:
             oversized(frames)  # before anything is decoded; the frames go with the refusal
             if len(frames) >= 3 and frames[1].bytes == b"":  # REQ envelope: message, then a `stage` request's bytes
@@ -243,29 +253,26 @@ class Daemon:
                 raise ProtocolError(f"op {str(msg.get('op'))[:40]!r} takes one message frame; only 'stage' carries "
                                     "bytes")
             reply = self.handle(msg, peer)
-            if isinstance(reply, dict):
-                reply["latest"] = self._latest_number()
         except ExpertdError as exc:
-            reply = {**error_reply(exc), "latest": self._latest_number()}
+            reply = error_reply(exc)
         except Exception as exc:  # a bug must not kill the daemon; the caller gets the message
             log.exception("error handling request")
-            reply = error_reply(exc)
+            reply, latest = error_reply(exc), False
+        if latest:
+            reply["latest"] = self.weights.gens.latest.number if self.weights.gens.latest else 0
         if self.metrics is not None:
             self.metrics.request(msg.get("op") if isinstance(msg, dict) else None,
-                                 reply.get("error") if isinstance(reply, dict) and not reply.get("ok", True) else None)
+                                 reply.get("error") if not reply.get("ok", True) else None)
         envelope = [identity, b""] if len(frames) >= 3 else [identity]
         try:
-            sock.send_multipart(envelope + [reply if isinstance(reply, bytes) else pack(reply)], zmq.NOBLOCK)
+            sock.send_multipart(envelope + [pack(reply)], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # peer gone
         return True
 
-    def _latest_number(self) -> int:
-        return self.weights.gens.latest.number if self.weights.gens.latest else 0
-
-    def handle(self, msg: dict, peer: Peer) -> dict | bytes:
+    def handle(self, msg: dict, peer: Peer) -> dict:
         """Check the token, parse the request (every field typed and bounded), check its permission, then run its
-        handler; a typed refusal becomes an error reply."""
+        handler (`dispatch`: its reply checked and made a map); a typed refusal becomes an error reply."""
         if self.cfg.auth_token is not None:
             token = msg.get("token")
             if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.cfg.auth_token.encode()):
@@ -278,53 +285,42 @@ class Daemon:
             return error_reply(exc)
 
     @handles(messages.Hello)
-    def op_hello(self, req: messages.Hello, peer: Peer) -> dict:
+    def op_hello(self, req: messages.Hello, peer: Peer) -> replies.HelloReply:
         return replies.HelloReply(protocol=PROTOCOL_VERSION, ready=self.weights.gens.latest is not None,
                                   generation=self.weights.status_generation(),
-                                  lease_timeout_s=self.cfg.lease_timeout_s).wire()
+                                  lease_timeout_s=self.cfg.lease_timeout_s)
 
     @handles(messages.Status)
-    def op_status(self, req: messages.Status, peer: Peer) -> dict:
-        return self.status().wire()
+    def op_status(self, req: messages.Status, peer: Peer) -> replies.StatusReply:
+        return self.status()
 
     @handles(messages.Stop)
-    def op_stop(self, req: messages.Stop, peer: Peer) -> dict:
+    def op_stop(self, req: messages.Stop, peer: Peer) -> replies.Done:
         """Stop; with `keep`, leave the live generations in shared memory for a successor to adopt (a handover)."""
         self._keep = req.keep
         self._stop.set()
-        return replies.Done().wire()
+        return replies.Done()
 
     def status(self) -> replies.StatusReply:
-        now = time.monotonic()
-        w = self.weights
-        index = w.gens.latest.index if w.gens.latest else None
-        by_dtype = index.total_bytes_by_dtype() if index else {}
-        job = w.jobs.current or (next(reversed(w.jobs.done.values())) if w.jobs.done else None)
+        """The `status` reply: this daemon's own fields, and the weight service's snapshot (what metrics read too)."""
+        snap = self.weights.snapshot()
         return replies.StatusReply(
-            state="serving" if index else "loading",
+            state="serving" if snap.latest is not None else "loading",
             pid=os.getpid(),
             namespace=self.cfg.namespace,
             endpoint=self.cfg.endpoint,
-            checkpoint=w.checkpoint,
-            generation=w.status_generation(),
-            tensors=len(index.tensors) if index else 0,
-            views=index.view_count() if index else 0,
-            segments=[s.name for s in index.segments] if index else [],
-            index_segment=w.gens.latest.index_place["segment"] if index else None,
+            checkpoint=snap.checkpoint,
+            generation=snap.generation,
+            tensors=snap.tensors,
+            views=snap.views,
+            segments=snap.segments,
+            index_segment=snap.index_segment,
             shm_dir=self.cfg.shm_dir,
-            bytes={"total": sum(by_dtype.values()), **by_dtype},
-            expert_parallel=expert_parallel_status(index),
-            leases=w.leases.status(now),
-            generations=w.gens.status(),
-            derived=w.readers.derivations.status(),
-            job=job.report() if job is not None else None,
+            bytes={"total": sum(snap.bytes_by_dtype.values()), **snap.bytes_by_dtype},
+            expert_parallel=snap.expert_parallel,
+            leases=snap.leases,
+            generations=snap.generations,
+            derived=snap.derived,
+            job=snap.job,
             uptime_s=round(time.time() - self.started, 3),
         )
-
-
-def expert_parallel_status(index) -> dict | None:
-    """The partition a daemon serves: EP size, its ranks, and per fused expert tensor the experts it holds."""
-    if index is None or index.expert_parallel is None:
-        return None
-    return {**index.expert_parallel.to_dict(),
-            "experts": {t.name: t.experts.to_dict() for t in index.tensors if t.experts is not None}}

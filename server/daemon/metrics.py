@@ -1,7 +1,7 @@
 """Prometheus metrics of one daemon, served on http://metrics_host:metrics_port/metrics (`metrics_port:` in the config).
 
-The daemon's loop reports each request and, between requests, lets `refresh` read what is served;
-the HTTP thread only renders what the loop set. Each daemon has a private registry, so metrics of
+The daemon's loop reports each request and, between requests, lets `refresh` read the weight service's snapshot (what
+`status` reads too); the HTTP thread only renders what the loop set. Each daemon has a private registry, so metrics of
 one never mix with another's in the same process (tests start several).
 """
 
@@ -71,45 +71,45 @@ class DaemonMetrics:
         if error is not None:
             self.errors.labels(op, error).inc()
 
-    def refresh(self, service) -> None:
-        """Read what the weight service serves and builds (called on the loop's thread between requests)."""
-        gens = service.gens
-        latest = gens.latest
+    def refresh(self, snap) -> None:
+        """Set the gauges from the weight service's snapshot (`WeightService.snapshot`, taken on the loop's thread
+        between requests); the latest generation's figures only when it changed."""
+        latest = snap.latest
         self.serving.set(1 if latest is not None else 0)
-        self.generation.set(latest.number if latest is not None else 0)
-        self.leases.set(len(service.leases.leases))
-        self.live_generations.set(len(gens.live))
+        self.generation.set(snap.number)
+        self.leases.set(snap.lease_count)
+        self.live_generations.set(snap.live_generations)
         if latest is not None and latest.number != self._seen_generation:
             self._seen_generation = latest.number
-            by_dtype = latest.index.total_bytes_by_dtype()
+            by_dtype = snap.bytes_by_dtype
             for dtype in self._dtypes - set(by_dtype):
                 self.served_bytes.remove(dtype)
             for dtype, nbytes in by_dtype.items():
                 self.served_bytes.labels(dtype).set(nbytes)
             self._dtypes = set(by_dtype)
-            self.tensors.set(len(latest.index.tensors))
-            ep = latest.index.expert_parallel
+            self.tensors.set(snap.tensors)
+            ep = snap.partition
             self.ep_size.set(ep.size if ep is not None else 1)
             for rank in ep.ranks if ep is not None else ():
                 self.ep_ranks.labels(str(rank)).set(1)
-            self.served_experts.set(sum(t.experts.count for t in latest.index.tensors if t.experts is not None))
-        derived = service.readers.derivations.status()
+            self.served_experts.set(snap.served_experts)
+        derived = snap.derived
         self.derived_bytes.set(derived["bytes"])
         self.derived_files.set(derived["files"])
         self.derived_readers.set(len(derived["readers"]))
         for limit in ("max_bytes", "max_files", "max_bytes_per_reader", "max_files_per_reader", "shm_reserve"):
             self.derived_limit.labels(limit).set(derived[limit])
-        done, total = service.build_progress
+        done, total = snap.build_progress
         self.load_progress.set(done)
         self.load_total.set(total)
-        for number, job in service.jobs.done.items():
-            if number <= self._seen_job:
+        for ended in snap.ended:
+            if ended.number <= self._seen_job:
                 continue
-            self._seen_job = number
-            if job.state == "published" and job.built is not None:
-                self.builds.labels(job.kind).observe(job.built.seconds)
-            elif job.state == "failed":
-                self.build_failures.labels(job.kind).inc()
+            self._seen_job = ended.number
+            if ended.seconds is not None:
+                self.builds.labels(ended.kind).observe(ended.seconds)
+            elif ended.state == "failed":
+                self.build_failures.labels(ended.kind).inc()
 
     def close(self) -> None:
         self._server.shutdown()

@@ -15,9 +15,10 @@ import time
 
 from expertd import messages, replies
 from expertd.errors import ExpertdError, ProtocolError
-from expertd.extents import places
+from expertd.extents import extents_of
 from expertd.procfs import default_threads
 
+from ..derived.requests import DerivedRequests
 from ..load.built import Built, Cancelled, publish
 from ..push.pushes import Pushes
 from ..restart import adopt, ledger
@@ -32,10 +33,11 @@ from ..serving.permissions import allowed_checkpoint
 from ..shm.arena import segment_prefix, unlink_segment
 from .config import DaemonConfig
 from .readers import Readers
+from .snapshot import Snapshot
 
 # What builds (torch, transformers, the checkpoint reader, the kernels) is imported by the methods that start one,
-# so that serving adopted generations waits for none of it: `loader` and `updates` (see `built`); a variant
-# imports torch only to make one (`variants.make`).
+# so that serving adopted generations waits for none of it: `loader` and `updates` (see `built`); a derived tensor
+# imports torch only to make one (`tensors.make`).
 
 log = logging.getLogger("expertd.daemon")
 
@@ -44,7 +46,8 @@ LEASES_EVERY_S = 0.5  # the manifest's record of leases lags the live ones by at
 
 class WeightService:
     """The generation lifecycle (load, adopt, reload, publish, retire, the manifest) over its components: the lease
-    table, the live generations, the build jobs, the reader ops (`readers`) and the push ops (`pushes`)."""
+    table, the live generations, the build jobs, the derived tensors readers ask for (`derived`), the reader ops
+    (`readers`) and the push ops (`pushes`); `snapshot` is what status and metrics read of them."""
 
     def __init__(self, cfg: DaemonConfig, runstate: RunState, should_stop):
         self.cfg = cfg
@@ -58,12 +61,13 @@ class WeightService:
                                 revoke_after_s=cfg.revoke_after_s, hold_s=cfg.lease_timeout_s)
         self.run_dir = cfg.resolved_run_dir
         self.conditions = ledger.build_conditions(cfg.checkpoint, cfg.expert_parallel, cfg.shm_dir)
-        self.variant_records = Recorder(self.run_dir, cfg.namespace)  # each generation's variants, for a successor
+        self.derived_records = Recorder(self.run_dir, cfg.namespace)  # each generation's derived tensors, kept
         self._recorded_leases: list[dict] = []  # the leases the manifest last recorded
         self._leases_written = 0.0
         self.jobs = Jobs()
         self.pushes = Pushes(cfg, self.leases, self.gens, self.jobs, self)
-        self.readers = Readers(cfg, self.leases, self.gens)
+        self.derived = DerivedRequests(cfg, self.gens)  # casts and gathers: checked whole, counted, made off the loop
+        self.readers = Readers(cfg, self.leases, self.gens, self.derived)
         self.first_generation = 1
         self.load_error: BaseException | None = None
         self.build_progress = (0, 0)  # (bytes placed, bytes to place) of the latest build from a checkpoint
@@ -82,6 +86,16 @@ class WeightService:
 
     def latest(self) -> Generation:
         return self.gens.serving()
+
+    @property
+    def deriving(self) -> bool:
+        """A derivation job is under way: its next step waits for a tick (the loop polls sooner)."""
+        return self.derived.busy
+
+    def snapshot(self) -> Snapshot:
+        """What is served, leased, built and derived now: the one thing `status` and the metrics read."""
+        return Snapshot(self.gens, self.leases, self.jobs, self.derived, generation=self.status_generation(),
+                        checkpoint=self.checkpoint, build_progress=self.build_progress)
 
     def start_load(self, ckpt, plan) -> None:
         """Build the first generation from a validated checkpoint (its number continues the namespace's count)."""
@@ -117,24 +131,24 @@ class WeightService:
     def serve_adopted(self, adopted: adopt.Adopted) -> None:
         """Serve the adopted generations under their numbers, re-grant the predecessor's leases, hold every adopted
         generation a lease timeout for workers that re-take theirs, then check the checkpoint in the background:
-        a changed one becomes the next generation (incrementally). Their variants are served again too."""
+        a changed one becomes the next generation (incrementally). Their derived tensors are served again too."""
         gens = [Generation(Built(adopt.arena_of(r, self.cfg.group), r.index, r.parts, r.known,
                                  sums=adopted.sums.get(r.number, {})),
                            place_index(r.index, self.cfg.group)) for r in adopted.records]
-        variant_segments = {x.segment for mine in adopted.variants.values() for v in mine.values()
-                            for x in places(v.entry)}
+        derived_segments = {x.segment for mine in adopted.derived.values() for v in mine.values()
+                            for x in extents_of(v.entry)}
         for gen in gens:
-            mine = adopted.variants.get(gen.number, {})
-            gen.adopt_variants(mine, variant_segments)
-            self.variant_records.adopted(gen.number, -1 if gen.number in adopted.rerecord else len(mine))
+            mine = adopted.derived.get(gen.number, {})
+            gen.adopt_derived(mine, derived_segments)
+            self.derived_records.adopted(gen.number, -1 if gen.number in adopted.rerecord else len(mine))
         self.gens.adopt(gens, adopted.leases)
         latest = self.gens.latest
         publish(latest.index, self.cfg.index_path)
         self.first_generation = latest.number
         log.info("adopted generation(s) %s (%d lease(s) re-granted, %d tensor(s) rebuilt from the checkpoint, %d "
-                 "variant segment(s) kept) in %.2fs: serving generation %d",
+                 "derived tensor segment(s) kept) in %.2fs: serving generation %d",
                  ", ".join(str(r.number) for r in adopted.records), len(adopted.leases), len(adopted.repaired),
-                 len(variant_segments), adopted.seconds, latest.number)
+                 len(derived_segments), adopted.seconds, latest.number)
         self.write_manifest("serving")
         number = latest.number + 1
 
@@ -164,8 +178,8 @@ class WeightService:
         self.gens.revoke_due()  # a push waited revoke_after_s for room: the oldest generation's readers move on
         self._record_leases()
         self.pushes.sweep()
-        self.readers.derivations.tick()
-        self.variant_records.flush(self.gens.live.values())  # what the loop's requests made, for a successor
+        self.derived.tick()
+        self.derived_records.flush(self.gens.live.values())  # what the loop's requests made, for a successor
 
     def _prepare(self, checkpoint: str):
         """`loader.prepare` on a job's thread (importing torch and transformers the first time): until it returns,
@@ -192,13 +206,14 @@ class WeightService:
                      group=self.cfg.group, on_progress=placed, shm_dir=self.cfg.shm_dir,
                      ranges=self.cfg.expert_ranges)
 
-    def start_build(self, kind: str, number: int, work, on_end=None) -> Job:
-        job = self.jobs.start(kind, number, work, on_end)
+    def start_build(self, kind: str, number: int, work, on_end=None, update: int | None = None) -> Job:
+        """Start a build job (of staged update `update`: it takes that update's slot) and record it in the manifest."""
+        job = self.jobs.start(kind, number, work, on_end, update)
         self.write_manifest("loading" if kind == "load" else "serving", building=number)
         return job
 
     def _start_reload(self, checkpoint: str) -> Job:
-        self.check_idle()
+        self.jobs.check_idle()  # Busy while a build runs or an update is staged: one reload or update at a time
         self.gens.check_room()
         previous, number = self.gens.latest.built, self.gens.latest.number + 1
 
@@ -259,7 +274,7 @@ class WeightService:
         self._recorded_leases = self.leases.recorded()
         self._leases_written = time.monotonic()
         self.runstate.write_manifest(latest, segments, state, self.cfg.endpoint,
-                                     staging=[s.segment.name for s in self.pushes.staging.values()],
+                                     staging=self.pushes.segments(),
                                      shm_dir=self.cfg.shm_dir,
                                      conditions=self.conditions, leases=self._recorded_leases)
 
@@ -272,23 +287,18 @@ class WeightService:
         if self.leases.recorded() != self._recorded_leases:
             self.write_manifest("serving")
 
-    def check_idle(self) -> None:
-        """Busy while a build runs or an update is staged: one reload or update at a time."""
-        self.jobs.check_idle()
-        self.pushes.check_idle()
-
     @handles(messages.Reload)
-    def op_reload(self, req: messages.Reload, peer: Peer) -> dict:
+    def op_reload(self, req: messages.Reload, peer: Peer) -> replies.JobReply:
         checkpoint = allowed_checkpoint(self.cfg, req.checkpoint)  # the configured one or under checkpoint_roots
         self.latest()
-        return self._start_reload(checkpoint).report(replies.JobReply).wire()
+        return self._start_reload(checkpoint).report(replies.JobReply)
 
     @handles(messages.Job)
-    def op_job(self, req: messages.Job, peer: Peer) -> dict:
+    def op_job(self, req: messages.Job, peer: Peer) -> replies.JobReply:
         job = self.jobs.get(req.job)
         if job is None:
             raise ProtocolError(f"no job {req.job!r} (finished jobs are kept a while, not forever)")
-        return job.report(replies.JobReply).wire()
+        return job.report(replies.JobReply)
 
     def status_generation(self) -> int:
         if self.gens.latest is not None:
@@ -310,14 +320,13 @@ class WeightService:
         if self.abandoned:
             self._live = {name for names in self.gens.segments_by_generation().values() for name in names}
             self.sweep()
-        self.readers.derivations.close()  # a derivation job stops; what it made goes
+        self.derived.close()  # a derivation job stops; what it made goes
         job = self.jobs.current
         if job is not None and job.built is not None:
             job.built.close()  # built but never published
-        for number in list(self.pushes.staging):
-            self.pushes.drop(number)
+        self.pushes.close()
         if keep and self.gens.latest is not None:
-            self.variant_records.flush(self.gens.live.values(), force=True)
+            self.derived_records.flush(self.gens.live.values(), force=True)
             segments = self.gens.segments_by_generation()
             self.runstate.write_manifest(self.gens.latest.number, segments, "handover", self.cfg.endpoint,
                                          shm_dir=self.cfg.shm_dir, conditions=self.conditions,

@@ -10,7 +10,7 @@ onto a new generation while the old one lives get its layouts too) and `max_deri
 reserved apart: a derivation is refused when it would leave the shm_dir less free space than the latest generation's
 served bytes (what a reload writes, or a push of up to half of them with its staging), so derived tensors never make
 a push or a reload fail.
-Usage is computed from the live generations' variants (a segment several generations reuse counts once) plus the
+Usage is computed from the live generations' derived tensors (a segment several generations reuse counts once) plus the
 work a derivation job has reserved: there is no counter to drift.
 """
 
@@ -49,8 +49,16 @@ class Quota:
     def __init__(self, cfg, gens):
         self.cfg, self.gens = cfg, gens
         self.unit = shmdir.inspect(cfg.shm_dir, strict=False).unit
-        self.reserved: dict[int, tuple[str, int, int]] = {}  # job -> (reader, bytes, files) being made
+        self._reserved: dict[int, tuple[str, int, int]] = {}  # job -> (reader, bytes, files) being made
         self._pages_of: dict[int, int] = {}  # generation -> its served bytes in pages (live ones and the latest)
+
+    def reserve(self, job: int, reader: str, nbytes: int, files: int) -> None:
+        """Count what derivation job `job` makes for `reader` (`nbytes` placed, in `files`) until it is listed."""
+        self._reserved[job] = (reader, nbytes, files)
+
+    def release(self, job: int) -> None:
+        """Stop counting job `job`'s reservation: what it made is listed in its generation now, or went."""
+        self._reserved.pop(job, None)
 
     def placed(self, nbytes: int) -> int:
         """The bytes a derived tensor of `nbytes` takes in shm_dir: whole pages (units) of the folder, at least one."""
@@ -85,20 +93,20 @@ class Quota:
 
     def usage(self) -> Usage:
         """What derived tensors take now: those of the live generations, each segment once, and those being made. A
-        derived layout of ranges (`variant_ranges`) also keeps alive the older layouts' segments its ranges lie in:
-        one whose own variant has retired counts against the reader of the variant that keeps it."""
+        derived layout of ranges (`derived/extents`) also keeps alive the older layouts' segments its ranges lie in:
+        one whose own derived tensor has retired counts against the reader of the derived tensor that keeps it."""
         usage, seen = Usage(), set()
-        variants = [v for gen in self.gens.live.values() for v in gen.variants.values() if v.key]
-        for v in variants:
+        derived = [v for gen in self.gens.live.values() for v in gen.derived.values() if v.key]
+        for v in derived:
             if v.created not in seen:
                 seen.add(v.created)
                 usage.add(v.owner, v.placed)
-        for v in variants:
+        for v in derived:
             for segment, size in (v.sizes or {}).items():
                 if segment not in seen:
                     seen.add(segment)
                     usage.add(v.owner, size)
-        for reader, nbytes, files in self.reserved.values():
+        for reader, nbytes, files in self._reserved.values():
             usage.add(reader, nbytes, files)
         return usage
 
@@ -122,7 +130,7 @@ class Quota:
                                    f"pages) for "
                                    f"{reader} would take it to {after}, past {name} ({reader} holds {mine[0]} bytes "
                                    f"in {mine[1]} file(s); the daemon {usage.bytes} in {usage.files}): nothing made")
-        pending = sum(nbytes for _, nbytes, _ in self.reserved.values())
+        pending = sum(nbytes for _, nbytes, _ in self._reserved.values())
         free = _free(self.cfg.shm_dir) - pending
         if free - need < limits["shm_reserve"]:
             raise DerivedLimit(f"generation {generation}: {need} bytes of derived tensors ({what}) would leave "

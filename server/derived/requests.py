@@ -1,8 +1,8 @@
 """Derived tensors asked by readers (`cast`, `gather`): checked whole, counted, made once per host, off the loop
 when large.
 
-A request is planned first (`variants.plan_*`: names, dtypes, shapes and sizes; nothing inflated), then checked
-whole (`variants.check`: every index inflated chunk by chunk and in range, every derivation named by its digest),
+A request is planned first (`tensors.plan_*`: names, dtypes, shapes and sizes; nothing inflated), then checked
+whole (`tensors.check`: every index inflated chunk by chunk and in range, every derivation named by its digest),
 then what no live generation has yet is counted against the reader's and the daemon's quotas (`quota`) in one
 check, then made. A request that fails anywhere makes nothing: no build-then-unlink.
 
@@ -32,16 +32,16 @@ from dataclasses import dataclass, field, replace
 from expertd import replies
 from expertd.derived import source_identity
 from expertd.errors import DerivedLimit, GenerationGone
-from expertd.extents import places
+from expertd.extents import extents_of
 from expertd.procfs import default_threads, name_this_thread
 
 from ..serving.jobs import forget_frames
 from ..shm.arena import unlink_segment
 from .extents import make_changed, older_forms, placed_bytes, prior
 from .quota import Quota, reader_of
-from .tensors import Planned, Variant, check, make, plan_casts, plan_gathers, summary
+from .tensors import Planned, DerivedTensor, check, make, plan_casts, plan_gathers, summary
 
-log = logging.getLogger("expertd.variants")
+log = logging.getLogger("expertd.derived")
 
 INLINE_ITEMS = 64  # a request is made on the request loop when it names at most this many tensors,
 INLINE_ENTRIES = 1 << 20  # inflates at most this many index entries (4 MiB),
@@ -92,7 +92,7 @@ class Work:
                 "tensors": len(self.planned), "made": len(self.made), "to_make": len(self.todo)}
 
 
-class Derivations:
+class DerivedRequests:
     def __init__(self, cfg, gens):
         self.cfg, self.gens = cfg, gens
         self.quota = Quota(cfg, gens)
@@ -103,8 +103,13 @@ class Derivations:
         self.job: Work | None = None
         self._numbers = itertools.count(1)
 
-    def ask(self, kind: str, gen, items: list, peer) -> dict:
-        """The reply to a `cast` or `gather` of generation `gen`: its variants, or `building` (ask again)."""
+    @property
+    def busy(self) -> bool:
+        """A derivation job is under way (its next step waits for a `tick`)."""
+        return self.job is not None
+
+    def ask(self, kind: str, gen, items: list, peer) -> replies.DerivedReply:
+        """The reply to a `cast` or `gather` of generation `gen`: its derived tensors, or `building` (ask again)."""
         served = {t.name: t for t in gen.index.tensors}
         if kind == "cast":
             planned = plan_casts(items, served, gen.number)
@@ -127,7 +132,7 @@ class Derivations:
                 check(p)
             return self._reply(gen, self._make_now(gen, planned, reader, rid))
         self._wait(reader, rid, gen, planned)
-        return replies.VariantReply(generation=gen.number, tensors=[], building=True).wire()
+        return replies.DerivedReply(generation=gen.number, tensors=[], building=True)
 
     def _wait(self, reader: str, rid: str, gen, planned: list[Planned]) -> None:
         """Start the job for a large request, or queue it behind the one running (once; at most QUEUED_PER_READER
@@ -153,32 +158,32 @@ class Derivations:
                 self._run(self.job, self._check_all)
                 return
 
-    def _reply(self, gen, variants: list[Variant]) -> dict:
-        return replies.VariantReply(generation=gen.number, tensors=[v.to_wire() for v in variants]).wire()
+    def _reply(self, gen, derived: list[DerivedTensor]) -> replies.DerivedReply:
+        return replies.DerivedReply(generation=gen.number, tensors=[v.to_wire() for v in derived])
 
-    def _resolve(self, gen, planned: list[Planned]) -> list[Variant | None]:
-        """Each checked item's variant where one exists: the served tensor itself, this generation's, or another live
-        generation's made of the same bytes (reused); None where it is to be made."""
+    def _resolve(self, gen, planned: list[Planned]) -> list[DerivedTensor | None]:
+        """Each checked item's derived tensor where one exists: the served tensor itself, this generation's, or another
+        live generation's made of the same bytes (reused); None where it is to be made."""
         others = {}
         for other in self.gens.live.values():
             if other is not gen:
-                others.update(other.variants)
+                others.update(other.derived)
         out = []
         for p in planned:
             if not p.key:
-                out.append(Variant(p.entry, p.entry))
+                out.append(DerivedTensor(p.entry, p.entry))
                 continue
-            found = gen.variants.get(p.key)
+            found = gen.derived.get(p.key)
             if found is None and p.key in others:
                 theirs = others[p.key]
-                if theirs.made_of() == Variant(p.entry, p.entry, also=p.more).made_of():
+                if theirs.made_of() == DerivedTensor(p.entry, p.entry, also=p.more).made_of():
                     found = replace(theirs, of=p.entry, key=p.key, also=p.more)
             out.append(found)
         return out
 
     def _todo(self, gen, planned: list[Planned], reader: str) -> list[tuple[Planned, int, tuple | None]]:
-        """What is to be made (each name once; a derivation an older generation's variant of the same form keeps
-        blocks of: its changed blocks only, `variant_ranges`), counted against the quotas at once: DerivedLimit makes
+        """What is to be made (each name once; a derivation an older generation's derived tensor of the same form keeps
+        blocks of: its changed blocks only, `derived/extents`), counted against the quotas at once: DerivedLimit makes
         nothing."""
         todo, forms = {}, older_forms(self.gens, gen)
         for p, v in zip(planned, self._resolve(gen, planned)):
@@ -190,12 +195,12 @@ class Derivations:
         self.quota.check(reader, [placed for _, placed, _ in todo.values()], gen.number, what)
         return list(todo.values())
 
-    def _make(self, gen, p: Planned, reader: str, placed: int, keep: tuple | None, should_stop=None) -> Variant:
+    def _make(self, gen, p: Planned, reader: str, placed: int, keep: tuple | None, should_stop=None) -> DerivedTensor:
         if keep is None:
             return make(gen, p, reader, placed, self.cfg.group, should_stop)
         return make_changed(gen, p, *keep, reader, placed, self.cfg.group, should_stop)
 
-    def _make_now(self, gen, planned: list[Planned], reader: str, rid: str) -> list[Variant]:
+    def _make_now(self, gen, planned: list[Planned], reader: str, rid: str) -> list[DerivedTensor]:
         made = []
         try:
             for p, placed, keep in self._todo(gen, planned, reader):
@@ -206,32 +211,32 @@ class Derivations:
             raise
         return self._list(gen, self._register(gen, made, planned, rid))
 
-    def _register(self, gen, made: list[Variant], planned: list[Planned], rid: str, job: Work | None = None
-                  ) -> list[Variant]:
+    def _register(self, gen, made: list[DerivedTensor], planned: list[Planned], rid: str, job: Work | None = None
+                  ) -> list[DerivedTensor]:
         kept = set().union(*(g.segments() for g in self.gens.live.values())) if any(v.made for v in made) else set()
         for v in made:
-            if v.key in gen.variants:  # made meanwhile by a small request: the one listed first stays
+            if v.key in gen.derived:  # made meanwhile by a small request: the one listed first stays
                 unlink_segment(v.created, gen.index.shm_dir)
-            elif v.made and any(x.segment not in kept | {v.made} for x in places(v.entry)):
+            elif v.made and any(x.segment not in kept | {v.made} for x in extents_of(v.entry)):
                 # the older layout it keeps blocks of retired while a job made it: not listed (the next ask makes it
                 # again, whole; a small request is made on the loop, where nothing retires meanwhile)
                 unlink_segment(v.made, gen.index.shm_dir)
             else:
-                gen.variants[v.key] = v
+                gen.add_derived(v.key, v)
         if made:
-            log.info("generation %d: %d variant(s) made once for this host (%s; %.1f MiB)%s", gen.number, len(made),
-                     summary(made), sum(v.entry.nbytes for v in made) / 2**20, "" if job is None else
+            log.info("generation %d: %d derived tensor(s) made once for this host (%s; %.1f MiB)%s", gen.number,
+                     len(made), summary(made), sum(v.entry.nbytes for v in made) / 2**20, "" if job is None else
                      f" in {time.monotonic() - job.started:.2f} s (checked in {job.checked_s:.2f} s)")
         self.known[rid] = [p.key for p in planned]
         while len(self.known) > REMEMBERED:
             self.known.popitem(last=False)
         return self._resolve(gen, planned)
 
-    def _list(self, gen, found: list[Variant]) -> list[Variant]:
-        """List reused variants in `gen` (they live as long as it does too)."""
+    def _list(self, gen, found: list[DerivedTensor]) -> list[DerivedTensor]:
+        """List reused derived tensors in `gen` (they live as long as it does too)."""
         for v in found:
-            if v.key and v.key not in gen.variants:
-                gen.variants[v.key] = v
+            if v.key:
+                gen.add_derived(v.key, v)
         return found
 
     # --- derivation jobs: off the request loop ---------------------------------------------------------
@@ -298,17 +303,17 @@ class Derivations:
         job = self.job
         if job is None or job.thread.is_alive():
             return
-        if job.error is None and job.number not in self.quota.reserved:  # checked: count, then make
+        if job.error is None and job.phase == "checking":  # checked: count, then make
             try:
                 job.todo = self._todo(job.gen, job.planned, job.reader)
             except Exception as exc:
                 job.error = exc
             else:
-                self.quota.reserved[job.number] = (job.reader, sum(n for _, n, _ in job.todo), len(job.todo))
+                self.quota.reserve(job.number, job.reader, sum(n for _, n, _ in job.todo), len(job.todo))
                 job.phase = "making"
                 self._run(job, self._make_all)
                 return
-        self.quota.reserved.pop(job.number, None)
+        self.quota.release(job.number)
         self.job = None
         if job.error is None and job.gen.number not in self.gens.live:
             job.error = GenerationGone(f"generation {job.gen.number} retired while its derived tensors were made: "
@@ -334,7 +339,7 @@ class Derivations:
         job.thread.join(self.cfg.stop_timeout_s)
         for v in job.made:
             unlink_segment(v.created, job.gen.index.shm_dir)
-        self.quota.reserved.clear()
+        self.quota.release(job.number)
 
     def status(self) -> dict:
         return {**self.quota.status(), "job": self.job.status() if self.job is not None else None}

@@ -1,4 +1,4 @@
-"""Variants: a served tensor cast to the dtype another transformers release loads it as, or rearranged into an
+"""Derived tensors: a served tensor cast to the dtype another transformers release loads it as, or rearranged into an
 engine's layout (`expertd.derived`), made once per host.
 
 The daemon serves every tensor in the dtype its own transformers loads it as (`expertd.hf_dtypes`). A worker
@@ -8,12 +8,12 @@ float32, 5.23 and 4.57 in bf16). Rather than every such worker making a private 
 mode as any segment), checksums them and hands out the entry; every later worker maps the same bytes. A gather
 (`gather`: vLLM's packed experts) rearranges served bytes the same way.
 
-Every variant is named by its derivation (`expertd.derived.key`: a BLAKE2b digest of its canonical request,
-sources' checksums included). A variant belongs to the generation it was asked in: it lives while that generation
+Every derived tensor is named by its derivation (`expertd.derived.key`: a BLAKE2b digest of its canonical request,
+sources' checksums included). A derived tensor belongs to the generation it was asked in: it lives while that generation
 does (a lease on it keeps both), is listed in `status`, and is unlinked when the generation retires. A newer
 generation whose sources are the same bytes reuses it. The request flow, quotas and jobs are `derivations`; this
 module plans a request (cheap checks, nothing inflated), checks it whole (`check`: every index inflated chunk by
-chunk, every name computed) and makes one variant (`make`: streamed from its sources).
+chunk, every name computed) and makes one derived tensor (`make`: streamed from its sources).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import math
 from dataclasses import dataclass, field
 
 from expertd.derived import Gather, cast_key
-from expertd.errors import VariantRejected
-from expertd.extents import places
+from expertd.errors import DerivedRejected
+from expertd.extents import extents_of
 from expertd.index import TensorEntry, tensor_checksum
-from expertd.messages import VARIANT_DTYPES, CastItem, GatherItem
+from expertd.messages import DERIVED_DTYPES, CastItem, GatherItem
 
 from ..shm.arena import Arena
 
@@ -34,28 +34,30 @@ ITEMSIZE = {"torch.float16": 2, "torch.bfloat16": 2, "torch.float32": 4, "torch.
 
 
 def same_bytes(entry: TensorEntry) -> tuple:
-    """What a variant is made from: the same bytes wherever these five agree (a newer generation's unchanged tensor)."""
-    return tuple(places(entry)), entry.nbytes, entry.dtype, entry.checksum
+    """What a derived tensor is made from: the same bytes wherever these five agree (a newer generation's
+    unchanged tensor)."""
+    return tuple(extents_of(entry)), entry.nbytes, entry.dtype, entry.checksum
 
 
 @dataclass
-class Variant:
+class DerivedTensor:
     """A served tensor (`of`, an entry of its generation's index; `also`: further sources) made into `entry`."""
 
     of: TensorEntry
     entry: TensorEntry
-    key: str = ""  # the derivation's name; "" for a served tensor that is its own variant (a cast to its dtype)
+    key: str = ""  # the derivation's name; "" for a served tensor that is its own derived tensor (a cast to its dtype)
     also: tuple = ()  # a gather's further sources (entries of the same generation), after `of`
     owner: str = ""  # the reader whose request made it (what its bytes and file count against)
     placed: int = 0  # the bytes its segment takes in shm_dir (whole pages of the folder's unit)
     form: tuple = ()  # a gather's request but for its sources' bytes (`Planned.form`): a newer stack's finds it
-    sums: list | None = None  # a gather's blocks' checksums, where its blocks are whole pages (`variant_ranges`)
-    made: str = ""  # the segment it created, where its entry lies in older variants' ranges too (extents)
+    sums: list | None = None  # a gather's blocks' checksums, where its blocks are whole pages (`derived/extents`)
+    made: str = ""  # the segment it created, where its entry lies in older derived tensors' ranges too (extents)
     sizes: dict | None = None  # with extents: each segment its ranges lie in -> that segment's size (placed)
 
     @property
     def created(self) -> str:
-        """The segment this variant made (and its failure unlinks): its entry's, or its own range's among others'."""
+        """The segment this derived tensor made (and its failure unlinks): its entry's, or its own extent's
+        among others'."""
         return self.made or self.entry.segment
 
     def made_of(self) -> tuple:
@@ -94,7 +96,7 @@ class Planned:
     @property
     def form(self) -> tuple:
         """A gather of one source as asked, but for its source's bytes: what a derivation of the same tensor of an
-        older generation had, whose blocks it may keep where the source's did not change (`variant_ranges`)."""
+        older generation had, whose blocks it may keep where the source's did not change (`derived/extents`)."""
         if self.gather is None or self.more:
             return ()
         g = self.gather
@@ -103,7 +105,7 @@ class Planned:
 
     @property
     def served(self) -> bool:
-        """A cast to the dtype the tensor is served in: the served tensor is its own variant (nothing made)."""
+        """A cast to the dtype the tensor is served in: the served tensor is its own derived tensor (nothing made)."""
         return self.gather is None and self.entry.dtype == self.dtype
 
     @property
@@ -118,10 +120,10 @@ def plan_casts(items: list[CastItem], served: dict[str, TensorEntry], generation
     for item in items:
         entry = served.get(item.name)
         if entry is None:
-            raise VariantRejected(f"no tensor {item.name[:200]!r} in generation {generation}: a variant of it in "
-                                  f"{item.dtype!r} cannot be made (variants are asked by served name)")
-        if entry.dtype not in VARIANT_DTYPES:
-            raise VariantRejected(f"{item.name!r} is served as {entry.dtype}: only float tensors have dtype variants "
+            raise DerivedRejected(f"no tensor {item.name[:200]!r} in generation {generation}: a derived tensor of it "
+                                  f"in {item.dtype!r} cannot be made (derived tensors are asked by served name)")
+        if entry.dtype not in DERIVED_DTYPES:
+            raise DerivedRejected(f"{item.name!r} is served as {entry.dtype}: only float tensors have dtype casts "
                                   f"({item.dtype!r} asked)")
         out.append(Planned(entry, item.dtype, list(entry.shape)))
     return out
@@ -134,13 +136,13 @@ def plan_gathers(items: list[GatherItem], served: dict[str, TensorEntry], genera
     for i, item in enumerate(items):
         entry = served.get(item.name)
         if entry is None:
-            raise VariantRejected(f"no tensor {item.name[:200]!r} in generation {generation}: a derived layout of it "
+            raise DerivedRejected(f"no tensor {item.name[:200]!r} in generation {generation}: a derived layout of it "
                                   f"cannot be made (derived tensors are asked by served name)")
         more = _also(item, served, entry, generation)
         gather = Gather(item, list(entry.shape), f"tensors[{i}]", [list(e.shape) for e in more])
         planned = Planned(entry, entry.dtype, list(gather.shape), gather, tuple(more))
         if planned.nbytes > limit:
-            raise VariantRejected(f"generation {generation}: deriving {item.name!r} in shape {list(gather.shape)} "
+            raise DerivedRejected(f"generation {generation}: deriving {item.name!r} in shape {list(gather.shape)} "
                                   f"takes {planned.nbytes} bytes, more than max_derived_bytes={limit} (the served "
                                   f"bytes unless the config says otherwise)")
         out.append(planned)
@@ -153,7 +155,7 @@ def _also(item: GatherItem, served: dict[str, TensorEntry], entry: TensorEntry, 
     for other in item.also or ():
         found = served.get(other)
         if found is None or found.dtype != entry.dtype:
-            raise VariantRejected(f"the gather of {item.name!r} in generation {generation}: {other[:200]!r} is "
+            raise DerivedRejected(f"the gather of {item.name!r} in generation {generation}: {other[:200]!r} is "
                                   f"{'not served' if found is None else f'served as {found.dtype}'}; a gather's "
                                   f"sources are served tensors of one dtype ({entry.dtype})")
         out.append(found)
@@ -173,8 +175,8 @@ def check(planned: Planned) -> str:
     return planned.key
 
 
-def make(gen, planned: Planned, owner: str, placed: int, group: str | None, should_stop=None) -> Variant:
-    """Make one variant into a segment of its own of generation `gen`: the served tensor cast, or gathered by its
+def make(gen, planned: Planned, owner: str, placed: int, group: str | None, should_stop=None) -> DerivedTensor:
+    """Make one derived tensor into a segment of its own of generation `gen`: the served tensor cast, or gathered by its
     index streamed from the sources where they lie. Touches no table (it may run on a job's thread)."""
     from expertd.derived import gather_into
     from expertd.shm import to_dtype, view
@@ -183,7 +185,7 @@ def make(gen, planned: Planned, owner: str, placed: int, group: str | None, shou
     arena = Arena(gen.index.namespace, f"v{gen.number}", group=group, shm_dir=shm_dir)
     target = to_dtype(planned.dtype)
     nbytes = math.prod(planned.shape) * target.itemsize
-    placement = arena.add(nbytes, gen.next_variant())
+    placement = arena.add(nbytes, gen.next_derived())
     try:
         source = mapped_sources(gen, [entry, *planned.more])
         out = arena.tensor(placement, tuple(planned.shape), target)
@@ -200,7 +202,7 @@ def make(gen, planned: Planned, owner: str, placed: int, group: str | None, shou
         raise
     made = TensorEntry(entry.name, placement.segment, 0, nbytes, list(planned.shape), planned.dtype, [entry.name],
                        checksum=checksum)
-    return Variant(entry, made, planned.key, tuple(planned.more), owner, placed, planned.form, sums)
+    return DerivedTensor(entry, made, planned.key, tuple(planned.more), owner, placed, planned.form, sums)
 
 
 def mapped_sources(gen, entries: list[TensorEntry]) -> dict:
@@ -211,7 +213,7 @@ def mapped_sources(gen, entries: list[TensorEntry]) -> dict:
 
     sizes = {s.name: s.nbytes for s in gen.index.segments}
     return {x.segment: segment_bytes(map_segment(x.segment, sizes[x.segment], shm_dir=gen.index.shm_dir))
-            for e in entries for x in places(e)}
+            for e in entries for x in extents_of(e)}
 
 
 def block_sums(out, planned: Planned, unit: int) -> list[str] | None:
@@ -225,9 +227,9 @@ def block_sums(out, planned: Planned, unit: int) -> list[str] | None:
     return [checksum(tensor_bytes(out[b])) for b in range(blocks)]
 
 
-def summary(variants: list[Variant]) -> str:
+def summary(derived: list[DerivedTensor]) -> str:
     counts: dict[tuple[str, str], int] = {}
-    for v in variants:
+    for v in derived:
         key = (v.of.dtype.removeprefix("torch."),
                "derived layout" if v.also or v.entry.shape != v.of.shape else v.entry.dtype.removeprefix("torch."))
         counts[key] = counts.get(key, 0) + 1

@@ -16,13 +16,13 @@ from operator import attrgetter
 
 import torch
 
-from expertd.extents import places
+from expertd.extents import extents_of
 from expertd.hf import model_config
 from expertd.index import TensorEntry, TensorIndex, combined_checksum
 from expertd.segments import map_segment
 from expertd.shm import segment_bytes, view
 
-from ..shm.arena import Arena
+from ..shm.arena import Arena, align_up
 from .built import Cancelled
 from .checkpoint import Checkpoint
 from .compute import build_whole
@@ -34,6 +34,13 @@ from .parts import Part
 # Room the packed index takes per served tensor, for the space check (~280 bytes measured at DeepSeek-V3's
 # counts: 479 kB for 1,755 tensors; a tensor's many source names are one pattern).
 INDEX_BYTES_PER_TENSOR = 1024
+
+
+def first_build_bytes(plan, unit: int) -> int:
+    """What a first build of `plan` takes in a folder of `unit`-byte pages: a segment per tensor, and the index
+    segment published after them."""
+    pages = [max(t.nbytes, 1) for t in plan.tensors] + [INDEX_BYTES_PER_TENSOR * len(plan.tensors)]
+    return sum(align_up(n, unit) for n in pages)
 
 # Tensors in turn per loader thread. With as many tensors as threads, a thread that gets ahead soon lands
 # on the tensor another thread is writing and waits on that file's lock; with 4 per thread the ~1 GB bench
@@ -77,7 +84,7 @@ class PreviousBytes:
         """Part k of `parts` equal parts of a served tensor's bytes (as uint8)."""
         flat = self._flat.get(entry.name)
         if flat is None or flat.numel() != entry.nbytes:
-            for name in dict.fromkeys(x.segment for x in places(entry)):  # every extent's segment
+            for name in dict.fromkeys(x.segment for x in extents_of(entry)):  # every extent's segment
                 if name not in self._maps:
                     self._maps[name] = segment_bytes(map_segment(name, self.sizes[name], shm_dir=self.shm_dir))
             flat = self._flat[entry.name] = view(self._maps, entry).reshape(-1).view(torch.uint8)
@@ -122,9 +129,7 @@ class Build:
         """Refuse a first build the shared-memory folder cannot hold, before anything is written: its tensors
         and the index segment published after them."""
         if self.previous is None:
-            arena, tensors = self.arena, self.plan.tensors
-            arena.check_space(sum(arena.segment_size(t.nbytes) for t in tensors)
-                              + arena.segment_size(INDEX_BYTES_PER_TENSOR * len(tensors)))
+            self.arena.check_space(first_build_bytes(self.plan, self.arena.shm.unit))
 
     def find_unchanged(self) -> None:
         """Per slot, the previous generation's entry where it can be compared (same name, shape, dtype and

@@ -27,7 +27,7 @@ def source_tensor(data: torch.Tensor, scale: torch.Tensor | None, src, dtype: to
     if scale is None:
         return data.view(src.info.shape)
     out = torch.empty(src.shape, dtype=dtype)
-    write_part(out, data, scale, name=src.info.name, block=src.block, kind=src.kind, **options)
+    write_part(out, data, scale, codec=src.codec, name=src.info.name, block=src.block, **options)
     return out
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from expertd.extents import MAX_EXTENTS, Extent, mappable, places, replaced
+from expertd.extents import MAX_EXTENTS, Extent, mappable, extents_of, replaced
 from expertd.index import TensorEntry, checksum, combined_checksum, tensor_bytes
 from expertd.partition import fused_experts
 from expertd.shm import DTYPES, same_bytes
@@ -41,11 +41,11 @@ def part_bytes(push, staged: dict, entry: TensorEntry, parts: int, device) -> li
     as they are (plain, the served dtype), else decoded into private memory as the whole path writes them."""
     data, scale = staged[push.name], (staged[push.scale.name] if push.scale else None)
     shape = push.served_shape
-    if push.kind == "plain" and scale is None and data.dtype == DTYPES[entry.dtype]:
+    if push.codec is None and scale is None and data.dtype == DTYPES[entry.dtype]:
         flat = data.reshape(-1).view(torch.uint8)
     else:
         out = torch.empty(shape, dtype=DTYPES[entry.dtype])
-        write_part(out, data, scale, name=push.name, block=push.block, kind=push.kind, device=device)
+        write_part(out, data, scale, codec=push.codec, name=push.name, block=push.block, device=device)
         flat = out.reshape(-1).view(torch.uint8)
     count = parts if push.part is None else 1
     step = flat.numel() // count
@@ -134,7 +134,7 @@ def whole_pages(entry: TensorEntry, arena, unpaged: list[TensorEntry]) -> bool:
     n, unit = stack_parts(entry), arena.shm.unit
     if n < 2:
         return False
-    if entry.nbytes // n % unit or not mappable(places(entry), unit):
+    if entry.nbytes // n % unit or not mappable(extents_of(entry), unit):
         unpaged.append(entry)
         return False
     return True
@@ -152,4 +152,4 @@ def say_unpaged(unpaged: list[TensorEntry], arena, what: str) -> None:
 
 def layout(entry: TensorEntry, changed: list[int], segment: str, offset: int = 0) -> list[Extent]:
     """The new stack's ranges: the changed parts back to back in `segment` from `offset`, the others where they are."""
-    return replaced(places(entry), stack_parts(entry), changed, segment, offset)
+    return replaced(extents_of(entry), stack_parts(entry), changed, segment, offset)

@@ -23,7 +23,7 @@ from expertd.index import checksum, tensor_bytes, tensor_checksum
 from ..shm.arena import Arena
 from . import gpu_parts, native_parts
 from .checkpoint import Checkpoint
-from .dequant import DEQUANT, stream_part, write_part
+from .dequant import stream_part, write_part
 from .layout import Source
 from .parts import BATCH_BYTES, CHUNK_BYTES, Output, Part, part_digest
 from .small_parts import fill_small
@@ -39,7 +39,7 @@ def dequantized(ckpt: Checkpoint, src: Source, device: torch.device | str = "cpu
     if src.scale is None:
         return data
     out = torch.empty(src.shape, dtype=torch.bfloat16)
-    write_part(out, data, ckpt.load(src.scale), name=src.info.name, block=src.block, kind=src.kind,
+    write_part(out, data, ckpt.load(src.scale), codec=src.codec, name=src.info.name, block=src.block,
                device=torch.device(device))
     return out
 
@@ -62,9 +62,9 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device
     """Fill each part; per part (source digest, identities learned, checksum of the written bytes).
 
     Where the compiled library is, a task's parts go through one compiled call each way (`native_parts` on the
-    CPU, `gpu_parts` through the GPU); small FP8 parts on the CPU through `small_parts.fill_small` together (what
-    DeepSeek-V3's tens of thousands of tensors at small dims cost is Python per part, not bytes); the rest (MXFP4,
-    no compiler) chunk by chunk."""
+    CPU, `gpu_parts` through the GPU); small parts of a format with a batched entry point (FP8) on the CPU through
+    `small_parts.fill_small` together (what DeepSeek-V3's tens of thousands of tensors at small dims cost is Python
+    per part, not bytes); the rest (MXFP4, no compiler) chunk by chunk."""
     results: list = [None] * len(parts)
     small, compiled = [], []
     native, whole = _native(device), _whole_calls(device, arena)
@@ -78,7 +78,7 @@ def fill(parts: list[Part], ckpt: Checkpoint, arena: Arena, device: torch.device
             results[i] = (part.digest, {}, checksum(data))
         elif whole is not None and whole[0](part):
             compiled.append(i)
-        elif native and DEQUANT[part.src.kind].batched and part.src.info.nbytes <= CHUNK_BYTES:
+        elif native and part.src.codec is not None and part.src.codec.batched and part.src.info.nbytes <= CHUNK_BYTES:
             small.append(i)
         else:
             results[i] = _fill_one(part, output, ckpt, device)

@@ -17,6 +17,7 @@ from itertools import accumulate, chain
 import torch
 from expertd.kernels import native
 
+from expertd.formats.scaled_fp8 import ScaledFp8
 from expertd.index import checksum_text
 
 from ..shm.arena import Arena
@@ -34,10 +35,10 @@ def usable(device: torch.device) -> bool:
 
 def takes(part: Part) -> bool:
     """Stored bytes, or FP8 made bf16 (the Triton kernel's bit-exact output)."""
-    kind = part.src.kind
-    if kind == "plain":
+    codec = part.src.codec
+    if codec is None:
         return True
-    return kind == "fp8" and part.block.dtype == torch.bfloat16 and scale_count(part.src) is not None
+    return isinstance(codec, ScaledFp8) and part.block.dtype == torch.bfloat16 and scale_count(part.src) is not None
 
 
 def _pinned(which: str, nbytes: int) -> torch.Tensor:
@@ -74,9 +75,8 @@ def _runs(parts: list[Part]) -> list[list[int]]:
 
 def _launch(run: list[Part], x: torch.Tensor, scales_at: torch.Tensor, y: torch.Tensor) -> None:
     """Dequantize a run of same-shaped parts lying one after another from the start of `x` (fp8 bytes), their
-    float32 scales from the start of `scales_at`, into `y` (bf16 bytes): one launch on the current stream."""
-    from expertd import kernels
-
+    float32 scales from the start of `scales_at`, into `y` (bf16 bytes): one launch on the current stream (the
+    format's batched entry point, `ScaledFp8.dequant_stack`)."""
     src = run[0].src
     m, n = src.info.shape
     grid = (-(-m // src.block[0]), -(-n // src.block[1]))
@@ -84,7 +84,7 @@ def _launch(run: list[Part], x: torch.Tensor, scales_at: torch.Tensor, y: torch.
     xs = x[: count * m * n].view(count, m, n)
     ss = scales_at[: count * per].view(count, *grid)
     ys = y[: count * m * n * 2].view(torch.bfloat16).view(count, m, n)
-    kernels.weight_dequant_batched_triton(xs.view(torch.float8_e4m3fn), ss, src.block, out=ys, name=src.info.name)
+    src.codec.dequant_stack(ys, xs.view(torch.float8_e4m3fn), ss, name=src.info.name, block=src.block)
 
 
 def fill_gpu(parts: list[Part], output: Output, ckpt: Checkpoint, arena: Arena,

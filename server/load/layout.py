@@ -5,8 +5,8 @@ expert's gate rows, then its up rows) and `mlp.experts.down_proj` is [E, H, I]. 
 these fusions from transformers' own conversion mapping for the model type, builds the model
 skeleton on the meta device to learn every expected name and shape, and checks the checkpoint
 against it: every tensor present, every quantized weight with well-formed aux tensors (the checkpoint's
-format is a codec from `expertd.quantization`), expert shapes consistent. Each served tensor is the
-concatenation of its checkpoint sources in order, so each
+format is a class from `expertd.formats`, picked by `expertd.quantization`), expert shapes consistent. Each
+served tensor is the concatenation of its checkpoint sources in order, so each
 per-expert checkpoint tensor stays addressable as a contiguous view of its fused block; a parameter
 that transformers converts with any other op (transpose, chunk, interleave, ...) is computed at load
 from all its sources (`PlannedTensor.computed`) and is no view of them.
@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from expertd.errors import MissingTensorError, ScaleError, ShapeError
+from expertd.formats.codec import Codec, Decoding
 from expertd.hf import Assembly, checkpoint_assembly, expert_name
 from expertd.partition import ExpertBlock, ExpertParallel, expert_sharded, fused_experts
-from expertd.quantization import Codec, Decoding, quantization_format
+from expertd.quantization import quantization_format
 
 from ..shm.heap import collection_paused
 from .checkpoint import Checkpoint, TensorInfo
@@ -55,9 +56,9 @@ class Source:
         return self.decoding.shape if self.decoding else self.info.shape
 
     @property
-    def kind(self) -> str:
-        """Its format's dequant entry points (`dequant.DEQUANT`): the codec's kind, or "plain"."""
-        return self.decoding.kind if self.decoding else "plain"
+    def codec(self) -> Codec | None:
+        """Its format, whose dequant entry points make it; None: served as stored."""
+        return self.decoding.codec if self.decoding else None
 
     @property
     def block(self) -> tuple[int, int] | None:

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from expertd.errors import ConfigError
-from expertd.extents import places
+from expertd.extents import extents_of
 from expertd.hf import model_config
 from expertd.index import DEFAULT_SHM_DIR, SegmentEntry, TensorEntry, TensorIndex
 from expertd.partition import ExpertParallel, PartitionError
@@ -75,7 +75,7 @@ def segments_of(entries: list[TensorEntry], *indexes: TensorIndex, arena: Arena)
     """The segments `entries` lie in, in first-use order, sized from the arena or the older indexes."""
     sizes = {s.name: s.nbytes for index in indexes for s in index.segments}
     sizes.update({s.name: s.nbytes for s in arena.segments})
-    seen = dict.fromkeys(x.segment for e in entries for x in places(e))  # every extent's too
+    seen = dict.fromkeys(x.segment for e in entries for x in extents_of(e))  # every extent's too
     return [SegmentEntry(name, sizes[name]) for name in seen]
 
 

@@ -21,6 +21,7 @@ import torch
 from expertd.kernels import native
 
 from expertd.errors import ScaleError, ShardFormatError
+from expertd.formats.scaled_fp8 import ScaledFp8
 from expertd.index import checksum_text
 
 from ..shm.arena import Arena
@@ -55,10 +56,10 @@ def scale_count(src) -> int | None:
 
 def takes(part: Part) -> bool:
     """Whether `part` is filled here: stored bytes, or FP8 made bf16 (the 16-bit table), of more than SMALL_RESULT."""
-    kind = part.src.kind
-    if kind == "plain":
+    codec = part.src.codec
+    if codec is None:
         return True
-    return (kind == "fp8" and part.block.dtype == torch.bfloat16 and part.nbytes > SMALL_RESULT
+    return (isinstance(codec, ScaledFp8) and part.block.dtype == torch.bfloat16 and part.nbytes > SMALL_RESULT
             and scale_count(part.src) is not None)
 
 

@@ -1,7 +1,8 @@
 """Small FP8 parts filled together: what DeepSeek-V3's tens of thousands of expert tensors at small dims cost is
-Python per part, not bytes. Their sources are read a span at a time, their scales copied into one buffer, one
-table of block results made for all of them, and the parts that fit in L2 filled in one compiled call (gather
-and both hashes, without the GIL); `filling.fill` hands them here."""
+Python per part, not bytes. Their sources are read a span at a time, their scales copied into one buffer and
+made one table of block results by their format's batched entry point (`ScaledFp8.batch`), and the parts that fit
+in L2 filled from it in one compiled call (gather and both hashes, without the GIL); `filling.fill` hands them
+here."""
 
 from __future__ import annotations
 
@@ -78,8 +79,8 @@ def int64_rows(rows: list) -> torch.Tensor:
 
 def fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tuple[str, dict, str]]:
     """Small FP8 parts at once: every source read into a few buffers, every scale copied into one, one table
-    of block results for all of them; then the parts that fit in L2 in one compiled call (gather and both
-    hashes, without the GIL), each larger one piece by piece."""
+    of block results for all of them (their format's batched entry point); then the parts that fit in L2 in one
+    compiled call (gather and both hashes, without the GIL), each larger one piece by piece."""
     from expertd.kernels import native
 
     scale_dtype = parts[0].src.scale.dtype
@@ -108,8 +109,7 @@ def fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tupl
             at += size // scale_dtype.itemsize
             if bad_at < at:
                 check_scale_values(ckpt, p.src.scale)
-    lut = native.block_luts(scales, torch.bfloat16)
-    lut_ptr, row = lut.data_ptr(), 256 * lut.element_size()
+    table = parts[0].src.codec.batch(scales, torch.bfloat16)  # one checkpoint, one format
     digests: list = [None] * len(parts)  # (source checksum, result checksum) per part
     pending: list[tuple[int, list[int]]] = []  # parts whose results wait in the output buffer for `run`
 
@@ -119,12 +119,12 @@ def fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tupl
             return
         desc = int64_rows([d for _, d in pending])
         hashes = torch.empty(len(pending), 2, dtype=torch.int64)
-        if native.fill_parts(desc, lut_ptr, hashes):
+        if table.parts(desc, hashes):
             for (i, _), (h_in, h_out) in zip(pending, hashes.view(torch.uint64).tolist()):
                 digests[i] = (checksum_text(h_in), checksum_text(h_out))
         else:
             for i, (x, y, m, n, first_block, rows, cols) in pending:
-                native.gather(x, lut_ptr + first_block * row, y, n, (rows, cols), 0, m)
+                table.rows(x, y, n, (rows, cols), first_block, 0, m)
                 digests[i] = (checksum(memory_at(x, m * n)), checksum(memory_at(y, 2 * m * n)))
         pending.clear()
 
@@ -142,7 +142,7 @@ def fill_small(parts: list[Part], output: Output, ckpt: Checkpoint) -> list[tupl
                 for r0 in range(0, m, rows):  # each piece hashed while it is in L2
                     r1 = min(m, r0 + rows)
                     out_ptr = output.at(p, r0 * n * 2, (r1 - r0) * n * 2)
-                    native.gather(weight_ptr, lut_ptr + first * row, out_ptr - r0 * n * 2, n, p.src.block, r0, r1)
+                    table.rows(weight_ptr, out_ptr - r0 * n * 2, n, p.src.block, first, r0, r1)
                     out_hash.update(memory_at(out_ptr, (r1 - r0) * n * 2))
                 digests[i] = (checksum(source.bytes(info)), "xxh3_64:" + out_hash.hexdigest())
             first += sizes[i] // scale_dtype.itemsize

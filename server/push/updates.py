@@ -25,7 +25,7 @@ import torch
 from expertd.errors import UpdateRejected
 from expertd.index import DEFAULT_SHM_DIR, TensorEntry, TensorIndex, combined_checksum, tensor_checksum
 from expertd.messages import PushedTensor
-from expertd.quantization import quantization_format
+from expertd.quantization import Codec, quantization_format
 from expertd.replies import StagedTensor, UpdateReply
 from expertd.segments import OPEN_FLAGS, segment_path
 from expertd.shm import DTYPES
@@ -52,7 +52,7 @@ class Push:
     parts: int  # how many parts the target has
     offset: int = 0  # in the staging segment
     scale: "Push | None" = None  # a quantized push's aux tensor (FP8 scale, MXFP4 scales)
-    kind: str = "plain"  # how it is written: "plain" or its codec's kind (see dequant.DEQUANT)
+    codec: Codec | None = None  # a quantized push's format (its dequant writes it); None: written as it is
     block: tuple[int, int] | None = None  # fp8: the (rows, columns) one scale covers
     served_shape: list[int] | None = None  # what it becomes (a quantized push's decoded shape)
 
@@ -112,7 +112,7 @@ def _push(codec, specs: dict, stored: str, aux: str | None, target: TensorEntry,
     push = Push(stored, shape, dtype, target, part, len(target.sources), served_shape=list(want.shape))
     decoding = codec.check_push(stored, specs[stored], aux, specs.get(aux), want)
     if decoding is not None:
-        push.kind, push.block = decoding.kind, decoding.block
+        push.codec, push.block = decoding.codec, decoding.block
         push.scale = Push(aux, *specs[aux], target, part, push.parts)
     elif shape != want.shape:
         raise UpdateRejected(f"tensor {stored!r}: shape {shape} does not match the served {want.shape}")
@@ -314,7 +314,7 @@ def build_update(previous: Built, staging: Staging, staged: dict[str, torch.Tens
             for p in pushes:
                 dest = out.view(-1) if p.part is None else chunks[p.part]
                 scale = staged[p.scale.name] if p.scale else None
-                write_part(dest.view(p.served_shape), staged[p.name], scale, name=p.name, block=p.block, kind=p.kind,
+                write_part(dest.view(p.served_shape), staged[p.name], scale, codec=p.codec, name=p.name, block=p.block,
                            device=device)
             parts[entry.name] = _marked(parts.get(entry.name), pushes, staged, n)
             each_part = part_checksums(out, stack_parts(entry))  # the next push into it hashes its changed parts

@@ -12,10 +12,10 @@ and only if the rebuilt bytes hash to the recorded checksum (a tensor an `update
 else: its generation is dropped instead, with a log line naming it). Nothing is published and no segment
 is touched before the verdict; what is not adopted is reaped as after any crash.
 
-An adopted generation's variants (dtype casts and derived layouts, `variant_records`) are adopted with it: their
+An adopted generation's derived tensors (dtype casts and derived layouts, `derived_records`) are adopted with it: their
 sealed record read, each segment checked as the generation's are (ours, its size) and, with `full`, each checksum.
-A variant that fails is dropped with a log line (never served, never repaired: a reader asks for it again) and its
-segment unlinked.
+A derived tensor that fails is dropped with a log line (never served, never repaired: a reader asks for it again) and
+its segment unlinked.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from expertd.extents import places
+from expertd.extents import extents_of
 from expertd.index import TensorEntry, TensorIndex, bytes_checksum, checksum_parts, combined_checksum, tensor_bytes
 from expertd.segments import OPEN_FLAGS, Placed, segment_path
 
 from ..shm.arena import Arena, segment_pattern, unlink_segment
-from . import derived_records as variant_records
+from . import derived_records as derived_records
 from . import ledger
 
 log = logging.getLogger("expertd.adopt")
@@ -49,8 +49,8 @@ class Adopted:
     leases: list[dict] = field(default_factory=list)  # the predecessor's leases, re-granted for their generations
     segments: set[str] = field(default_factory=set)  # every segment the adopted generations use (never reaped)
     repaired: list[str] = field(default_factory=list)  # tensors rebuilt from the checkpoint
-    variants: dict[int, dict] = field(default_factory=dict)  # generation -> its variants that passed (name -> Variant)
-    rerecord: set[int] = field(default_factory=set)  # generations whose variants record lists more than passed
+    derived: dict[int, dict] = field(default_factory=dict)  # generation -> name -> DerivedTensor, those that passed
+    rerecord: set[int] = field(default_factory=set)  # generations whose derived tensors record lists more than passed
     sums: dict[int, dict] = field(default_factory=dict)  # generation -> its stacks' parts' checksums (`Built.sums`)
     seconds: float = 0.0
 
@@ -117,7 +117,7 @@ def damaged(index: TensorIndex, mode: str, threads: int, gid: int | None,
             bad_segments.add(seg.name)
         elif problem is not None:
             return [], problem
-    bad = [t.name for t in index.tensors if any(x.segment in bad_segments for x in places(t))]
+    bad = [t.name for t in index.tensors if any(x.segment in bad_segments for x in extents_of(t))]
     if mode != "full":
         return bad, None
     sizes = {s.name: s.nbytes for s in index.segments}
@@ -223,9 +223,9 @@ def adopt(manifest: dict | None, *, namespace: str, run_dir: str, conditions: di
     numbers = {r.number for r in out.records}
     out.leases = [lease for lease in manifest.get("leases") or []
                   if isinstance(lease, dict) and lease.get("generation") in numbers]
-    out.variants, out.rerecord = _variants(out.records, run_dir, mode, threads, gid)
+    out.derived, out.rerecord = _adopted_derived(out.records, run_dir, mode, threads, gid)
     out.segments = {s.name for r in out.records for s in r.index.segments} | {
-        name for variants in out.variants.values() for v in variants.values() for name in _sizes(v)}
+        name for mine in out.derived.values() for v in mine.values() for name in _sizes(v)}
     out.seconds = time.perf_counter() - started
     return out
 
@@ -250,22 +250,22 @@ def _repair(records: list[ledger.Record], damage: dict[int, list[str]], rebuilt:
     return fixed
 
 
-def _variants(records: list[ledger.Record], run_dir: str, mode: str, threads: int,
+def _adopted_derived(records: list[ledger.Record], run_dir: str, mode: str, threads: int,
               gid: int | None) -> tuple[dict[int, dict], set[int]]:
-    """Each adopted generation's recorded variants that pass, and the generations whose record lists more than
+    """Each adopted generation's recorded derived tensors that pass, and the generations whose record lists more than
     passed (rewritten once serving). The segments of those dropped that are ours (a wrong size or checksum) are
     unlinked; one another user owns is left alone, as the reaper leaves it."""
     found: dict[int, dict] = {}
     rerecord: set[int] = set()
     for record in records:
         try:
-            found[record.number] = variant_records.read(run_dir, record.index)
+            found[record.number] = derived_records.read(run_dir, record.index)
         except ValueError as exc:  # Unsealed too: a record planted or rewritten without the key is never read
-            log.warning("not adopting the variants of generation %d: %s; their segments are reaped", record.number,
-                        exc)
+            log.warning("not adopting the derived tensors of generation %d: %s; their segments are reaped",
+                        record.number, exc)
             found[record.number] = {}
             rerecord.add(record.number)
-    verdict = _verify_variants([(v, r.index) for r in records for v in found[r.number].values()], mode, threads, gid)
+    verdict = _verify_derived([(v, r.index) for r in records for v in found[r.number].values()], mode, threads, gid)
     kept: dict[int, dict] = {}
     dropped: dict[str, str] = {}  # segment -> its shm_dir
     for record in records:
@@ -277,13 +277,13 @@ def _variants(records: list[ledger.Record], run_dir: str, mode: str, threads: in
                 mine[key] = v
                 continue
             bad.append(f"{v.of.name} as {v.entry.dtype} {list(v.entry.shape)} in {v.entry.segment} "
-                       f"({VARIANT_PROBLEMS.get(problem, problem)})")
+                       f"({DERIVED_PROBLEMS.get(problem, problem)})")
             if problem in ("size", "checksum"):
                 dropped[v.created] = record.index.shm_dir
         if bad:
             rerecord.add(record.number)
-            log.warning("generation %d: %d variant(s) dropped (made again when a reader asks): %s", record.number,
-                        len(bad), "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
+            log.warning("generation %d: %d derived tensor(s) dropped (made again when a reader asks): %s",
+                        record.number, len(bad), "; ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
     in_use = {name for mine in kept.values() for v in mine.values() for name in _sizes(v)} | {
         s.name for r in records for s in r.index.segments}
     for name, shm_dir in dropped.items():
@@ -292,38 +292,38 @@ def _variants(records: list[ledger.Record], run_dir: str, mode: str, threads: in
     return kept, rerecord
 
 
-VARIANT_PROBLEMS = {"missing": "its segment is missing", "size": "its segment is not the size recorded",
+DERIVED_PROBLEMS = {"missing": "its segment is missing", "size": "its segment is not the size recorded",
                     "checksum": "its bytes fail their checksum", "unsummed": "it records no checksum"}
 
 
-def _place(variant) -> tuple:
-    """What verifying a variant checks: variants shared by generations (same bytes) are checked once."""
-    e = variant.entry
-    return e.segment, e.offset, e.nbytes, e.checksum, variant.placed, tuple(e.extents or ())
+def _place(derived_tensor) -> tuple:
+    """What verifying a derived tensor checks: derived tensors shared by generations (same bytes) are checked once."""
+    e = derived_tensor.entry
+    return e.segment, e.offset, e.nbytes, e.checksum, derived_tensor.placed, tuple(e.extents or ())
 
 
-def _sizes(variant) -> dict[str, int]:
-    """Each segment a variant's bytes lie in -> its size: its own, or (with extents) each range's as recorded."""
-    return variant.sizes or {variant.entry.segment: variant.placed}
+def _sizes(derived_tensor) -> dict[str, int]:
+    """Each segment a derived tensor's bytes lie in -> its size: its own, or (with extents) each range's as recorded."""
+    return derived_tensor.sizes or {derived_tensor.entry.segment: derived_tensor.placed}
 
 
-def _verify_variants(todo: list, mode: str, threads: int, gid: int | None) -> dict[tuple, str | None]:
-    """Each (variant, its generation's index)'s place -> why it may not be adopted (`segment_problem`'s words,
+def _verify_derived(todo: list, mode: str, threads: int, gid: int | None) -> dict[tuple, str | None]:
+    """Each (derived tensor, its generation's index)'s place -> why it may not be adopted (`segment_problem`'s words,
     "checksum" or "unsummed"), or None."""
     verdict: dict[tuple, str | None] = {}
     summed = []
-    for variant, index in todo:
-        place = _place(variant)
+    for derived_tensor, index in todo:
+        place = _place(derived_tensor)
         if place in verdict:
             continue
-        sizes = _sizes(variant)
+        sizes = _sizes(derived_tensor)
         problem = next((p for p in (segment_problem(name, size, index.namespace, index.shm_dir, gid)
                                     for name, size in sizes.items()) if p is not None), None)
         if problem is None and mode == "full":
-            if variant.entry.checksum is None:
+            if derived_tensor.entry.checksum is None:
                 problem = "unsummed"
             else:
-                summed.append((place, variant.entry, sizes, index.shm_dir))
+                summed.append((place, derived_tensor.entry, sizes, index.shm_dir))
         verdict[place] = problem
 
     def check(item) -> tuple[tuple, str | None]:

@@ -7,8 +7,8 @@ expertd's version). It is written atomically when the generation is published an
 retires or the daemon stops cleanly; a crash or a planned handover (`stop --keep`) leaves it. The
 bytes themselves stay in their segments: the ledger is how a successor knows what they should be, so
 each record is sealed (`sealed`: an HMAC under the run folder's key) and one that fails is never read.
-A generation's variants (dtype casts and derived layouts, made after it was published) are recorded beside it,
-in `{namespace}.gen{N}.variants.json` (`variant_records`), and go with its record.
+A generation's derived tensors (dtype casts and derived layouts, made after it was published) are recorded beside it,
+in `{namespace}.gen{N}.derived.json` (`derived_records`), and go with its record.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ def record_path(run_dir: str, namespace: str, number: int) -> str:
     return os.path.join(run_dir, f"{namespace}.gen{number}.json")
 
 
-def variants_path(run_dir: str, namespace: str, number: int) -> str:
-    """Where generation `number`'s variants are recorded (`variant_records`): small, rewritten as they are made."""
-    return os.path.join(run_dir, f"{namespace}.gen{number}.variants.json")
+def derived_path(run_dir: str, namespace: str, number: int) -> str:
+    """Where generation `number`'s derived tensors are recorded (`derived_records`): small, rewritten as made."""
+    return os.path.join(run_dir, f"{namespace}.gen{number}.derived.json")
 
 
 def build_conditions(checkpoint: str, expert_parallel, shm_dir: str) -> dict:
@@ -106,8 +106,8 @@ def unpack_known(groups: list) -> dict[tuple, str]:
 
 
 def remove(run_dir: str, namespace: str, number: int) -> None:
-    """Remove generation `number`'s record and its variants' record."""
-    for path in (record_path(run_dir, namespace, number), variants_path(run_dir, namespace, number)):
+    """Remove generation `number`'s record and its derived tensors' record."""
+    for path in (record_path(run_dir, namespace, number), derived_path(run_dir, namespace, number)):
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -115,9 +115,9 @@ def remove(run_dir: str, namespace: str, number: int) -> None:
 
 
 def remove_all(run_dir: str, namespace: str, keep=frozenset()) -> None:
-    """Remove this namespace's records (variants' records too) but those of generations `keep`."""
+    """Remove this namespace's records (derived tensors' records too) but those of generations `keep`."""
     for path in glob.glob(os.path.join(glob.escape(run_dir), f"{glob.escape(namespace)}.gen*.json")):
-        m = re.fullmatch(rf"{re.escape(namespace)}\.gen(\d+)(?:\.variants)?\.json", os.path.basename(path))
+        m = re.fullmatch(rf"{re.escape(namespace)}\.gen(\d+)(?:\.derived)?\.json", os.path.basename(path))
         if m and int(m.group(1)) not in keep:
             os.unlink(path)
 
@@ -130,12 +130,7 @@ def read(run_dir: str, namespace: str, number: int) -> Record:
 
 def _read(run_dir: str, namespace: str, number: int) -> Record:
     path = record_path(run_dir, namespace, number)
-    try:
-        data = sealed.read(path, purpose(namespace, number), sealed.load_key(run_dir, namespace))
-    except sealed.Unsealed:
-        raise
-    except (OSError, ValueError) as exc:  # UnsafePath (a key file that is not ours) is an OSError
-        raise ValueError(f"{path}: unreadable ({exc})") from None
+    data = sealed.read_record(path, purpose(namespace, number), run_dir, namespace)
     if not isinstance(data, dict) or data.get("ledger") not in READABLE:
         raise ValueError(f"{path}: ledger format {data.get('ledger') if isinstance(data, dict) else None!r}, "
                          f"this expertd reads {' and '.join(map(str, READABLE))}")

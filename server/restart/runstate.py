@@ -261,10 +261,16 @@ class RunState:
                         len(reaped), self.namespace, shm_dir, ", ".join(reaped))
         return reaped
 
-    def own_socket_folder(self, path: str) -> None:
+    def own_socket_folder(self, path: str, gid: int | None = None) -> None:
         """Make (0700) or check the folder of the ipc socket `path` and what is at `path`: both must be this
-        daemon's, or someone else could answer its clients (UnsafePath, exit 2)."""
-        self._note_made(hostpaths.ensure_private_dir(os.path.dirname(path) or ".", "socket folder"))
+        daemon's, or someone else could answer its clients (UnsafePath, exit 2). With `gid` (the config's
+        `group:`), the folder is that group's and 0750, so the group's readers reach the socket; still nobody's
+        but the daemon's to write."""
+        folder = os.path.dirname(path) or "."
+        self._note_made(hostpaths.ensure_private_dir(folder, "socket folder"))
+        if gid is not None:
+            os.chown(folder, -1, gid)
+            os.chmod(folder, 0o750)
         hostpaths.check_socket(path)
 
     @staticmethod

@@ -108,3 +108,14 @@ def read(path: str, purpose: str, key: bytes | None) -> dict:
     if not isinstance(data, dict):
         raise Unsealed(f"{path}: not a record")
     return data
+
+
+def read_record(path: str, purpose: str, run_dir: str, namespace: str) -> dict:
+    """The record at `path` sealed under the run folder's key: Unsealed as it is, any other failure a ValueError
+    naming the path (a key file that is not ours, UnsafePath, is an OSError)."""
+    try:
+        return read(path, purpose, load_key(run_dir, namespace))
+    except Unsealed:
+        raise
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: unreadable ({exc})") from None

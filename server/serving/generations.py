@@ -17,16 +17,15 @@ import time
 
 from expertd import index_segment
 from expertd.errors import GenerationGone, GenerationLimit, NotReady
-from expertd.extents import Extent, overlap, places
+from expertd.extents import Extent, overlap, extents_of
 from expertd.index import TensorIndex
-from expertd.protocol import pack
 
 from ..load.built import Built
 from ..shm.arena import Arena, segment_pattern, unlink_segment
 from .leases import Lease, LeaseTable, lease_tag
 
 log = logging.getLogger("expertd.generations")
-LISTED_VARIANTS = 256  # variants a generation's status row lists at most (its `derived` counts them all)
+LISTED_DERIVED = 256  # derived tensors a generation's status row lists at most (its `derived` counts them all)
 
 def place_index(index: TensorIndex, group: str | None = None) -> dict:
     """Pack an index into a segment of its own (`/{namespace}.{pid}.i{generation}.000`, same owner and mode
@@ -49,48 +48,58 @@ class Generation:
         self.index = built.index
         self.number = built.index.generation
         self.index_place = index_place  # the index segment's descriptor, as lease replies carry it
-        self._reply: tuple[int, bytes] | None = None
-        self.variants: dict[str, object] = {}  # derivation name (`expertd.derived.key`) -> variants.Variant
-        self._variant_numbers = itertools.count()
+        self._index_map: dict | None = None
+        self.derived: dict[str, object] = {}  # derivation name (`expertd.derived.key`) -> tensors.DerivedTensor
+        self._derived_numbers = itertools.count()
 
-    def next_variant(self) -> int:
-        """The number of this generation's next variant segment (`/{namespace}.{pid}.v{N}.{k}`)."""
-        return next(self._variant_numbers)
+    def next_derived(self) -> int:
+        """The number of this generation's next derived tensor segment (`/{namespace}.{pid}.v{N}.{k}`)."""
+        return next(self._derived_numbers)
 
-    def adopt_variants(self, variants: dict, segments) -> None:
-        """Serve a predecessor's variants of this generation again (`adopt`: verified), and number this generation's
-        next variant segments after every adopted segment of its tag (`segments`: those of all adopted generations,
-        a newer one's record may name one of this generation's that its own record had not listed yet)."""
-        self.variants.update(variants)
+    def adopt_derived(self, derived: dict, segments) -> None:
+        """Serve a predecessor's derived tensors of this generation again (`adopt`: verified), and number this
+        generation's next derived tensor segments after every adopted segment of its tag (`segments`: those of all
+        adopted generations, a newer one's record may name one of this generation's that its own record had not listed
+        yet)."""
+        self.derived.update(derived)
         pattern, tag = segment_pattern(self.index.namespace), f"v{self.number}"
         taken = [int(m.group(3)) for m in (pattern.match(name.lstrip("/")) for name in segments)
                  if m is not None and m.group(2) == tag]
-        self._variant_numbers = itertools.count(max(taken, default=-1) + 1)
+        self._derived_numbers = itertools.count(max(taken, default=-1) + 1)
 
-    def drop_variant(self, variant) -> None:
-        """Unlink a variant's segment that no request got (its request failed after it was cast)."""
-        unlink_segment(variant.created, self.index.shm_dir)
+    def add_derived(self, key: str, derived_tensor) -> bool:
+        """List a derived tensor under its derivation name, unless one is listed there already (the first listed
+        stays: it may have been handed out); whether it was listed."""
+        if key in self.derived:
+            return False
+        self.derived[key] = derived_tensor
+        return True
 
-    def index_reply(self, latest: int) -> bytes:
-        """The packed reply of the `index` op (the index inline, for tools that ask over the socket), built once
-        per (generation, latest)."""
-        if self._reply is None or self._reply[0] != latest:
-            self._reply = (latest, pack({"ok": True, "index": self.index.to_dict(), "latest": latest}))
-        return self._reply[1]
+    def drop_derived(self, derived_tensor) -> None:
+        """Unlink a derived tensor's segment that no request got (its request failed after it was cast)."""
+        unlink_segment(derived_tensor.created, self.index.shm_dir)
+
+    def index_map(self) -> dict:
+        """The index as the `index` op sends it inline (for tools that ask over the socket), made once: a DeepSeek-V3
+        index has tens of thousands of tensors."""
+        if self._index_map is None:
+            self._index_map = self.index.to_dict()
+        return self._index_map
 
     def segments(self) -> set[str]:
-        """Every segment this generation uses: its tensors' and its variants' (each range's, for a derived stack that
-        keeps an older variant's blocks)."""
-        return {s.name for s in self.index.segments} | {x.segment for v in self.variants.values()
-                                                         for x in places(v.entry)}
+        """Every segment this generation uses: its tensors' and its derived tensors' (each range's, for a derived stack
+        that
+        keeps an older derived tensor's blocks)."""
+        return {s.name for s in self.index.segments} | {x.segment for v in self.derived.values()
+                                                         for x in extents_of(v.entry)}
 
     def drop_index(self) -> None:
         """Unlink the index segment (the generation retires); workers that mapped it have decoded it already."""
         unlink_segment(self.index_place["segment"], self.index.shm_dir)
 
-    def places(self) -> set[Extent]:
+    def extents(self) -> set[Extent]:
         """Every byte range its tensors lie in (a tensor of several generations' ranges: each of them)."""
-        return {x for t in self.index.tensors for x in places(t)}
+        return {x for t in self.index.tensors for x in extents_of(t)}
 
     @property
     def nbytes(self) -> int:
@@ -251,16 +260,16 @@ class Generations:
 
     def status(self) -> list[dict]:
         """One row per live generation, newest first."""
-        latest_places = self.latest.places() if self.latest else set()
+        latest_extents = self.latest.extents() if self.latest else set()
         pinned = self.leases.pinned()
         rows = []
         for n, gen in sorted(self.live.items(), reverse=True):  # a stack of ranges shares the ranges it kept
-            shared = overlap(gen.places(), latest_places)
+            shared = overlap(gen.extents(), latest_extents)
             rows.append({
                 "generation": n, "tensors": len(gen.index.tensors), "bytes": gen.nbytes,
                 "bytes_shared_with_latest": shared,
                 "leases": [{"client": lease_tag(lease.client), "pid": lease.pid} for lease in pinned.get(n, [])],
-                "variants": [v.status() for v in itertools.islice(gen.variants.values(), LISTED_VARIANTS)],
-                "derived": {"bytes": sum(v.placed for v in gen.variants.values()), "files": len(gen.variants)},
+                "derived": {"bytes": sum(v.placed for v in gen.derived.values()), "files": len(gen.derived),
+                            "tensors": [v.status() for v in itertools.islice(gen.derived.values(), LISTED_DERIVED)]},
             })
         return rows

@@ -62,19 +62,38 @@ class Job:
 
 
 class Jobs:
+    """The one build slot: the job in flight, or an update staged for the next (one reload or update at a time), and
+    the finished jobs kept for those who ask."""
+
     def __init__(self):
         self.current: Job | None = None
+        self.staged: int | None = None  # an update staged and not yet committed: its build takes the slot next
         self.done: OrderedDict[int, Job] = OrderedDict()
         self._ids = itertools.count(1)
 
-    def check_idle(self) -> None:
+    def check_idle(self, update: int | None = None) -> None:
+        """Busy while a job builds, or while an update other than `update` is staged and not yet committed."""
         if self.current is not None:
             raise Busy(f"{self.current.kind} {self.current.number} (generation {self.current.generation}) is still "
                        "building; one reload or update at a time")
+        if self.staged is not None and self.staged != update:
+            raise Busy(f"update {self.staged} is staged and not yet committed; one reload or update at a time")
 
-    def start(self, kind: str, generation: int, work, on_end=None) -> Job:
-        """Run `work()` (returning a Built, or None when there is nothing to build) in a thread as a new job."""
+    def stage(self, update: int) -> None:
+        """Hold the slot for staged update `update` until its commit builds it or it is dropped."""
         self.check_idle()
+        self.staged = update
+
+    def unstage(self, update: int) -> None:
+        """Give the slot back: staged update `update` was dropped (no-op for another, or one already committed)."""
+        if self.staged == update:
+            self.staged = None
+
+    def start(self, kind: str, generation: int, work, on_end=None, update: int | None = None) -> Job:
+        """Run `work()` (returning a Built, or None when there is nothing to build) in a thread as a new job (the build
+        of staged update `update`, whose slot it takes)."""
+        self.check_idle(update)
+        self.staged = None
         job = Job(next(self._ids), kind, generation, on_end=on_end)
 
         name = f"expertd-{kind}"
@@ -115,6 +134,12 @@ class Jobs:
         self.done[job.number] = job
         while len(self.done) > KEEP:
             self.done.popitem(last=False)
+
+    def last(self) -> Job | None:
+        """The job in flight, else the last one finished (what `status` shows)."""
+        if self.current is not None:
+            return self.current
+        return next(reversed(self.done.values())) if self.done else None
 
     def get(self, number) -> Job | None:
         if self.current is not None and self.current.number == number:

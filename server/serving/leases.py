@@ -21,6 +21,7 @@ import logging
 import secrets
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from expertd import procfs
@@ -102,7 +103,10 @@ def process_of(pid: int | None) -> tuple[int, int] | None:
 class LeaseTable:
     """The live leases, by id, and what ended leases' holders may still map."""
 
-    def __init__(self, max_leases_per_client: int = 64, max_leases: int = 4096, timeout_s: float = 30.0):
+    def __init__(self, max_leases_per_client: int = 64, max_leases: int = 4096, timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        """`clock` is what every heartbeat, timeout and pacing in the table reads (seconds, only ever compared): the
+        daemon's is time.monotonic; a test passes one it moves by hand."""
         self.max_leases_per_client = max_leases_per_client
         self.max_leases = max_leases  # daemon-wide: live leases and retained records together
         self.timeout_s = timeout_s
@@ -111,7 +115,8 @@ class LeaseTable:
         self._ended: dict[str, tuple] = {}  # an ended lease's id -> its record's key
         self._held: Counter = Counter()  # owner -> live leases
         self._mapped: Counter = Counter()  # owner -> retained records (a generation one of its processes may map)
-        self._swept = 0.0
+        self.clock = clock
+        self._swept = float("-inf")  # when `expire` last swept the retained records: never yet
 
     def take(self, pid: int, generation: int | None, start_time: int | None = None, owner: str = "",
              process: tuple[int, int] | None = None) -> Lease:
@@ -132,7 +137,7 @@ class LeaseTable:
         if len(self.leases) + len(self.retained) >= self.max_leases:
             raise LeaseLimit(f"the daemon holds {len(self.leases)} leases and {len(self.retained)} ended ones still "
                              f"mapped: its max_leases={self.max_leases}, for every client together; retry later")
-        now = time.monotonic()
+        now = self.clock()
         lease = Lease(secrets.token_hex(16), pid, now, now, generation, start_time, now, owner, process)
         self.leases[lease.client] = lease
         self._held[owner] += 1
@@ -141,7 +146,7 @@ class LeaseTable:
     def restore(self, leases: list[dict], live) -> None:
         """Grant again the leases a predecessor recorded on generations in `live` (the daemon restarted under its
         workers), as if each had just beaten (each counted against the holder it was recorded with)."""
-        now = time.monotonic()
+        now = self.clock()
         for item in leases[:self.max_leases]:
             client, pid, generation = item.get("client"), item.get("pid"), item.get("generation")
             if isinstance(client, str) and isinstance(pid, int) and generation in live:
@@ -187,7 +192,7 @@ class LeaseTable:
     def beat(self, client: str, owner: str | None = None) -> Lease:
         """A heartbeat from `owner`: the lease lives another `lease_timeout_s`."""
         lease = self.get(client, owner)
-        lease.seen = time.monotonic()
+        lease.seen = self.clock()
         return lease
 
     def release(self, client: str, owner: str | None = None) -> bool:
@@ -229,7 +234,7 @@ class LeaseTable:
         record = self.retained.get(key)
         if record is None:
             record = self.retained[key] = Retained(lease.owner, lease.generation, lease.process,
-                                                   time.monotonic() + self.timeout_s, revoked)
+                                                   self.clock() + self.timeout_s, revoked)
             self._mapped[lease.owner] += 1
         record.revoked = record.revoked or revoked
         record.ids.add(lease.client)
@@ -249,7 +254,7 @@ class LeaseTable:
         """Drop leases silent for over `timeout_s`, and watched leases whose process is gone (one /proc read per
         watched lease every `WATCH_EVERY_S` at most); the leases that ended. A silent lease's process may still map
         its generation: it counts against its holder until then."""
-        now = time.monotonic()
+        now = self.clock()
         silent, exited = [], []
         for lease in self.leases.values():
             if now - lease.seen > timeout_s:

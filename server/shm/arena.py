@@ -2,7 +2,7 @@
 
 Segment names are `/{namespace}.{pid}.{tag}.{i}.{random}`: `tag` is the generation that created the
 segment (`u{n}` for the staging segment of update n, `i{n}` for generation n's packed index, `v{n}` for
-generation n's dtype variants, see `variants`); `random` is 64 fresh random bits per segment, so that no
+generation n's dtype casts, see `derived/tensors`); `random` is 64 fresh random bits per segment, so that no
 other uid can plant a file under a name the daemon is about to create (the pid shows in `ls /dev/shm`), and a
 name found taken all the same (O_EXCL says EEXIST) is drawn again, a few times at most.
 This module builds and parses them; the start-up reaper finds this namespace's segments by their pattern.
@@ -86,6 +86,15 @@ def mount_size(nbytes: int) -> str:
     --shm-size write it: "11m" for a 9.6 MiB model, "77g" for a 70 GiB one."""
     mib = math.ceil(nbytes * 1.1 / 2**20)
     return f"{math.ceil(mib / 1024)}g" if mib >= 10 * 1024 else f"{max(1, mib)}m"
+
+
+def check_free(shm: shmdir.ShmDir, shm_dir: str, need: int) -> None:
+    """ShmSpaceError (one line: what is free, what is needed, the fix) when `need` bytes do not fit in `shm_dir`."""
+    free = shmdir.free_bytes(shm)
+    if need > free:
+        pages = " (in huge pages)" if shm.huge else ""
+        raise ShmSpaceError(f"{shm_dir} has {free / 2**20:.1f} MiB free but the model needs {need / 2**20:.1f} MiB"
+                            f"{pages}; " + more_space_hint(shm_dir, need))
 
 
 def more_space_hint(shm_dir: str, need: int) -> str:
@@ -200,13 +209,7 @@ class Arena:
 
     def check_space(self, need: int) -> None:
         """Refuse before the first byte when `need` bytes cannot fit: a clear error instead of ENOSPC half-way."""
-        free = shmdir.free_bytes(self.shm)
-        if need > free:
-            pages = " (in huge pages)" if self.shm.huge else ""
-            raise ShmSpaceError(
-                f"{self.shm_dir} has {free / 2**20:.1f} MiB free but the model needs {need / 2**20:.1f} MiB{pages}; "
-                + more_space_hint(self.shm_dir, need)
-            )
+        check_free(self.shm, self.shm_dir, need)
 
     def place(self, sizes: list[int]) -> list[Placement]:
         """Assign each size a segment and offset; a tensor never spans segments."""

@@ -19,7 +19,21 @@ from expertd.errors import ConfigError
 TMPFS, HUGETLBFS = "tmpfs", "hugetlbfs"
 SMALL_PAGE = 4096
 THP = "/sys/kernel/mm/transparent_hugepage"
-MOUNT_EXAMPLE = "mount -t tmpfs -o size=64g,huge=always expertd-huge {path}"
+MOUNT = "mount -t tmpfs -o size=SIZE,huge=always expertd {path}"  # SIZE: the served bytes and room for a push
+
+
+def mount_hint(path: str) -> str:
+    """How to give `path` a tmpfs: mounted there when it is an empty folder of its own, else on a new folder
+    (a mount over a folder that holds files hides them)."""
+    try:
+        empty = os.path.isdir(path) and not os.listdir(path)
+    except OSError:
+        empty = False
+    target = path if empty or not os.path.exists(path) else "/mnt/expertd"
+    make = "" if empty else f"mkdir -p {target} && "
+    where = "" if target == path else f", then shm_dir: {target} ({path} holds files a mount would hide)"
+    return (f"as root: {make}{MOUNT.format(path=target)}, SIZE the bytes the daemon serves plus room for one push "
+            f"(e.g. 1.1x the checkpoint's bf16 size; `expertd inspect` says it){where}")
 
 
 @dataclass(frozen=True)
@@ -92,15 +106,15 @@ def inspect(path: str, where: str = "shm_dir", strict: bool = True) -> ShmDir:
     if not os.path.isabs(path):
         raise ConfigError(f"{where}: {path!r} must be an absolute path")
     if not os.path.exists(path):
-        raise ConfigError(f"{where}: {path} does not exist; create it and mount a tmpfs there "
-                          f"({MOUNT_EXAMPLE.format(path=path)}), or leave shm_dir out for /dev/shm")
+        raise ConfigError(f"{where}: {path} does not exist; mount a tmpfs for it ({mount_hint(path)}), or leave "
+                          "shm_dir out for /dev/shm")
     if not os.path.isdir(path):
         raise ConfigError(f"{where}: {path} is not a directory")
     point, fstype, options = mount_of(path)
     if fstype not in (TMPFS, HUGETLBFS):
         raise ConfigError(
             f"{where}: {path} is on {fstype or 'an unknown filesystem'} (mounted at {point}), not tmpfs or hugetlbfs: "
-            f"segments there would not stay in memory; mount a tmpfs there ({MOUNT_EXAMPLE.format(path=path)})"
+            f"segments there would not stay in memory; mount a tmpfs ({mount_hint(path)})"
         )
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{where}: {path} is not writable by this user (uid {os.getuid()})")

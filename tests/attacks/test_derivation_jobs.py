@@ -43,7 +43,7 @@ from expertd.connection import Connection
 from expertd.errors import DerivedLimit
 from expertd.errors import DaemonError
 from expertd.protocol import PROTOCOL_VERSION
-from expertd.replies import LeaseReply, VariantReply
+from expertd.replies import LeaseReply, DerivedReply
 endpoint, mode = sys.argv[1], sys.argv[2]
 conn = Connection(endpoint, timeout=60)
 lease = conn.send(messages.Lease(pid=os.getpid(), protocol=PROTOCOL_VERSION), LeaseReply).client
@@ -53,8 +53,8 @@ def gather(index):
     return messages.Gather(client=lease, tensors=[item])
 if mode == "quota":
     conn.send(messages.Cast(client=lease, tensors=[messages.CastItem(name="model.layers.1.mlp.experts.down_proj",
-                                                                     dtype="torch.float32")]), VariantReply)
-    reply = conn.send(gather(torch.arange(1_500_000) % 1_024_000), VariantReply)
+                                                                     dtype="torch.float32")]), DerivedReply)
+    reply = conn.send(gather(torch.arange(1_500_000) % 1_024_000), DerivedReply)
     print("building" if reply.building else "made", flush=True)
 else:
     done = threading.Event()
@@ -69,7 +69,7 @@ else:
     while not done.is_set():
         for request in bad:
             try:
-                conn.send(request, VariantReply)
+                conn.send(request, DerivedReply)
             except DaemonError:
                 pass
             asked += 1

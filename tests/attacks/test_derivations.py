@@ -20,10 +20,10 @@ import torch
 
 from expertd import derived, messages
 from expertd.client import ExpertClient
-from expertd.client.variants import derive
+from expertd.client.derived_tensors import derive
 from expertd.connection import Connection
-from expertd.errors import DerivedLimit, ProtocolError, VariantRejected
-from expertd.replies import VariantReply
+from expertd.errors import DerivedLimit, ProtocolError, DerivedRejected
+from expertd.replies import DerivedReply
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -44,10 +44,10 @@ def one_block(name: str, index: torch.Tensor, also=()) -> messages.GatherItem:
     return derived.request(name, derived.encode(index), index.numel(), (index.numel(),), also=list(also), whole=True)
 
 
-def ask_raw(conn: Connection, lease: str, items: list[messages.GatherItem]) -> VariantReply:
+def ask_raw(conn: Connection, lease: str, items: list[messages.GatherItem]) -> DerivedReply:
     """A raw gather, asked again while the daemon says `building`."""
     while True:
-        reply = conn.send(messages.Gather(client=lease, tensors=items), VariantReply)
+        reply = conn.send(messages.Gather(client=lease, tensors=items), DerivedReply)
         if not reply.building:
             return reply
         time.sleep(0.01)
@@ -67,7 +67,7 @@ def test_a_reader_asking_first_cannot_make_a_victim_map_other_bytes(tiny_checkpo
 
             class Replaying:
                 def send(self, request, reply_type):
-                    return VariantReply(generation=victim.generation, tensors=[theirs])
+                    return DerivedReply(generation=victim.generation, tensors=[theirs])
 
             with pytest.raises(ProtocolError, match="not the"):
                 derive(Replaying(), victim.lease, victim.index(), [one_block(BIG, genuine)])
@@ -131,7 +131,7 @@ def test_casts_of_everything_stop_at_the_quota_and_a_push_on_a_small_shm_dir_sti
                     for name in names:
                         try:
                             conn.send(messages.Cast(client=attacker.lease, tensors=[messages.CastItem(name, dtype)]),
-                                      VariantReply)
+                                      DerivedReply)
                             made += 1
                         except DerivedLimit as exc:
                             assert "a reload or a push needs" in str(exc)
@@ -178,7 +178,7 @@ def test_5000_one_element_gathers_stop_at_the_files_quota(tiny_checkpoint, start
         assert made == 1000 and "max_derived_files" in refusal, (made, refusal)
         assert status["derived"]["files"] == 1000 and status["derived"]["bytes"] == 1000 * 4096
         assert len([p for p in glob.glob(f"/dev/shm/{daemon.namespace}.*") if ".v" in p]) == 1000
-        assert len(str(status)) < 512 << 10  # status lists at most 256 variants a generation
+        assert len(str(status)) < 512 << 10  # status lists at most 256 derived tensors a generation
 
 
 def test_a_request_with_a_bad_last_item_makes_nothing(tiny_checkpoint, start_daemon):
@@ -189,11 +189,11 @@ def test_a_request_with_a_bad_last_item_makes_nothing(tiny_checkpoint, start_dae
         bad = torch.arange(16)
         bad[-1] = n  # out of range, found only once the last index is inflated
         before = sorted(glob.glob(f"/dev/shm/{daemon.namespace}.*"))
-        with pytest.raises(VariantRejected, match="outside"):
+        with pytest.raises(DerivedRejected, match="outside"):
             client.derived(big + [one_block(BIG, bad)])
         assert sorted(glob.glob(f"/dev/shm/{daemon.namespace}.*")) == before
         (out,) = client.derived([one_block(BIG, torch.arange(16))])
-        assert ".v1.000." in mapping_path(out)  # the first variant segment ever made: nothing was made and unlinked
+        assert ".v1.000." in mapping_path(out)  # the first derived segment ever made: none made and unlinked
 
 
 def mapping_path(t: torch.Tensor) -> str:
@@ -213,7 +213,7 @@ def test_status_is_answered_while_a_large_derivation_is_made(tiny_checkpoint, st
         item = one_block(BIG, torch.arange(65 * n), also=[BIG] * 64)  # 133 MB made from 65 sources
         conn, other = Connection(daemon.endpoint, timeout=30), Connection(daemon.endpoint, timeout=30)
         try:
-            first = conn.send(messages.Gather(client=client.lease, tensors=[item]), VariantReply)
+            first = conn.send(messages.Gather(client=client.lease, tensors=[item]), DerivedReply)
             assert first.building
             waits, building = [], True
             while building:

@@ -166,6 +166,8 @@ def test_a_worker_in_the_daemons_group_reads_and_cannot_write(tiny_checkpoint, n
                           worker["segment"], f"{run}/expertd.sock")
         assert gid not in outsider["groups"]
         assert outsider["read the segment"] == "EACCES" and outsider["reach the socket"] == "EACCES"
+        assert outsider["attach"].startswith("DaemonNotTrusted: cannot reach the daemon's socket"), outsider
+        assert "permission denied" in outsider["attach"] and "group: NAME" in outsider["attach"], outsider
 
         # the control: the daemon's own uid (every worker's, in the single-user set-up) may open a segment for writing
         owner = run_as(as_uid(scratch, daemon_uid, gid, []), {**env, "HOME": homes["daemon"]}, endpoint, "owner",
@@ -181,3 +183,46 @@ def test_a_worker_in_the_daemons_group_reads_and_cannot_write(tiny_checkpoint, n
             daemon.proc.terminate()
         _, err = daemon.proc.communicate(timeout=60)
     assert daemon.proc.returncode == 0, err  # a clean stop: it unlinks its own segments, socket and manifest
+
+
+def test_the_daemon_makes_its_socket_folder_reachable_by_its_group(tiny_checkpoint, namespace, scratch, daemon_group):
+    """With `group:` and a socket folder the daemon makes itself (as it makes the default endpoint's), the folder is
+    the group's and 0750: a member attaches; a uid outside the group is told the permission is missing and the fix."""
+    group, gid = daemon_group
+    daemon_uid = free_uid()
+    ckpt = os.path.join(scratch, "ckpt")
+    shutil.copytree(tiny_checkpoint, ckpt)
+    os.chmod(ckpt, 0o755)
+    for name in os.listdir(ckpt):
+        os.chmod(os.path.join(ckpt, name), 0o644)
+    base = os.path.join(scratch, "base")  # like /tmp or /run: a folder the daemon may make its own in
+    os.mkdir(base)
+    os.chown(base, daemon_uid, -1)
+    os.chmod(base, 0o755)
+    home = os.path.join(scratch, "home")
+    os.mkdir(home, 0o755)
+    endpoint = f"ipc://{base}/expertd/expertd.sock"  # its folder does not exist: the daemon makes it
+    config = save_config(scratch, {"checkpoint": ckpt, "endpoint": endpoint, "namespace": namespace,
+                                   "group": group, "progress": False})  # the run folder: the socket's
+    env = {"PATH": os.environ["PATH"], "PYTHONDONTWRITEBYTECODE": "1", "EXPERTD_NATIVE": "0", "HOME": home}
+    daemon = DaemonProcess(config, endpoint, namespace=namespace, prefix=tuple(as_uid(scratch, daemon_uid, gid, [])),
+                           env=env)
+    try:
+        daemon.wait_serving(timeout=300)
+        folder = os.stat(f"{base}/expertd")
+        assert (folder.st_uid, folder.st_gid, stat.S_IMODE(folder.st_mode)) == (daemon_uid, gid, 0o750)
+        worker = run_as(as_uid(scratch, NOBODY, NOBODY, [gid]), env, endpoint, "member")
+        assert worker["tensors"] > 0 and worker["verify"] == []
+        segment = worker["segment"]
+        outsider = run_as(as_uid(scratch, NOBODY, NOBODY, []), env, endpoint, "outsider", segment,
+                          f"{base}/expertd/expertd.sock")
+        assert outsider["reach the socket"] == "EACCES", outsider
+        said = outsider["attach"]
+        assert said.startswith("DaemonNotTrusted: cannot reach the daemon's socket") and "permission denied" in said
+        assert f"{base}/expertd is " in said and "group: NAME" in said and "usermod -aG" in said, said
+    finally:
+        if daemon.proc.poll() is None:
+            daemon.proc.terminate()
+        _, err = daemon.proc.communicate(timeout=60)
+    assert daemon.proc.returncode == 0, err
+    assert not os.path.exists(f"{base}/expertd/expertd.sock")

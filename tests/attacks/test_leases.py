@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -23,6 +22,8 @@ from expertd.connection import Connection
 from expertd.errors import LeaseExpired, LeaseLimit
 from expertd.protocol import PROTOCOL_VERSION
 from expertd.server.serving.leases import lease_tag
+
+from helpers.polling import wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -73,10 +74,14 @@ def test_one_client_taking_20000_leases_stops_at_the_limit(tiny_checkpoint, star
                 refused += 1
                 assert "max_leases_per_client" in str(exc)
         assert len(granted) == 64 and refused == 20_000 - 64  # the default max_leases_per_client
-        time.sleep(1.2)  # the manifest records leases twice a second: it has caught up
         manifest = tmp_path / "run" / f"{daemon.namespace}.manifest.json"
-        recorded = json.loads("{" + manifest.read_text().split(",", 1)[1])  # a sealed record: {"hmac":"...",REST
-        assert len(recorded["leases"]) == 64 and manifest.stat().st_size < 64 * 1024
+
+        def recorded() -> list:  # a sealed record: {"hmac":"...",REST (replaced whole: never read half-written)
+            return json.loads("{" + manifest.read_text().split(",", 1)[1])["leases"]
+
+        # the manifest records leases twice a second at most: polled until it has caught up
+        wait_until(lambda: len(recorded()) >= 64, "the manifest records the 64 leases", timeout=30)
+        assert len(recorded()) == 64 and manifest.stat().st_size < 64 * 1024
         # another process of the same uid is the same holder: refused alike (test_lease_holders: another uid is not)
         other = subprocess.run([sys.executable, "-c", (
             "import sys; from expertd.client import ExpertClient\n"
@@ -102,10 +107,7 @@ def test_expired_leases_make_one_log_line_per_sweep(tiny_checkpoint, start_daemo
             conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)
     finally:
         conn.close()
-    deadline = time.monotonic() + 30
-    while daemon.status()["leases"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert daemon.status()["leases"] == []
+    wait_until(lambda: daemon.status()["leases"] == [], "the 50 silent leases end", timeout=30, every=0.1)
     lines = log_path.read_text().splitlines()
     ended = [line for line in lines if "lease(s) ended" in line]
     # 50 leases, silent alike: one sweep ends them (two if they straddle one); no line per lease

@@ -19,7 +19,7 @@ from expertd import derived
 from expertd.client import ExpertClient
 from expertd.client.residency import shared_ranges
 from expertd.connection import Connection
-from expertd.errors import DaemonError, VariantRejected
+from expertd.errors import DaemonError, DerivedRejected
 from expertd.messages import GatherItem
 from expertd.tools.generate import generate_model_type
 from helpers.daemon import DaemonProcess
@@ -96,7 +96,7 @@ def derivation(client: ExpertClient, item: GatherItem) -> str:
 
 def derived_listed(daemon: DaemonProcess, generation: int) -> list[dict]:
     (gen,) = [g for g in daemon.status()["generations"] if g["generation"] == generation]
-    return [v for v in gen["variants"] if "derivation" in v]
+    return [v for v in gen["derived"]["tensors"] if "derivation" in v]
 
 
 def mapping_of(t: torch.Tensor) -> tuple[str, str]:
@@ -133,10 +133,10 @@ def malformed(daemon: DaemonProcess, client: ExpertClient, item: dict, needle: s
 
 
 def refused(daemon: DaemonProcess, client: ExpertClient, items: list[GatherItem], *needles: str) -> str:
-    """Ask `items`: VariantRejected whose message holds every needle, and nothing made (no new segment, nothing more
+    """Ask `items`: DerivedRejected whose message holds every needle, and nothing made (no new segment, nothing more
     listed in status)."""
     before, listed = _left(daemon.namespace), derived_listed(daemon, client.generation)
-    with pytest.raises(VariantRejected) as caught:
+    with pytest.raises(DerivedRejected) as caught:
         client.derived(items)
     message = str(caught.value)
     assert all(needle in message for needle in needles), (needles, message)

@@ -27,7 +27,7 @@ import torch
 import expertd.connection as connection
 from expertd import derived, index_segment, messages
 from expertd.connection import Connection
-from expertd.errors import AuthError, DaemonError, GenerationGone, LeaseExpired, VariantRejected, VersionMismatch
+from expertd.errors import AuthError, DaemonError, GenerationGone, LeaseExpired, DerivedRejected, VersionMismatch
 from expertd.index import TensorIndex
 from expertd.protocol import PROTOCOL_VERSION, pack
 
@@ -174,7 +174,7 @@ def run_scenario(endpoint: str) -> Recorder:
             _expect(GenerationGone, lambda: conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION,
                                                          generation=99))
             nope = [{"name": "model.nope.weight", "dtype": "torch.float32"}]
-            _expect(VariantRejected, lambda: conn.request("cast", client=client.lease, tensors=nope))
+            _expect(DerivedRejected, lambda: conn.request("cast", client=client.lease, tensors=nope))
             _expect(DaemonError, lambda: conn.request("frobnicate"))
             client.close()  # release
             conn.request("stop")
@@ -214,10 +214,10 @@ SELECT = {
     "error.VersionMismatch": ("lease", _error("VersionMismatch")),
     "error.ProtocolError.unknown_op": ("frobnicate", _error("ProtocolError")),
     "cast": ("cast", lambda x: x.ok),
-    "error.VariantRejected": ("cast", _error("VariantRejected")),
+    "error.DerivedRejected": ("cast", _error("DerivedRejected")),
 }
 # what the daemon is sent again, as golden bytes, in this order (a fresh daemon grants lease c1 first)
-REPLAY = ("hello", "lease", "cast", "error.VariantRejected", "index.segment", "index.inline", "heartbeat", "status",
+REPLAY = ("hello", "lease", "cast", "error.DerivedRejected", "index.segment", "index.inline", "heartbeat", "status",
           "refresh", "error.AuthError",
           "error.LeaseExpired", "error.GenerationGone", "error.VersionMismatch", "error.ProtocolError.unknown_op",
           "release")

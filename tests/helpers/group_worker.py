@@ -90,10 +90,18 @@ def member(endpoint: str) -> dict:
                 "attacks": tried, "unchanged": digest(client.tensors()) == before, "verify": client.verify()}
 
 
-def outsider(segment: str, socket: str) -> dict:
+def outsider(endpoint: str, segment: str, socket: str) -> dict:
+    from expertd.client import ExpertClient
+    from expertd.errors import ExpertdError
+
+    try:
+        ExpertClient(endpoint, timeout=10).close()
+        said = "attached"
+    except ExpertdError as exc:
+        said = f"{type(exc).__name__}: {exc}"
     return {"uid": os.getuid(), "groups": os.getgroups(),
             "read the segment": attempt(lambda: os.close(os.open(segment, os.O_RDONLY))),
-            "reach the socket": attempt(lambda: os.stat(socket))}
+            "reach the socket": attempt(lambda: os.stat(socket)), "attach": said}
 
 
 if __name__ == "__main__":
@@ -102,4 +110,4 @@ if __name__ == "__main__":
         print(json.dumps({"uid": os.getuid(),
                           "open O_RDWR": attempt(lambda: os.close(os.open(sys.argv[3], os.O_RDWR)))}))
     else:
-        print(json.dumps(member(endpoint) if role == "member" else outsider(*sys.argv[3:5])), flush=True)
+        print(json.dumps(member(endpoint) if role == "member" else outsider(endpoint, *sys.argv[3:5])), flush=True)

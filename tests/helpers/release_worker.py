@@ -49,7 +49,7 @@ def main() -> None:
             "dtypes": {n: str(t.dtype) for n, t in model.state_dict().items()},
             "ref_dtypes": {n: str(t.dtype) for n, t in ref.state_dict().items()},
             "log": lines.lines,
-            "variants": [v for g in status["generations"] for v in g.get("variants", [])],
+            "derived": [v for g in status["generations"] for v in g.get("derived", {}).get("tensors", [])],
         }))
 
 

@@ -2,6 +2,7 @@
 #include "expertd/tensor_index.h"
 
 #include <algorithm>
+#include <tuple>
 
 #include "detail.h"
 #include "expertd/errors.h"
@@ -63,28 +64,67 @@ std::optional<ExpertBlock> expert_block(const Value* v) {
   return b;
 }
 
-std::vector<Extent> extents_of(const Value& v, const std::string& name, uint64_t nbytes) {
+std::string extent_text(const Extent& e) {
+  return "(" + e.segment + ", " + std::to_string(e.offset) + ", " + std::to_string(e.nbytes) + ")";
+}
+
+// Refuse extents of which two hold the same byte of a segment (Python's expertd.extents.disjoint): the daemon writes
+// each byte of a tensor once, and one segment's pages mapped again and again would make a view of any size.
+void check_disjoint(const std::vector<Extent>& extents, const std::string& name) {
+  std::vector<std::size_t> order(extents.size());
+  for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
+  auto span = [&](std::size_t k) {
+    const Extent& e = extents[k];
+    return std::tuple<const std::string&, uint64_t, uint64_t, std::size_t>(e.segment, e.offset, e.offset + e.nbytes, k);
+  };
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return span(a) < span(b); });
+  for (std::size_t k = 1; k < order.size(); ++k) {  // sorted: an overlap is between neighbours
+    const Extent &p = extents[order[k - 1]], &q = extents[order[k]];
+    if (p.segment != q.segment || q.offset >= p.offset + p.nbytes) continue;
+    const Extent &a = extents[std::min(order[k - 1], order[k])], &b = extents[std::max(order[k - 1], order[k])];
+    throw ProtocolError("tensor index: " + name + "'s extents " + extent_text(a) + " and " + extent_text(b) +
+                        " overlap: both hold bytes [" + std::to_string(q.offset) + ", " +
+                        std::to_string(std::min(p.offset + p.nbytes, q.offset + q.nbytes)) + ") of segment " +
+                        p.segment + "; no byte may lie in two extents of a tensor");
+  }
+}
+
+// An entry's extents, checked before anything is mapped (Python's expertd.extents.from_wire): at least two and at
+// most MAX_EXTENTS, at most MAX_INDEX_EXTENTS with the `held` of the entries read before it (counted in), each
+// [segment, offset, nbytes > 0], none sharing a byte of a segment, summing to the entry's nbytes.
+std::vector<Extent> extents_of(const Value& v, const std::string& name, uint64_t nbytes, std::size_t& held) {
   std::vector<Extent> out;
   uint64_t total = 0;
   const auto& items = v.as_array("a tensor's extents");
   if (items.size() < 2)
     throw ProtocolError("tensor index: " + name + "'s extents must be a list of at least two [segment, offset, nbytes]");
+  if (items.size() > MAX_EXTENTS)
+    throw ProtocolError("tensor index: " + name + " has " + std::to_string(items.size()) + " extents, more than the " +
+                        std::to_string(MAX_EXTENTS) + " a daemon serves a tensor in (it writes a stack of more ranges "
+                        "whole again)");
+  if (held + items.size() > MAX_INDEX_EXTENTS)
+    throw ProtocolError("tensor index: " + name + "'s " + std::to_string(items.size()) + " extents make the index's " +
+                        std::to_string(held + items.size()) + ", more than the " + std::to_string(MAX_INDEX_EXTENTS) +
+                        " a reader maps for one index");
   for (const auto& item : items) {
     const auto& triple = item.as_array("an extent");
     if (triple.size() != 3 || !triple[0].is_str() || !triple[1].is_int() || triple[1].is_negative() ||
         !triple[2].is_int() || triple[2].is_negative() || triple[2].as_uint() == 0)
       throw ProtocolError("tensor index: " + name + "'s extent " + to_json(item) + " is not [segment, offset, nbytes > 0]");
     out.push_back({triple[0].as_str(), triple[1].as_uint(), triple[2].as_uint()});
-    if (total + out.back().nbytes < total) throw ProtocolError("tensor index: " + name + "'s extents overflow");
+    if (total + out.back().nbytes < total || out.back().offset + out.back().nbytes < out.back().offset)
+      throw ProtocolError("tensor index: " + name + "'s extents overflow");
     total += out.back().nbytes;
   }
+  check_disjoint(out, name);
   if (total != nbytes)
     throw ProtocolError("tensor index: " + name + "'s extents hold " + std::to_string(total) + " bytes, not its " +
                         std::to_string(nbytes));
+  held += out.size();
   return out;
 }
 
-TensorEntry tensor_entry(const Value& t, bool decode_pattern) {
+TensorEntry tensor_entry(const Value& t, bool decode_pattern, std::size_t& held) {
   const auto& m = t.as_map("a tensor entry");
   for (const auto& [k, _] : m) {
     bool known = false;
@@ -113,7 +153,7 @@ TensorEntry tensor_entry(const Value& t, bool decode_pattern) {
   if (const Value* b = t.get("base"); b && !b->is_nil()) e.base = b->as_str("a tensor's base");
   if (const Value* c = t.get("checksum"); c && !c->is_nil()) e.checksum = c->as_str("a tensor's checksum");
   e.experts = expert_block(t.get("experts"));
-  if (const Value* x = t.get("extents"); x && !x->is_nil()) e.extents = extents_of(*x, e.name, e.nbytes);
+  if (const Value* x = t.get("extents"); x && !x->is_nil()) e.extents = extents_of(*x, e.name, e.nbytes, held);
   return e;
 }
 
@@ -127,13 +167,14 @@ Index index_from_value(const Value& data) {
                         " is not supported (this expertd reads 1, 2, 3)");
   Index index;
   index.schema = static_cast<int>(schema->as_uint());
+  std::size_t held = 0;  // the extents of the entries read so far (MAX_INDEX_EXTENTS bounds them)
   try {
     auto need = [&](const char* key) -> const Value& {
       const Value* v = data.get(key);
       if (v == nullptr) throw ProtocolError(quote(key));
       return *v;
     };
-    for (const auto& t : need("tensors").as_array("tensors")) index.tensors.push_back(tensor_entry(t, true));
+    for (const auto& t : need("tensors").as_array("tensors")) index.tensors.push_back(tensor_entry(t, true, held));
     index.generation = need("generation").as_int("generation");
     index.namespace_ = need("namespace").as_str("namespace");
     index.model_type = need("model_type").as_str("model_type");
@@ -148,7 +189,7 @@ Index index_from_value(const Value& data) {
     }
     if (const Value* views = data.get("views"); views && !views->is_nil()) {
       index.views.emplace();
-      for (const auto& t : views->as_array("views")) index.views->push_back(tensor_entry(t, false));
+      for (const auto& t : views->as_array("views")) index.views->push_back(tensor_entry(t, false, held));
     }
     if (const Value* shm_dir = data.get("shm_dir")) index.shm_dir = shm_dir->as_str("shm_dir");
     if (const Value* ep = data.get("expert_parallel"); ep && !ep->is_nil()) {

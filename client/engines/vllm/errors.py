@@ -1,19 +1,19 @@
 """The loader's errors as a vLLM user meets them: in vLLM's option words, and raised by `LLM()` in every mode.
 
-The client's messages name the CLI's options (`--endpoint`, `--timeout`); in an engine the option is a key of
-`model_loader_extra_config` (`engine_words`). With the multi-process engine (the default, and `vllm serve`'s) the
-loader runs in a worker two processes below the user's: vLLM logs the error there and the user's `LLM()` raises
-"Engine core initialization failed" some hundred lines later. So the frontend makes a private folder (mkdtemp: 0700,
-a random name) before it starts the engine core and names it in `$EXPERTD_VLLM_ERRORS`, which the engine core and
-its workers inherit; a worker whose load fails writes the typed error there (`reported`), and the frontend raises it,
-chained to vLLM's RuntimeError, as the last thing the user sees (`install`). Needs vLLM (registered by `register`).
+The client's hints name the caller's options as a vLLM user knows them, keys of `model_loader_extra_config`
+(`options.VLLM_WORDS`, handed to the client, which words its messages so). With the multi-process engine (the
+default, and `vllm serve`'s) the loader runs in a worker two processes below the user's: vLLM logs the error there
+and the user's `LLM()` raises "Engine core initialization failed" some hundred lines later. So the frontend makes a
+private folder (mkdtemp: 0700, a random name) before it starts the engine core and names it in
+`$EXPERTD_VLLM_ERRORS`, which the engine core and its workers inherit; a worker whose load fails writes the typed
+error there (`reported`), and the frontend raises it, chained to vLLM's RuntimeError, as the last thing the user sees
+(`install`: vLLM's startup runs through `_starting` and `_waiting` by `hooks.patch_startup`, the adapter's one place
+that names vLLM internals). Needs vLLM (registered by `register`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import json
 import os
 import shutil
@@ -24,38 +24,10 @@ import weakref
 from expertd import errors as error_types
 from expertd.errors import ExpertdError
 
+from .hooks import patch_startup
+
 ERRORS_ENV = "EXPERTD_VLLM_ERRORS"
-# the client's words for the CLI (expertd/connection.py) -> the same option of `load_format="expertd"`
-ENGINE_WORDS = {
-    "point to the right one with --endpoint / $EXPERTD_ENDPOINT":
-        'name the right one: model_loader_extra_config={"endpoint": ...}, for vllm serve --model-loader-extra-config '
-        '\'{"endpoint": ...}\', or $EXPERTD_ENDPOINT',
-    "--endpoint": 'model_loader_extra_config\'s "endpoint"',
-    "--timeout": 'model_loader_extra_config\'s "timeout"',
-    "--server-key": 'model_loader_extra_config\'s "server_key"',
-}
 _folders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # vLLM's CoreEngineProcManager -> its folder
-
-
-def in_engine_words(message: str) -> str:
-    for cli, option in ENGINE_WORDS.items():
-        message = message.replace(cli, option)
-    return message
-
-
-@contextlib.contextmanager
-def engine_words():
-    """Re-raise an expertd error whose message names a CLI option with the engine's option instead (same type,
-    same traceback)."""
-    try:
-        yield
-    except ExpertdError as exc:
-        message = in_engine_words(str(exc))
-        if message == str(exc):
-            raise
-        again = copy.copy(exc)  # keeps what the class carries besides its message (DaemonError.kind)
-        again.args = (message,)
-        raise again.with_traceback(exc.__traceback__) from None
 
 
 def record(exc: ExpertdError) -> None:
@@ -117,60 +89,42 @@ def recorded(folder: str) -> ExpertdError | None:
     return cls(str(first.get("message")))
 
 
-def _starting(start):
-    """vLLM's `CoreEngineProcManager.__init__`: for `load_format="expertd"`, its engine cores start with a private
+def _starting(manager, config, start):
+    """vLLM's engine cores started by `manager` (`hooks.patch_startup`): for `load_format="expertd"`, with a private
     folder of this process's named in `$EXPERTD_VLLM_ERRORS`, removed with the manager."""
-
-    @functools.wraps(start)
-    def wrapper(self, *args, **kwargs):
-        config = kwargs.get("vllm_config")
-        if getattr(getattr(config, "load_config", None), "load_format", None) != "expertd":
-            return start(self, *args, **kwargs)
-        folder = tempfile.mkdtemp(prefix="expertd-vllm-")
-        _folders[self] = folder
-        weakref.finalize(self, shutil.rmtree, folder, True)
-        before = os.environ.get(ERRORS_ENV)
-        os.environ[ERRORS_ENV] = folder
-        try:
-            return start(self, *args, **kwargs)
-        finally:
-            if before is None:
-                os.environ.pop(ERRORS_ENV, None)
-            else:
-                os.environ[ERRORS_ENV] = before
-
-    return wrapper
+    if getattr(getattr(config, "load_config", None), "load_format", None) != "expertd":
+        return start()
+    folder = tempfile.mkdtemp(prefix="expertd-vllm-")
+    _folders[manager] = folder
+    weakref.finalize(manager, shutil.rmtree, folder, True)
+    before = os.environ.get(ERRORS_ENV)
+    os.environ[ERRORS_ENV] = folder
+    try:
+        return start()
+    finally:
+        if before is None:
+            os.environ.pop(ERRORS_ENV, None)
+        else:
+            os.environ[ERRORS_ENV] = before
 
 
-def _waiting(wait):
-    """vLLM's `wait_for_engine_startup`: when the engine core failed and a worker recorded an expertd error, that
-    error is raised from vLLM's RuntimeError."""
-
-    @functools.wraps(wait)
-    def wrapper(*args, **kwargs):
-        launch = kwargs.get("launch", args[-1] if args else None)
-        folder = _folders.get(getattr(launch, "engine_manager", None))
-        try:
-            return wait(*args, **kwargs)
-        except RuntimeError as exc:
-            cause = recorded(folder) if folder else None
-            if cause is None:
-                raise
-            raise cause from exc
-        finally:
-            if folder:
-                shutil.rmtree(folder, ignore_errors=True)
-
-    return wrapper
+def _waiting(manager, wait):
+    """vLLM's wait for the engine cores of `manager` (`hooks.patch_startup`): when one failed and a worker recorded
+    an expertd error, that error is raised from vLLM's RuntimeError."""
+    folder = _folders.get(manager) if manager is not None else None
+    try:
+        return wait()
+    except RuntimeError as exc:
+        cause = recorded(folder) if folder else None
+        if cause is None:
+            raise
+        raise cause from exc
+    finally:
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def install() -> None:
     """In the process that starts vLLM's engine cores (every process runs it: `register`): make their expertd
-    errors this process's. Once per process."""
-    from vllm.v1.engine import utils
-
-    if getattr(utils.wait_for_engine_startup, "_expertd", False):
-        return
-    utils.CoreEngineProcManager.__init__ = _starting(utils.CoreEngineProcManager.__init__)
-    utils.wait_for_engine_startup = _waiting(utils.wait_for_engine_startup)
-    utils.wait_for_engine_startup._expertd = True
+    errors this process's. Once per process; left out, with a warning, where vLLM lacks what it patches."""
+    patch_startup(_starting, _waiting)

@@ -31,24 +31,22 @@ from ..checks import check_daemon, check_loaded
 from ..experts import expert_sources
 from ..following import follow_hook, recording, release_replaced, share
 from ..state import EngineState, keep
-from .errors import engine_words
 from .hooks import VllmEngine
-from .options import LoaderOptions
+from .options import VLLM_WORDS, LoaderOptions
 
 log = logging.getLogger("vllm.expertd")  # under vLLM's logger: its handlers print it beside the engine's lines
 
 
 def attach(options: LoaderOptions) -> ExpertClient:
     """A lease on the daemon the options name (credentials as `ExpertClient` takes them, else from the environment)."""
-    with engine_words():  # the client's hints name CLI options: here they are model_loader_extra_config's keys
-        try:
-            return ExpertClient(options.endpoint, timeout=options.timeout, token=options.token,
-                                server_key=options.server_key, client_key=options.client_key)
-        except DaemonError as exc:  # the daemon's refusal (a wrong token, say): name which daemon refused
-            endpoint = options.endpoint or os.environ.get("EXPERTD_ENDPOINT") or default_endpoint()
-            if endpoint in str(exc):
-                raise
-            raise type(exc)(f"the daemon at {endpoint}: {exc}", exc.kind) from exc
+    try:
+        return ExpertClient(options.endpoint, timeout=options.timeout, token=options.token,
+                            server_key=options.server_key, client_key=options.client_key, words=VLLM_WORDS)
+    except DaemonError as exc:  # the daemon's refusal (a wrong token, say): name which daemon refused
+        endpoint = options.endpoint or os.environ.get("EXPERTD_ENDPOINT") or default_endpoint()
+        if endpoint in str(exc):
+            raise
+        raise type(exc)(f"the daemon at {endpoint}: {exc}", exc.kind) from exc
 
 
 def unquantized(vllm_config: VllmConfig, model_config: ModelConfig) -> None:

@@ -9,6 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from expertd.errors import ConfigError
+from expertd.option_words import OptionWords
+
+# how the client's hints name these options for a vLLM user (`ExpertClient(..., words=)`)
+VLLM_WORDS = OptionWords(
+    point='name the right one: model_loader_extra_config={"endpoint": ...}, for vllm serve --model-loader-extra-config '
+          '\'{"endpoint": ...}\', or $EXPERTD_ENDPOINT',
+    timeout='model_loader_extra_config\'s "timeout"', server_key='model_loader_extra_config\'s "server_key"')
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 // views derived from the fused tensors and the checkpoint names they answer to.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -25,6 +26,12 @@ struct ExpertParallel {
   int64_t size = 0;
   std::vector<int64_t> ranks;
 };
+// A tensor of more ranges than MAX_EXTENTS, or an index of more than MAX_INDEX_EXTENTS in all, is refused before
+// anything is mapped (each range is a mapping of the reader's, vm.max_map_count): a daemon writes a stack of more
+// ranges whole again. Python's are expertd/extents.py's (which says why these numbers); tests/attacks checks both agree.
+inline constexpr std::size_t MAX_EXTENTS = 64;
+inline constexpr std::size_t MAX_INDEX_EXTENTS = 16384;
+
 struct Extent {  // a byte range of a segment: a tensor of several segments is their concatenation, in order
   std::string segment;
   uint64_t offset = 0;

@@ -6,7 +6,7 @@
 
 namespace expertd {
 
-inline constexpr int PROTOCOL_VERSION = 5;
+inline constexpr int PROTOCOL_VERSION = 6;
 // The default endpoint is not a constant: ipc://RUNTIME_BASE/expertd.sock, a folder no other uid can make first
 // (expertd/protocol.py runtime_base): /run/expertd for root, else $XDG_RUNTIME_DIR/expertd when that is a folder of
 // the uid's own nobody else may write, else /tmp/expertd-UID. See default_endpoint() in expertd/connection.h.

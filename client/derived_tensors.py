@@ -1,8 +1,9 @@
-"""Dtype variants on the worker's side: ask the daemon for the casts this worker's transformers needs, and say so.
+"""Dtype derived tensors on the worker's side: ask the daemon for the casts this worker's transformers needs, and say
+so.
 
 A worker whose transformers loads a tensor in another dtype than the daemon serves it (another release's
-keep-in-fp32 rules, or `load_model(dtype=torch.float16)`) binds the daemon's variant of it: cast once per host,
-mapped read-only like any segment. Only a daemon that cannot make variants leaves private copies.
+keep-in-fp32 rules, or `load_model(dtype=torch.float16)`) binds the daemon's derived tensor of it: cast once per host,
+mapped read-only like any segment. Only a daemon that cannot make derived tensors leaves private copies.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from expertd import messages
 from expertd.derived import Gather, cast_key
-from expertd.errors import DaemonError, DaemonTimeout, GenerationGone, ProtocolError, VariantRejected
+from expertd.errors import DaemonError, DaemonTimeout, GenerationGone, ProtocolError, DerivedRejected
 from expertd.extents import from_wire, reach
 from expertd.index import SegmentEntry, TensorEntry, TensorIndex, checksum_parts, tensor_checksum
 from expertd.procfs import default_threads
@@ -29,7 +30,7 @@ DERIVE_TIMEOUT_S = 600.0  # the longest a cast or gather may stay `building` bef
 
 
 def fetch(conn, lease: str, index: TensorIndex, need: dict[str, tuple[str, str]]) -> list[TensorEntry]:
-    """The daemon's variants of the served tensors `need` names (model name -> (served name, dtype)), in as few
+    """The daemon's derived tensors of the served tensors `need` names (model name -> (served name, dtype)), in as few
     requests as `messages.MAX_ITEMS` allows, on the index's generation; [] when the daemon makes none (an older
     daemon: said once, copies follow)."""
     asked = list(dict.fromkeys(need.values()))
@@ -38,10 +39,10 @@ def fetch(conn, lease: str, index: TensorIndex, need: dict[str, tuple[str, str]]
         for at in range(0, len(asked), messages.MAX_ITEMS):  # the most one request names
             items = [messages.CastItem(name=name, dtype=dtype) for name, dtype in asked[at:at + messages.MAX_ITEMS]]
             answered.append(_ask(conn, messages.Cast(client=lease, generation=index.generation, tensors=items)))
-    except (VariantRejected, GenerationGone):
+    except (DerivedRejected, GenerationGone):
         raise
     except (DaemonError, ProtocolError) as exc:
-        log.warning("the daemon made no dtype variants (%s: %s): %d tensor(s) become private copies",
+        log.warning("the daemon made no dtype casts (%s: %s): %d tensor(s) become private copies",
                     type(exc).__name__, exc, len(need))
         return []
     served = {t.name: t for t in index.tensors}
@@ -52,7 +53,7 @@ def fetch(conn, lease: str, index: TensorIndex, need: dict[str, tuple[str, str]]
         at = k * messages.MAX_ITEMS
         entries += _entries(reply, names[at:at + messages.MAX_ITEMS], index)
     if [(e.name, e.dtype) for e in entries] != asked:
-        raise ProtocolError(f"the daemon's variants {[(e.name, e.dtype) for e in entries][:4]} do not answer the "
+        raise ProtocolError(f"the daemon's derived {[(e.name, e.dtype) for e in entries][:4]} do not answer the "
                             f"request {asked[:4]}")
     return entries
 
@@ -68,7 +69,7 @@ def log_casts(model, dtype, index: TensorIndex, views, need: dict) -> None:
     why = dtype_reason(model, dtype, first, views.dtypes[first])
     names = ", ".join(list(need)[:3]) + (f" and {len(need) - 3} more" if len(need) > 3 else "")
     if views.cast:
-        log.info("generation %d: %d tensor(s) mapped as dtype variants the daemon cast once for this host (served as "
+        log.info("generation %d: %d tensor(s) mapped as dtype casts the daemon cast once for this host (served as "
                  "%s; %s): %s", index.generation, len(views.cast), served, why, names)
     if views.copies:
         log.warning("generation %d: %d tensor(s) are private copies, not shared memory (served as %s; %s): %s",
@@ -77,7 +78,7 @@ def log_casts(model, dtype, index: TensorIndex, views, need: dict) -> None:
 
 def derive(conn, lease: str, index: TensorIndex, items: list[messages.GatherItem]) -> list[TensorEntry]:
     """The derived tensors `items` asks for (`expertd.derived.request`), of the index's generation, in order: made by
-    the daemon once per host (VariantRejected names what it refused), each checked to be the derivation asked for.
+    the daemon once per host (DerivedRejected names what it refused), each checked to be the derivation asked for.
     The names this client expects are computed on its threads while the daemon answers."""
     served = {t.name: t for t in index.tensors}
     asked = []
@@ -123,7 +124,7 @@ def _ask(conn, request, timeout_s: float = DERIVE_TIMEOUT_S):
     `timeout_s` of `building` (the daemon's derivation job serves readers in turn: a wait this long is not one)."""
     wait, deadline = 0.01, time.monotonic() + timeout_s
     while True:
-        reply = conn.send(request, messages.VariantReply)
+        reply = conn.send(request, messages.DerivedReply)
         if not reply.building:
             return reply
         if time.monotonic() > deadline:
@@ -135,7 +136,8 @@ def _ask(conn, request, timeout_s: float = DERIVE_TIMEOUT_S):
 
 def _entries(reply, names: list, index: TensorIndex) -> list[TensorEntry]:
     """The reply's entries, each checked to be the derivation asked for: its `derivation` is the name this client
-    computed from its own request and the index's checksums (a served tensor that is its own variant: that entry)."""
+    computed from its own request and the index's checksums (a served tensor that is its own derived tensor: that
+    entry)."""
     try:
         entries = [TensorEntry(t["name"], t["segment"], t["offset"], t["nbytes"], list(t["shape"]), t["dtype"],
                                checksum=t.get("checksum"),

@@ -1,13 +1,14 @@
-"""Zero copy on any transformers: private bytes per worker, Σ Pss of mixed-release workers, the cost of a variant.
+"""Zero copy on any transformers: private bytes per worker, Σ Pss of mixed-release workers, the cost of a derived
+tensor.
 
-    python benchmarks/bench_variants.py [--workdir /tmp/expertd-bench] [--previous PYTHON]
+    python benchmarks/bench_derived.py [--workdir /tmp/expertd-bench] [--previous PYTHON]
 
 V1  private bytes per worker at DeepSeek-V3's real counts (preset dsv3-counts): parameters and loaded buffers
     not in a read-only shared mapping, for a worker on this transformers and one on the release before
     (`--previous`: a python with transformers 5.23 and expertd; default the tests' cached venv). Goal 0.
 V2  Σ Pss of 4 workers attached at once (two on each release, every weight touched) / served bytes, on the
     ~1 GB bench checkpoint. Goal <= 1.1.
-V3  building a dtype variant once: the daemon casting served bf16 tensors to float32 (the `variant` op, end to
+V3  building a dtype cast once: the daemon casting served bf16 tensors to float32 (the `cast` op, end to
     end: request, cast into a fresh segment, checksum, reply) in GB/s of output, beside the fill limit (a copy
     into a fresh segment) measured in the same run; DeepSeek-V3's 58 routers (58 x 256 x 7168, 406 MiB as
     float32) at that rate.
@@ -116,7 +117,7 @@ def fill_rate(nbytes: int = 1 << 30) -> float:
     return nbytes / seconds / 1e9
 
 
-def variant_rate(d: DaemonProcess) -> dict:
+def derived_rate(d: DaemonProcess) -> dict:
     """The `cast` op casting the largest bf16 tensors to float32, end to end: GB/s of output."""
     from expertd import messages
     from expertd.connection import Connection
@@ -131,11 +132,11 @@ def variant_rate(d: DaemonProcess) -> dict:
         cast = messages.Cast(client=lease, tensors=[messages.CastItem(name=t["name"], dtype="torch.float32")
                                                     for t in asked])
         t0 = time.perf_counter()
-        reply = conn.send(cast, messages.VariantReply)
+        reply = conn.send(cast, messages.DerivedReply)
         seconds = time.perf_counter() - t0
         out = sum(t["nbytes"] for t in reply.tensors)
         t1 = time.perf_counter()
-        conn.send(cast, messages.VariantReply)
+        conn.send(cast, messages.DerivedReply)
         again = time.perf_counter() - t1
         conn.send(messages.Release(client=lease))
     finally:
@@ -169,9 +170,9 @@ def main() -> int:
               f"{pss / served:.3f} (goal <= 1.1; {pss / 2**20:.0f} MiB over {served / 2**20:.0f} MiB served)",
               flush=True)
         fill = fill_rate()
-        v = variant_rate(d)
+        v = derived_rate(d)
     routers_s = ROUTERS_BYTES / 1e9 / v["gbps"]
-    print(f"V3  variant build: {v['tensors']} bf16 tensors -> float32, {v['bytes'] / 2**20:.0f} MiB in "
+    print(f"V3  derived tensor build: {v['tensors']} bf16 tensors -> float32, {v['bytes'] / 2**20:.0f} MiB in "
           f"{v['seconds']:.2f}s = {v['gbps']:.2f} GB/s; the fill limit beside it {fill:.2f} GB/s (ratio "
           f"{v['gbps'] / fill:.2f}); the same request again {v['again_s'] * 1e3:.1f} ms (made once). DeepSeek-V3's 58 "
           f"routers ({ROUTERS_BYTES / 2**20:.0f} MiB as float32) at this rate: {routers_s:.2f}s, once per host",

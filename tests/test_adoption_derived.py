@@ -20,12 +20,12 @@ from expertd import derived, messages
 from expertd.client import ExpertClient
 from expertd.connection import Connection
 from expertd.index import bytes_checksum, checksum_parts
-from expertd.server.restart import ledger, sealed, derived_records as variant_records
+from expertd.server.restart import ledger, sealed, derived_records as derived_records
 from helpers.daemon import expertd_cmd
 
 NORM = "model.norm.weight"
 STACK = "model.layers.1.mlp.experts.down_proj"
-OTHER = "model.layers.0.input_layernorm.weight"  # what an update changes (neither variant is made of it)
+OTHER = "model.layers.0.input_layernorm.weight"  # what an update changes (neither derived tensor is made of it)
 
 
 def kill9(daemon) -> str:
@@ -48,7 +48,7 @@ def hand_over(daemon) -> None:
     assert daemon.proc.wait(30) == 0
 
 
-def variant_segments(namespace: str) -> list[str]:
+def derived_segments(namespace: str) -> list[str]:
     return sorted(os.path.basename(p) for p in glob.glob(f"/dev/shm/{namespace}.*")
                   if re.search(r"\.v\d+\.\d{3}", os.path.basename(p)))
 
@@ -58,7 +58,7 @@ def run_dir(daemon) -> str:
 
 
 def ask(endpoint: str, lease: str, request: messages.DerivedRequest) -> dict:
-    """The daemon's one variant answering a one-item cast or gather (asked again while it says `building`)."""
+    """The daemon's one derived tensor answering a one-item cast or gather (asked again while it says `building`)."""
     conn = Connection(endpoint, timeout=60)
     try:
         for _ in range(600):
@@ -69,7 +69,7 @@ def ask(endpoint: str, lease: str, request: messages.DerivedRequest) -> dict:
             time.sleep(0.1)
     finally:
         conn.close()
-    raise TimeoutError("the variant was not made")
+    raise TimeoutError("the derived tensor was not made")
 
 
 def cast(endpoint: str, lease: str, dtype: str = "torch.float32") -> dict:
@@ -88,44 +88,44 @@ def gather(endpoint: str, lease: str, item: messages.GatherItem) -> dict:
     return ask(endpoint, lease, messages.Gather(client=lease, tensors=[item]))
 
 
-def bytes_of(variant: dict) -> bytes:
-    with open(f"/dev/shm/{variant['segment'].lstrip('/')}", "rb") as f:
-        f.seek(variant["offset"])
-        return f.read(variant["nbytes"])
+def bytes_of(made: dict) -> bytes:
+    with open(f"/dev/shm/{made['segment'].lstrip('/')}", "rb") as f:
+        f.seek(made["offset"])
+        return f.read(made["nbytes"])
 
 
-def summed(variant: dict) -> bool:
-    """The variant's bytes in its segment hash to the checksum it was handed out with."""
-    return bytes_checksum(bytes_of(variant), checksum_parts(variant["checksum"])) == variant["checksum"]
+def summed(made: dict) -> bool:
+    """The derived tensor's bytes in its segment hash to the checksum it was handed out with."""
+    return bytes_checksum(bytes_of(made), checksum_parts(made["checksum"])) == made["checksum"]
 
 
 def listed(daemon, generation: int) -> dict[str, str]:
-    """Derivation name -> segment of the variants `status` lists for `generation`."""
+    """Derivation name -> segment of the derived tensors `status` lists for `generation`."""
     (gen,) = [g for g in daemon.status()["generations"] if g["generation"] == generation]
-    return {v["derivation"]: v["segment"] for v in gen["variants"]}
+    return {v["derivation"]: v["segment"] for v in gen["derived"]["tensors"]}
 
 
 def recorded(daemon, generation: int, count: int, timeout: float = 30) -> dict:
-    """The variants record of `generation` once it lists `count` variants (it is written between requests, at most
-    every RECORD_EVERY_S: a tampered one the daemon did not adopt stays until then)."""
+    """The derived tensors record of `generation` once it lists `count` derived tensors (it is written between requests,
+    at most every RECORD_EVERY_S: a tampered one the daemon did not adopt stays until then)."""
     folder, deadline = run_dir(daemon), time.monotonic() + timeout
     index = ledger.read(folder, daemon.namespace, generation).index
     while time.monotonic() < deadline:
         try:
-            found = variant_records.read(folder, index)
+            found = derived_records.read(folder, index)
         except sealed.Unsealed:  # a record the daemon refused to adopt, until it rewrites it
             found = {}
         if len(found) == count:
             return found
         time.sleep(0.05)
-    raise TimeoutError(f"generation {generation}'s variants record did not list {count} variant(s)")
+    raise TimeoutError(f"generation {generation}'s derived tensors record did not list {count} derived tensor(s)")
 
 
-def flip_byte(variant: dict) -> None:
-    with open(f"/dev/shm/{variant['segment'].lstrip('/')}", "r+b") as f:
-        f.seek(variant["offset"] + 3)
+def flip_byte(made: dict) -> None:
+    with open(f"/dev/shm/{made['segment'].lstrip('/')}", "r+b") as f:
+        f.seek(made["offset"] + 3)
         byte = f.read(1)
-        f.seek(variant["offset"] + 3)
+        f.seek(made["offset"] + 3)
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
@@ -139,11 +139,11 @@ def test_a_handover_keeps_casts_and_gathers_and_the_same_asks_get_the_same_segme
     with ExpertClient(first.endpoint, timeout=60) as client:  # generation 2 reuses the gather (same source bytes)
         assert client.index().generation == newer
         assert gather(first.endpoint, client.lease, item)["segment"] == gathered["segment"]
-    made = variant_segments(namespace)
+    made = derived_segments(namespace)
     assert len(made) == 2 and {listed(first, 1)[v["derivation"]] for v in (casted, gathered)} == {
         casted["segment"], gathered["segment"]}
     hand_over(first)
-    assert os.path.exists(ledger.variants_path(run_dir(first), namespace, 1))
+    assert os.path.exists(ledger.derived_path(run_dir(first), namespace, 1))
 
     second = start_daemon(tiny_checkpoint, lease_timeout_s=4)
     assert listed(second, 1) == {casted["derivation"]: casted["segment"], gathered["derivation"]: gathered["segment"]}
@@ -157,20 +157,20 @@ def test_a_handover_keeps_casts_and_gathers_and_the_same_asks_get_the_same_segme
         (out,) = client.derived([item])  # mapped, and checked against its checksum by the client
         assert torch.equal(out, want.reshape(out.shape)) and summed(gathered)
         del out
-    assert variant_segments(namespace) == made  # nothing made again
+    assert derived_segments(namespace) == made  # nothing made again
     old.close()
     deadline = time.monotonic() + 30  # generation 1's hold ends (one lease timeout): the shared gather stays
     while 1 in {g["generation"] for g in second.status()["generations"]} and time.monotonic() < deadline:
         time.sleep(0.2)
     assert 1 not in {g["generation"] for g in second.status()["generations"]}
-    assert variant_segments(namespace) == [os.path.basename(gathered["segment"])]
-    assert not os.path.exists(ledger.variants_path(run_dir(first), namespace, 1))  # gone with its generation
+    assert derived_segments(namespace) == [os.path.basename(gathered["segment"])]
+    assert not os.path.exists(ledger.derived_path(run_dir(first), namespace, 1))  # gone with its generation
     out = stop_and_read(second)
-    assert "2 variant segment(s) kept" in out, out
+    assert "2 derived tensor segment(s) kept" in out, out
     assert not glob.glob(f"/dev/shm/{namespace}*") and not glob.glob(os.path.join(run_dir(first), "*.json"))
 
 
-def test_a_variant_whose_bytes_changed_is_dropped_under_full_and_kept_under_sizes(tiny_checkpoint, start_daemon,
+def test_a_derived_tensor_whose_bytes_changed_is_dropped_under_full_and_kept_under_sizes(tiny_checkpoint, start_daemon,
                                                                                     namespace):
     first = start_daemon(tiny_checkpoint)
     with ExpertClient(first.endpoint, timeout=60) as client:
@@ -197,18 +197,18 @@ def test_a_variant_whose_bytes_changed_is_dropped_under_full_and_kept_under_size
     third = start_daemon(tiny_checkpoint, adopt_verify="sizes")  # sizes: its bytes are not read
     assert listed(third, 1) == {casted["derivation"]: casted["segment"], gathered["derivation"]: remade["segment"]}
     out = log + stop_and_read(third)
-    assert "1 variant(s) dropped" in out and "its bytes fail their checksum" in out and STACK in out, out
+    assert "1 derived tensor(s) dropped" in out and "its bytes fail their checksum" in out and STACK in out, out
     assert not glob.glob(f"/dev/shm/{namespace}*")
 
 
-def test_a_tampered_or_planted_variants_record_is_never_read_and_its_segments_are_reaped(tiny_checkpoint,
+def test_a_tampered_or_planted_derived_record_is_never_read_and_its_segments_are_reaped(tiny_checkpoint,
                                                                                          start_daemon, namespace):
     first = start_daemon(tiny_checkpoint)
     with ExpertClient(first.endpoint, timeout=60) as client:
         casted = cast(first.endpoint, client.lease)
     hand_over(first)
     folder = run_dir(first)
-    path = ledger.variants_path(folder, namespace, 1)
+    path = ledger.derived_path(folder, namespace, 1)
     with open(path) as f:
         text = f.read()
     with open(path, "w") as f:  # the record rewritten without the key: its MAC no longer matches
@@ -231,7 +231,7 @@ def test_a_tampered_or_planted_variants_record_is_never_read_and_its_segments_ar
     third = start_daemon(tiny_checkpoint)
     assert listed(third, 1) == {} and not os.path.exists(f"/dev/shm/{made['segment'].lstrip('/')}")
     out = log + stop_and_read(third)
-    assert "not adopting the variants of generation 1" in out and "MAC does not match" in out, out
+    assert "not adopting the derived tensors of generation 1" in out and "MAC does not match" in out, out
     assert "carries no MAC" in out, out
     assert not glob.glob(f"/dev/shm/{namespace}*")
     key = sealed.key_path(folder, namespace)
@@ -267,7 +267,7 @@ def test_a_successor_adopts_a_derived_layout_that_keeps_an_older_layouts_blocks(
     generation = first.status()["generation"]
     found = recorded(first, generation, 1)
     assert [v.entry.extents for v in found.values()] and all(v.sizes for v in found.values())
-    before = variant_segments(namespace)
+    before = derived_segments(namespace)
     kill9(first)
     second = start_daemon(paged, max_generations=4)
     assert second.status()["generation"] == generation
@@ -276,7 +276,7 @@ def test_a_successor_adopts_a_derived_layout_that_keeps_an_older_layouts_blocks(
         (out,) = client.derived([item])  # mapped as one view of its ranges, checked against its checksum
         assert torch.equal(out, want)
         del out
-        assert variant_segments(namespace) == before  # nothing made again
+        assert derived_segments(namespace) == before  # nothing made again
         expert = "model.layers.1.mlp.experts.5.gate_proj.weight"
         client.update({expert: client.tensors()[expert] * 2})
         with pinned(client, 1):
@@ -287,14 +287,14 @@ def test_a_successor_adopts_a_derived_layout_that_keeps_an_older_layouts_blocks(
         assert torch.equal(out, new.reshape(len(new), -1)[:, index].reshape(new.shape))
         del out
     assert len(again["extents"]) == 5, again  # the adopted layout's ranges, expert 5's block cut out of them
-    made_now = sorted(set(variant_segments(namespace)) - set(before))
+    made_now = sorted(set(derived_segments(namespace)) - set(before))
     assert [os.path.getsize(f"/dev/shm/{name}") for name in made_now] == [block * source.element_size()], made_now
 
 
-def test_an_older_expertds_variants_record_is_discarded_with_one_line_and_its_derived_tensors_made_again(
+def test_an_older_expertds_derived_record_is_discarded_with_one_line_and_its_derived_tensors_made_again(
         tiny_checkpoint, start_daemon, namespace):
-    """A variants record in an older format (sealed with the run folder's key, as a predecessor of an older expertd
-    wrote it) is not adopted: one warning names it, its segments are reaped, and the same gather asked again is
+    """A derived tensors record in an older format (sealed with the run folder's key, as a predecessor of an older
+    expertd wrote it) is not adopted: one warning names it, its segments are reaped, and the same gather asked again is
     made anew under the same name."""
     first = start_daemon(tiny_checkpoint)
     with ExpertClient(first.endpoint, timeout=60) as client:
@@ -302,11 +302,11 @@ def test_an_older_expertds_variants_record_is_discarded_with_one_line_and_its_de
         gathered = gather(first.endpoint, client.lease, item)
     recorded(first, 1, 1)
     hand_over(first)
-    path, folder = ledger.variants_path(run_dir(first), namespace, 1), run_dir(first)
+    path, folder = ledger.derived_path(run_dir(first), namespace, 1), run_dir(first)
     key = sealed.load_key(folder, namespace)
-    record = sealed.read(path, variant_records.purpose(namespace, 1), key)
-    record["variants"] = variant_records.VARIANTS_VERSION - 1  # as an older expertd recorded it
-    sealed.write(path, record, variant_records.purpose(namespace, 1), key)
+    record = sealed.read(path, derived_records.purpose(namespace, 1), key)
+    record["derived"] = derived_records.RECORD_VERSION - 1  # as an older expertd recorded it
+    sealed.write(path, record, derived_records.purpose(namespace, 1), key)
 
     second = start_daemon(tiny_checkpoint)
     assert second.status()["generation"] == 1 and listed(second, 1) == {}
@@ -318,6 +318,6 @@ def test_an_older_expertds_variants_record_is_discarded_with_one_line_and_its_de
         assert torch.equal(out, want.reshape(out.shape))
         del out
     out = stop_and_read(second)
-    lines = [line for line in out.splitlines() if "not adopting the variants of generation 1" in line]
-    assert len(lines) == 1 and f"format {variant_records.VARIANTS_VERSION - 1}" in lines[0], out
+    lines = [line for line in out.splitlines() if "not adopting the derived tensors of generation 1" in line]
+    assert len(lines) == 1 and f"format {derived_records.RECORD_VERSION - 1}" in lines[0], out
     assert not glob.glob(f"/dev/shm/{namespace}*")
