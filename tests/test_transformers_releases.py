@@ -121,7 +121,7 @@ def test_derived_refusals_and_lifetime(tiny_checkpoint, start_daemon, namespace)
         assert listed["segment"] == entry["segment"]
         text = subprocess.run([sys.executable, "-m", "expertd.server.cli", "status", "--endpoint", daemon.endpoint],
                               capture_output=True, text=True, timeout=120).stdout
-        assert "derived tensors  1 tensor(s), 640 bytes (bfloat16 -> float16)" in text, text
+        assert "derived  1 tensor(s), 640 bytes (bfloat16 -> float16)" in text, text
 
         only1 = ask([{"name": "model.layers.1.mlp.gate.weight", "dtype": "torch.bfloat16"}]).tensors[0]
         conn.send(messages.Reload())  # generation 2 (the same checkpoint: every tensor shared with 1)

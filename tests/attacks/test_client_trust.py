@@ -28,6 +28,19 @@ pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(os.geteuid() != 0, reason="hands files to another uid: needs root (chown)")]
 
 
+@pytest.fixture(autouse=True)
+def _trusting_nobody_yet():
+    """This process trusts no daemon uid found earlier: a test before this one in the same worker process may have
+    attached to a daemon of uid 65534 (`expertd.trust` remembers the uids behind sockets it trusted)."""
+    from expertd import trust
+
+    before = set(trust._daemons)
+    trust._daemons.clear()
+    yield
+    trust._daemons.clear()
+    trust._daemons.update(before)
+
+
 @pytest.fixture
 def planted():
     """A fake daemon: a socket listening in a folder of /tmp that another user owns, as that user would plant it;
