@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from expertd.errors import LeaseExpired, MappedLimit
+from expertd.errors import LeaseExpired, LeaseLimit, MappedLimit
 from expertd.server.serving.leases import WATCH_EVERY_S, LeaseTable, process_of
 
 from helpers.clock import STEP, FakeClock
@@ -97,3 +97,26 @@ def test_restored_leases_start_as_if_they_had_just_beaten(clock):
     assert table.expire(TIMEOUT_S) == []
     clock.advance(STEP)
     assert [lease.client for lease in table.expire(TIMEOUT_S)] == ["a" * 32]
+
+
+def test_256_worker_processes_of_one_uid_hold_a_lease_each_and_one_greedy_process_shuts_out_only_itself(clock):
+    """The defaults: a many-core host's 256 workers of one uid each take a lease (and a second, as a refresh
+    does); a process that takes leases without end stops at its share, and the uid's other processes still get
+    theirs."""
+    table = LeaseTable(timeout_s=TIMEOUT_S, clock=clock)
+    workers = [(10_000 + k, 777) for k in range(256)]  # (pid, start time): as SO_PEERCRED and /proc name them
+    for process in workers:
+        for _ in range(2):
+            table.take(process[0], 1, owner=HOLDER, process=process)
+    greedy = (99_999, 777)
+    taken = 0
+    with pytest.raises(LeaseLimit, match="max_leases_per_process"):
+        while True:
+            table.take(greedy[0], 1, owner=HOLDER, process=greedy)
+            taken += 1
+    assert taken == table.max_leases_per_process == 16
+    newcomer = (12_345, 778)
+    assert table.take(newcomer[0], 1, owner=HOLDER, process=newcomer).owner == HOLDER
+    released = next(lease for lease in table.leases.values() if lease.process == greedy)
+    table.release(released.client, HOLDER)  # a released lease gives its process room again
+    assert table.take(greedy[0], 1, owner=HOLDER, process=greedy).process == greedy

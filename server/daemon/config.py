@@ -34,7 +34,8 @@ class DaemonConfig:
     load_threads: int | None = None  # threads reading, dequantizing and writing at once; None: every usable core
     lease_timeout_s: float = 30.0
     max_generations: int = 3  # live generations at most: a reload or update beyond it is refused
-    max_leases_per_client: int = 64  # leases one holder holds at once (ipc: one uid; tcp: one CURVE key)
+    max_leases_per_client: int = 1024  # leases one holder holds at once (ipc: one uid; tcp: one CURVE key)
+    max_leases_per_process: int = 16  # one process's share of them (ipc://, where the kernel names the process)
     max_leases: int = 4096  # leases the daemon grants at once, to every holder together
     revoke_after_s: float = 30.0  # a push refused for room: the oldest generation's leases are revoked this later
     progress: bool = True
@@ -137,13 +138,10 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: namespace {cfg.namespace!r} must be 1-64 of [A-Za-z0-9_.-]")
     if not isinstance(cfg.max_generations, int) or isinstance(cfg.max_generations, bool) or cfg.max_generations < 1:
         raise ConfigError(f"config {source}: max_generations must be an integer >= 1")
-    for key in ("max_leases_per_client", "max_leases"):
+    for key in ("max_leases_per_client", "max_leases", "max_leases_per_process"):
         value = getattr(cfg, key)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
             raise ConfigError(f"config {source}: {key} must be an integer from 1 to {1 << 20}")
-    if cfg.max_leases < cfg.max_leases_per_client:
-        raise ConfigError(f"config {source}: max_leases ({cfg.max_leases}, every holder together) must be at least "
-                          f"max_leases_per_client ({cfg.max_leases_per_client})")
     _check_derived(cfg, source)
     if cfg.adopt_verify not in VERIFY_MODES:
         raise ConfigError(f"config {source}: adopt_verify {cfg.adopt_verify!r} must be 'full' (every checksum) or "

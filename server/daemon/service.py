@@ -55,7 +55,8 @@ class WeightService:
         self._device = None  # the torch device builds run on, resolved by the first one (`device`)
         self.should_stop = should_stop
         self.checkpoint = cfg.checkpoint  # what the latest generation was built from
-        self.leases = LeaseTable(cfg.max_leases_per_client, cfg.max_leases, cfg.lease_timeout_s)
+        self.leases = LeaseTable(cfg.max_leases_per_client, cfg.max_leases, cfg.lease_timeout_s,
+                                 max_leases_per_process=cfg.max_leases_per_process)
         self.gens = Generations(self.leases, cfg.max_generations,
                                 on_retire=lambda n: ledger.remove(self.run_dir, cfg.namespace, n),
                                 revoke_after_s=cfg.revoke_after_s, hold_s=cfg.lease_timeout_s)

@@ -103,11 +103,15 @@ def process_of(pid: int | None) -> tuple[int, int] | None:
 class LeaseTable:
     """The live leases, by id, and what ended leases' holders may still map."""
 
-    def __init__(self, max_leases_per_client: int = 64, max_leases: int = 4096, timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_leases_per_client: int = 1024, max_leases: int = 4096, timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic, max_leases_per_process: int = 16):
         """`clock` is what every heartbeat, timeout and pacing in the table reads (seconds, only ever compared): the
         daemon's is time.monotonic; a test passes one it moves by hand."""
         self.max_leases_per_client = max_leases_per_client
+        # one process's share of its holder's (ipc://: the kernel names the process): a process that takes leases
+        # without end shuts out itself, not the other processes of its uid
+        self.max_leases_per_process = max_leases_per_process
+        self._per_process: Counter = Counter()  # (pid, start time) -> its live leases
         self.max_leases = max_leases  # daemon-wide: live leases and retained records together
         self.timeout_s = timeout_s
         self.leases: dict[str, Lease] = {}
@@ -134,6 +138,10 @@ class LeaseTable:
                     "close()) or end their processes")
             raise LeaseLimit(f"{who} already holds {held} leases, the daemon's max_leases_per_client; release some "
                              "(ExpertClient.close()) before taking more")
+        if process is not None and self._per_process[process] >= self.max_leases_per_process:
+            raise LeaseLimit(f"process {process[0]} ({owner or 'an unknown client'}) already holds "
+                             f"{self._per_process[process]} leases, the daemon's max_leases_per_process; release some "
+                             "(ExpertClient.close()) before taking more: other processes of its user are not held back")
         if len(self.leases) + len(self.retained) >= self.max_leases:
             raise LeaseLimit(f"the daemon holds {len(self.leases)} leases and {len(self.retained)} ended ones still "
                              f"mapped: its max_leases={self.max_leases}, for every client together; retry later")
@@ -141,6 +149,8 @@ class LeaseTable:
         lease = Lease(secrets.token_hex(16), pid, now, now, generation, start_time, now, owner, process)
         self.leases[lease.client] = lease
         self._held[owner] += 1
+        if process is not None:
+            self._per_process[process] += 1
         return lease
 
     def restore(self, leases: list[dict], live) -> None:
@@ -159,6 +169,8 @@ class LeaseTable:
                 process = (pid, start_time) if start_time is not None else None
                 self.leases[client] = Lease(client, pid, now, now, generation, start_time, now, owner, process)
                 self._held[owner] += 1
+                if process is not None:
+                    self._per_process[process] += 1
 
     def recorded(self) -> list[dict]:
         """The leases as the manifest records them for a successor (the oldest RECORDED_LEASES at most)."""
@@ -225,6 +237,10 @@ class LeaseTable:
         self._held[lease.owner] -= 1
         if self._held[lease.owner] <= 0:
             del self._held[lease.owner]
+        if lease.process is not None:
+            self._per_process[lease.process] -= 1
+            if self._per_process[lease.process] <= 0:
+                del self._per_process[lease.process]
 
     def _retain(self, lease: Lease, revoked: bool) -> None:
         """Count `lease`'s generation against its holder until released or its process is gone."""

@@ -120,7 +120,8 @@ def manifest(daemon, folder) -> tuple[dict, int]:
 @needs_root
 def test_twenty_processes_of_one_uid_share_its_cap_and_the_manifest_stays_small(tiny_checkpoint, start_daemon,
                                                                                  tmp_path):
-    daemon = start_daemon(tiny_checkpoint, group="root", lease_timeout_s=120)
+    # a uid's cap of 64 (the default is larger: 1024), each process's share of it 16 (the default)
+    daemon = start_daemon(tiny_checkpoint, group="root", lease_timeout_s=120, max_leases_per_client=64)
     mine = [spawn(TAKER, daemon.endpoint) for _ in range(20)]
     theirs = [spawn(TAKER, daemon.endpoint, prefix=MEMBER) for _ in range(5)]
     try:
