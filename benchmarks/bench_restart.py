@@ -128,7 +128,8 @@ def r3(workdir: str, checkpoint: str, reps: int) -> dict:
 def r2(workdir: str, checkpoint: str, restarts: int) -> dict:
     folder = os.path.join(workdir, f"restart-loop-{os.getpid()}")
     namespace = f"benchrl{os.getpid()}"
-    d, _ = launch(folder, checkpoint, namespace, lease_timeout_s=6)
+    # a lease timeout a worker busy with forward passes on a loaded host keeps beating within (6 s was too tight)
+    d, _ = launch(folder, checkpoint, namespace, lease_timeout_s=20)
     worker = Worker(d.endpoint, timeout=60, namespace=namespace, model=True)
     try:
         lease = worker.ask("lease")["lease"]
@@ -138,7 +139,7 @@ def r2(workdir: str, checkpoint: str, restarts: int) -> dict:
         for _ in range(restarts):
             time.sleep(0.5)
             kill9(d)
-            d, s = launch(folder, checkpoint, namespace, lease_timeout_s=6)
+            d, s = launch(folder, checkpoint, namespace, lease_timeout_s=20)
             seconds.append(s)
         looped = worker.receive()
         after = worker.ask("lease")["lease"]
