@@ -47,9 +47,15 @@ def pid_namespace() -> int | None:
 def runs_expertd(pid: int) -> bool | None:
     """Whether process `pid` runs expertd (its command line names it); None when /proc cannot tell (gone, or
     another user's process hidden). One rule for the reaper (which treats "cannot tell" as live) and `stop`."""
+    line = command_line(pid)
+    return None if line is None else b"expertd" in line
+
+
+def command_line(pid: int) -> bytes | None:
+    """Process `pid`'s /proc/PID/cmdline (empty while it exits, and for kernel threads); None when unreadable."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"expertd" in f.read()
+            return f.read()
     except OSError:
         return None
 

@@ -48,13 +48,13 @@ def _running(pid: int) -> bool:
     """Whether the daemon's process still runs, when it is on this host (a tcp:// daemon elsewhere: unknown, False).
     A process that is exiting has an empty command line before it becomes a zombie, and its first thread is a zombie
     while the others still exit: it still runs until then."""
-    from expertd.procfs import process_state, runs_expertd
+    from expertd.procfs import command_line, process_state
 
     state = process_state(pid)
     if state is None or state == "X" or (state == "Z" and _threads(pid) <= 1):
         return False
-    named = runs_expertd(pid)
-    return named is True or (named is False and _command_line_empty(pid))
+    line = command_line(pid)
+    return line is not None and (b"expertd" in line or not line)
 
 
 def _threads(pid: int) -> int:
@@ -62,14 +62,6 @@ def _threads(pid: int) -> int:
         return len(os.listdir(f"/proc/{pid}/task"))
     except OSError:
         return 0
-
-
-def _command_line_empty(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return not f.read()
-    except OSError:
-        return False
 
 
 def _answers(args) -> bool:
