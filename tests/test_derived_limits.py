@@ -68,14 +68,20 @@ def test_bad_requests_are_refused_by_name_and_make_nothing(daemon, client):
     assert torch.equal(out, reference(source, index, (blocks, m)))
 
 
+def mine(status: dict) -> int:
+    """The derived bytes this process's uid (root's) holds."""
+    return sum(row["bytes"] for row in status["readers"] if row["reader"] == f"uid {os.getuid()}")
+
+
 def test_derived_bytes_are_capped_at_the_served_bytes(daemon, client):
-    """max_derived_bytes by default: the served bytes of the live generation (one here), in whole pages; a request
-    over it is refused whole (DerivedLimit names the limit), nothing of it made."""
+    """max_derived_bytes_per_reader by default: the served bytes of the live generation (one here), in whole pages
+    (a quarter of max_derived_bytes, four times them); a request over it is refused whole (DerivedLimit names the
+    limit), nothing of it made."""
     generation = client.index().generation
     derived_now = daemon.status()["derived"]
     pages = sum(-(-max(t.nbytes, 1) // 4096) * 4096 for t in client.served_tensors().values() if t.nbytes)
-    cap = derived_now["max_bytes"]
-    assert cap == derived_now["max_bytes_per_reader"] == pages
+    cap = derived_now["max_bytes_per_reader"]
+    assert cap == pages and derived_now["max_bytes"] == 4 * pages
     name, source = expert_stack(client, layer=1)
     blocks, size = source.shape[0], source.element_size()
 
@@ -87,7 +93,7 @@ def test_derived_bytes_are_capped_at_the_served_bytes(daemon, client):
 
     # a request whose last gather passes the budget: those made before it in the request do not stay either
     # (the longest gather there is doubles the block: an index of padding, distinct lengths, distinct tensors)
-    left = cap - derived_now["bytes"]
+    left = cap - mine(derived_now)
     n = source[0].numel()
     items = [ask(name, torch.full((2 * n - k,), -1, dtype=torch.int64), (blocks, 2 * n - k))
              for k in range(left // (blocks * 2 * n * size) + 2)]
@@ -106,7 +112,7 @@ def test_derived_bytes_are_capped_at_the_served_bytes(daemon, client):
         raise AssertionError("every gather was made: the budget did not hold")
     sizes = [-(-blocks * (2 * n - k) * size // 4096) * 4096 for k in range(len(items))]
     assert made == max(k for k in range(len(items) + 1) if sum(sizes[:k]) <= left)
-    assert daemon.status()["derived"]["bytes"] <= cap
+    assert mine(daemon.status()["derived"]) <= cap
 
 
 def test_a_new_generation_gets_its_own_layouts_while_the_old_one_lives_at_its_cap(daemon, client):
@@ -115,7 +121,7 @@ def test_a_new_generation_gets_its_own_layouts_while_the_old_one_lives_at_its_ca
     still gets a layout of its own; one that fits under no single generation's cap."""
     name, source = expert_stack(client, layer=1)
     blocks, n, size = source.shape[0], source[0].numel(), source.element_size()
-    one = daemon.status()["derived"]["max_bytes"]
+    one = daemon.status()["derived"]["max_bytes_per_reader"]
     for k in range(1000):  # padding gathers of distinct lengths until the leased generation's cap refuses one
         try:
             client.derived([ask(name, torch.full((2 * n - k,), -1, dtype=torch.int64), (blocks, 2 * n - k))])
@@ -124,15 +130,15 @@ def test_a_new_generation_gets_its_own_layouts_while_the_old_one_lives_at_its_ca
     else:
         raise AssertionError("the cap never refused a gather")
     index = torch.cat([permutation(n, seed=7), torch.full((n - PAD,), -1, dtype=torch.int64)])  # the longest
-    assert blocks * index.numel() * size > one - daemon.status()["derived"]["bytes"]  # over one generation's cap
+    assert blocks * index.numel() * size > one - mine(daemon.status()["derived"])  # over one generation's cap
     norm = "model.norm.weight"
     newer_generation = client.update({norm: torch.full_like(client.served_tensors()[norm], 0.5)})
     with ExpertClient(daemon.endpoint, timeout=60) as newer:
         assert newer.index().generation == newer_generation and client.index().generation < newer_generation
-        assert daemon.status()["derived"]["max_bytes"] == 2 * one  # both generations serve the same sizes
+        assert daemon.status()["derived"]["max_bytes_per_reader"] == 2 * one  # both generations serve the same sizes
         (out,) = newer.derived([ask(name, index, (blocks, index.numel()))])
         assert torch.equal(out, reference(newer.served_tensors()[name], index, (blocks, index.numel())))
-        assert daemon.status()["derived"]["bytes"] <= 2 * one
+        assert mine(daemon.status()["derived"]) <= 2 * one
 
 
 def test_a_bomb_of_the_length_it_claims_is_refused_by_the_budget_before_it_is_inflated(daemon, client):

@@ -87,7 +87,7 @@ def runs(tmp_path_factory, vllm_python) -> dict[str, dict]:
                                         ("limited", ckpt["bf16"], {"max_derived_bytes_per_reader": 64 << 10}),
                                         ("refresh-limited", ckpt["bf16"],
                                          {"max_derived_bytes_per_reader": room_for_one_generation(ckpt["bf16"])})):
-            extra = {"max_derived_bytes": ROOMY, **extra}
+            extra = {"max_derived_bytes": ROOMY, "max_derived_bytes_per_reader": ROOMY, **extra}
             daemons[name] = DaemonProcess.launch(root / f"daemon-{name}", checkpoint, f"{namespace}{name}", **extra)
         for d in daemons.values():
             d.wait_serving()

@@ -38,6 +38,7 @@ class DaemonConfig:
     max_leases_per_process: int = 16  # one process's share of them (ipc://, where the kernel names the process)
     max_leases: int = 4096  # leases the daemon grants at once, to every holder together
     revoke_after_s: float = 30.0  # a push refused for room: the oldest generation's leases are revoked this later
+    max_old_generations_per_holder: int = 1  # generations older than the latest one holder's leases may pin
     progress: bool = True
     auth_token: str | None = None  # required in every request when set; mandatory for a non-local tcp bind
     group: str | None = None  # serve segments 0640 to this group (shared-group deployments); default 0600
@@ -138,7 +139,7 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         raise ConfigError(f"config {source}: namespace {cfg.namespace!r} must be 1-64 of [A-Za-z0-9_.-]")
     if not isinstance(cfg.max_generations, int) or isinstance(cfg.max_generations, bool) or cfg.max_generations < 1:
         raise ConfigError(f"config {source}: max_generations must be an integer >= 1")
-    for key in ("max_leases_per_client", "max_leases", "max_leases_per_process"):
+    for key in ("max_leases_per_client", "max_leases", "max_leases_per_process", "max_old_generations_per_holder"):
         value = getattr(cfg, key)
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 1 << 20:
             raise ConfigError(f"config {source}: {key} must be an integer from 1 to {1 << 20}")

@@ -248,7 +248,8 @@ class Daemon:
                 raise ProtocolError("expected one message frame")
             msg = unpack(payload)
             # from the transport, beside the request, whatever the message said: who sent it and the bytes after it
-            peer = peer_of(frames[-1], frames[-1].get("User-Id") if self.curve is not None else None, data)
+            peer = peer_of(frames[-1], frames[-1].get("User-Id") if self.curve is not None else None, data,
+                           self.curve.listed if self.curve is not None else None)
             if data and msg.get("op") != "stage":
                 raise ProtocolError(f"op {str(msg.get('op'))[:40]!r} takes one message frame; only 'stage' carries "
                                     "bytes")

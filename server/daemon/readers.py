@@ -29,10 +29,11 @@ class Readers:
         holder (`Peer.holder`: the uid on ipc://, the CURVE key on tcp://); on ipc:// it names the pid the kernel
         vouches for, and a worker in the daemon's pid namespace is watched: its lease goes as soon as it does."""
         number = self.gens.leasable(req.generation)
+        self.gens.check_pin(peer.account, number)
         claimed = peer.pid is None or peer.pid == req.pid  # on ipc:// the process that sent it, nothing else
         lease = self.leases.take(peer.pid or req.pid, number,
                                  start_time=watchable(req.pid, req.pid_ns, req.start_time) if claimed else None,
-                                 owner=peer.holder, process=process_of(peer.pid))
+                                 owner=peer.holder, process=process_of(peer.pid), account=peer.account)
         gen = self.gens.generation_of(lease)
         # attach in one round trip: the worker maps and decodes the index itself (none while loading)
         return replies.LeaseReply(client=lease.client, lease_timeout_s=self.cfg.lease_timeout_s,
@@ -77,12 +78,12 @@ class Readers:
         """Dtype derived tensors of served tensors for a worker whose transformers loads them in another dtype: cast
         once per host into the lease's generation (or `generation`, which must be live), reused by every later ask;
         counted against the sender's quota (`derived`)."""
-        return self.derived.ask("cast", self._generation(req, peer), req.tensors, peer)
+        return self.derived.ask("cast", self._generation(req, peer), req.tensors, peer, req.client)
 
     @handles(messages.Gather)
     def op_gather(self, req: messages.Gather, peer: Peer) -> replies.DerivedReply:
         """Served tensors rearranged into an engine's layout (`expertd.derived`), made once per host."""
-        return self.derived.ask("gather", self._generation(req, peer), req.tensors, peer)
+        return self.derived.ask("gather", self._generation(req, peer), req.tensors, peer, req.client)
 
     def _generation(self, req: messages.DerivedRequest, peer: Peer) -> Generation:
         lease = self.leases.get(req.client, peer.holder)  # only the lease's holder may ask on it

@@ -59,7 +59,8 @@ class WeightService:
                                  max_leases_per_process=cfg.max_leases_per_process)
         self.gens = Generations(self.leases, cfg.max_generations,
                                 on_retire=lambda n: ledger.remove(self.run_dir, cfg.namespace, n),
-                                revoke_after_s=cfg.revoke_after_s, hold_s=cfg.lease_timeout_s)
+                                revoke_after_s=cfg.revoke_after_s, hold_s=cfg.lease_timeout_s,
+                                max_old_per_holder=cfg.max_old_generations_per_holder)
         self.run_dir = cfg.resolved_run_dir
         self.conditions = ledger.build_conditions(cfg.checkpoint, cfg.expert_parallel, cfg.shm_dir)
         self.derived_records = Recorder(self.run_dir, cfg.namespace)  # each generation's derived tensors, kept
@@ -143,6 +144,7 @@ class WeightService:
             gen.adopt_derived(mine, derived_segments)
             self.derived_records.adopted(gen.number, -1 if gen.number in adopted.rerecord else len(mine))
         self.gens.adopt(gens, adopted.leases)
+        self.derived.holds.adopt(self.gens)  # the re-granted leases hold what their readers made
         latest = self.gens.latest
         publish(latest.index, self.cfg.index_path)
         self.first_generation = latest.number

@@ -1,17 +1,18 @@
 """What derived tensors may take: bytes in pages and files, per reader and for the whole daemon, and never the room
 a push or a reload needs.
 
-A reader is who the transport says sent a request (`reader_of`: the uid on ipc://, the CURVE key on tcp://), never
-a process or a connection. Each derived tensor counts against the reader whose request made it, in whole pages of
-the shm_dir's unit (a one-element gather takes a page and a file). Limits (config): `max_derived_bytes` (default
-the served bytes of every live generation, summed: each generation may derive up to its own, so engines refreshing
-onto a new generation while the old one lives get its layouts too) and `max_derived_files` for the daemon,
-`max_derived_bytes_per_reader` and `max_derived_files_per_reader` for each reader (default the daemon's). Space is
-reserved apart: a derivation is refused when it would leave the shm_dir less free space than the latest generation's
-served bytes (what a reload writes, or a push of up to half of them with its staging), so derived tensors never make
-a push or a reload fail.
-Usage is computed from the live generations' derived tensors (a segment several generations reuse counts once) plus the
-work a derivation job has reserved: there is no counter to drift.
+A reader is who the transport says sent a request (`reader_of`: the uid on ipc://, the listed CURVE key on tcp://,
+"anonymous" for every unlisted key), never a process or a connection. A derived tensor counts against every reader
+holding it (`derived/holds`: a live lease that asked for it), in whole pages of the shm_dir's unit (a one-element
+gather takes a page and a file), and against the daemon while it is listed, held or not. Limits (config):
+`max_derived_bytes` (default four times the served bytes of every live generation, summed) and `max_derived_files`
+for the daemon; `max_derived_bytes_per_reader` and `max_derived_files_per_reader` for each reader, by default a
+quarter of the daemon's: a reader may derive a whole model (say, cast it to float16), and no reader can take what
+the others need. Space is reserved apart: a derivation is refused when it would leave the shm_dir less free space than
+the latest generation's served bytes (what a reload writes, or a push of up to half of them with its staging), so
+derived tensors never make a push or a reload fail.
+Usage is computed from the live generations' derived tensors (a segment several generations reuse counts once) and
+the leases holding them, plus the work a derivation job has reserved: there is no counter to drift.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from ..shm.arena import align_up
 
 
 def reader_of(peer) -> str:
-    """Who a request's derived tensors count against: its holder (`Peer.holder`: the CURVE key on tcp://, the uid on
-    ipc://), "local" for a request no transport names."""
-    return peer.holder or "local"
+    """Who a request's derived tensors count against: its account (`Peer.account`: the uid on ipc://, the listed CURVE
+    key on tcp://, "anonymous" for every unlisted one), "local" for a request no transport names."""
+    return peer.account or "local"
 
 
 @dataclass
@@ -36,21 +37,39 @@ class Usage:
     bytes: int = 0
     files: int = 0
     readers: dict = field(default_factory=dict)  # reader -> [bytes, files]
+    unheld: list = field(default_factory=list)  # derived segments no live lease holds, oldest listed first
 
-    def add(self, reader: str, placed: int, files: int = 1) -> None:
+    def add(self, readers, placed: int, files: int = 1) -> None:
+        """`placed` bytes in `files` listed (counted for the daemon once), held by each of `readers`."""
         self.bytes += placed
         self.files += files
-        mine = self.readers.setdefault(reader, [0, 0])
-        mine[0] += placed
-        mine[1] += files
+        for reader in readers:
+            mine = self.readers.setdefault(reader, [0, 0])
+            mine[0] += placed
+            mine[1] += files
 
 
 class Quota:
-    def __init__(self, cfg, gens):
-        self.cfg, self.gens = cfg, gens
+    def __init__(self, cfg, gens, holds):
+        self.cfg, self.gens, self.holds = cfg, gens, holds
         self.unit = shmdir.inspect(cfg.shm_dir, strict=False).unit
         self._reserved: dict[int, tuple[str, int, int]] = {}  # job -> (reader, bytes, files) being made
         self._pages_of: dict[int, int] = {}  # generation -> its served bytes in pages (live ones and the latest)
+
+    def warn_unshared(self, log) -> None:
+        """Say at start when one reader may take every derived byte or file while several can read (group mode, or
+        CURVE without curve_client_keys): a reader could then shut the others out of derived tensors."""
+        cfg = self.cfg
+        shared = cfg.group is not None or (cfg.curve_secret_key is not None and cfg.curve_client_keys is None)
+        per_bytes, most = cfg.max_derived_bytes_per_reader, cfg.max_derived_bytes
+        whole_bytes = per_bytes is not None and (most is None or per_bytes >= most)
+        whole_files = (cfg.max_derived_files_per_reader or 0) >= cfg.max_derived_files
+        if shared and (whole_bytes or whole_files):
+            log.warning("max_derived_%s_per_reader lets one reader take every derived %s of the daemon while other "
+                        "users may read (%s): one reader can then shut the others out of casts and gathers; leave it "
+                        "out (a quarter of the daemon's) or set it lower", "bytes" if whole_bytes else "files",
+                        "byte" if whole_bytes else "file", "group mode" if cfg.group is not None else
+                        "CURVE without curve_client_keys")
 
     def reserve(self, job: int, reader: str, nbytes: int, files: int) -> None:
         """Count what derivation job `job` makes for `reader` (`nbytes` placed, in `files`) until it is listed."""
@@ -84,30 +103,38 @@ class Quota:
 
     def limits(self) -> dict:
         served = self.served()
-        most = self.cfg.max_derived_bytes if self.cfg.max_derived_bytes is not None else self.live_served()
+        most = self.cfg.max_derived_bytes if self.cfg.max_derived_bytes is not None else 4 * self.live_served()
         per_bytes, per_files = self.cfg.max_derived_bytes_per_reader, self.cfg.max_derived_files_per_reader
         return {"max_bytes": most, "max_files": self.cfg.max_derived_files,
-                "max_bytes_per_reader": most if per_bytes is None else min(per_bytes, most),
-                "max_files_per_reader": self.cfg.max_derived_files if per_files is None else per_files,
+                "max_bytes_per_reader": most // 4 if per_bytes is None else min(per_bytes, most),
+                "max_files_per_reader": max(1, self.cfg.max_derived_files // 4) if per_files is None else per_files,
                 "shm_reserve": served}
 
     def usage(self) -> Usage:
-        """What derived tensors take now: those of the live generations, each segment once, and those being made. A
-        derived layout of ranges (`derived/extents`) also keeps alive the older layouts' segments its ranges lie in:
-        one whose own derived tensor has retired counts against the reader of the derived tensor that keeps it."""
-        usage, seen = Usage(), set()
-        derived = [v for gen in self.gens.live.values() for v in gen.derived.values() if v.key]
-        for v in derived:
-            if v.created not in seen:
-                seen.add(v.created)
-                usage.add(v.owner, v.placed)
-        for v in derived:
-            for segment, size in (v.sizes or {}).items():
-                if segment not in seen:
-                    seen.add(segment)
-                    usage.add(v.owner, size)
+        """What derived tensors take now: those of the live generations, each segment once (for the readers whose
+        live leases hold it: `holds`), and those being made. A derived layout of ranges (`derived/extents`) also keeps
+        alive the older layouts' segments its ranges lie in: one whose own derived tensor has gone counts against the
+        readers holding the derived tensor that keeps it."""
+        usage, listed = Usage(), {}
+        for gen in self.gens.live.values():
+            for v in gen.derived.values():
+                if v.key:
+                    listed.setdefault(v.created, (v, set()))[1].add(gen.number)
+        self.holds.prune(listed)
+        held = {}
+        for segment, (v, numbers) in listed.items():
+            held[segment] = self.holds.accounts(segment, numbers)
+            usage.add(held[segment], v.placed)
+            if not held[segment]:
+                usage.unheld.append(segment)
+        seen = set(listed)
+        for segment, (v, _) in listed.items():
+            for kept, size in (v.sizes or {}).items():
+                if kept not in seen:
+                    seen.add(kept)
+                    usage.add(held[segment], size)
         for reader, nbytes, files in self._reserved.values():
-            usage.add(reader, nbytes, files)
+            usage.add([reader], nbytes, files)
         return usage
 
     def check(self, reader: str, sizes: list[int], generation: int, what: str = "") -> None:
@@ -124,24 +151,31 @@ class Quota:
                  limits["max_files_per_reader"]),
                 (f"max_derived_bytes={limits['max_bytes']}", usage.bytes + need, limits["max_bytes"]),
                 (f"max_derived_files={limits['max_files']}", usage.files + files, limits["max_files"])]
-        for name, after, most in over:
+        for i, (name, after, most) in enumerate(over):
             if after > most:
-                raise DerivedLimit(f"generation {generation}: {files} derived tensor(s) ({what}) of {need} bytes (in "
+                raise _limit(i >= 2, f"generation {generation}: {files} derived tensor(s) ({what}) of {need} bytes (in "
                                    f"pages) for "
                                    f"{reader} would take it to {after}, past {name} ({reader} holds {mine[0]} bytes "
                                    f"in {mine[1]} file(s); the daemon {usage.bytes} in {usage.files}): nothing made")
         pending = sum(nbytes for _, nbytes, _ in self._reserved.values())
         free = _free(self.cfg.shm_dir) - pending
         if free - need < limits["shm_reserve"]:
-            raise DerivedLimit(f"generation {generation}: {need} bytes of derived tensors ({what}) would leave "
+            raise _limit(True, f"generation {generation}: {need} bytes of derived tensors ({what}) would leave "
                                f"{self.cfg.shm_dir} {max(0, free - need)} bytes free, less than the "
                                f"{limits['shm_reserve']} a reload or a push needs "
                                "(kept apart from derived tensors): nothing made")
 
     def status(self) -> dict:
         usage = self.usage()
-        return {"bytes": usage.bytes, "files": usage.files, **self.limits(),
+        return {"bytes": usage.bytes, "files": usage.files, "unheld_files": len(usage.unheld), **self.limits(),
                 "readers": [{"reader": r, "bytes": b, "files": f} for r, (b, f) in sorted(usage.readers.items())]}
+
+
+def _limit(daemon_wide: bool, words: str) -> DerivedLimit:
+    """DerivedLimit, marked when a daemon-wide limit refused it (reclaiming unheld derived tensors may make room)."""
+    exc = DerivedLimit(words)
+    exc.daemon_wide = daemon_wide
+    return exc
 
 
 def _free(folder: str) -> int:

@@ -6,15 +6,14 @@ whole (`tensors.check`: every index inflated chunk by chunk and in range, every 
 then what no live generation has yet is counted against the reader's and the daemon's quotas (`quota`) in one
 check, then made. A request that fails anywhere makes nothing: no build-then-unlink.
 
-Small requests (few items, index entries and bytes) run on the request loop. Larger ones run as a derivation job
-on a thread of its own, in two steps (check, then make) with the quota check between them on the loop's thread, so
-only the loop ever touches the tables. Meanwhile the reply says `building` and the client asks again; other
-clients are answered as usual. A request is known again by its digest (`request_digest`: the request as sent and
-its sources' identity): the names a job found answer the next ask of anyone without inflating anything; a job's
-refusal answers the next ask of the reader who asked (never another's: a refusal may be that reader's quota), kept
-as its type and words only (no frames, nothing of the request). One job at a time; other large requests wait in a
-queue served reader by reader in turn, at most QUEUED_PER_READER of one reader's at once, so no reader holds the
-job for others.
+Small requests (few items, index entries and bytes) run on the request loop. Larger ones are derivation jobs
+(`derived/jobs`): checked, counted and made a slice at a time on the load's threads, the quota check on the loop's
+thread between them, so only the loop ever touches the tables; readers take turns by the time they were served.
+Meanwhile the reply says `building` and the client asks again; other clients are answered as usual. A request is
+known again by its digest (`request_digest`: the request as sent and its sources' identity): the names a job found
+answer the next ask of anyone without inflating anything; a job's refusal answers the next ask of the reader who
+asked (never another's: a refusal may be that reader's quota), kept as its type and words only (no frames, nothing
+of the request).
 """
 
 from __future__ import annotations
@@ -23,37 +22,42 @@ import hashlib
 import itertools
 import json
 import logging
-import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from expertd import replies
 from expertd.derived import source_identity
 from expertd.errors import DerivedLimit, GenerationGone
 from expertd.extents import extents_of
-from expertd.procfs import default_threads, name_this_thread
 
 from ..serving.jobs import forget_frames
 from ..shm.arena import unlink_segment
 from .extents import make_changed, older_forms, placed_bytes, prior
+from .holds import Holds
+from .jobs import Scheduler, Work, kept_bytes
 from .quota import Quota, reader_of
 from .tensors import Planned, DerivedTensor, check, make, plan_casts, plan_gathers, summary
 
 log = logging.getLogger("expertd.derived")
 
-INLINE_ITEMS = 64  # a request is made on the request loop when it names at most this many tensors,
-INLINE_ENTRIES = 1 << 20  # inflates at most this many index entries (4 MiB),
-INLINE_BYTES = 8 << 20  # and makes at most this many bytes; else it is a derivation job
+INLINE_ITEMS = 16  # a request is made on the request loop when it names at most this many tensors,
+INLINE_ENTRIES = 1 << 16  # inflates at most this many index entries (256 KiB),
+INLINE_BYTES = 2 << 20  # and makes at most this many bytes; else it is a derivation job
 REMEMBERED = 256  # requests whose names (or refusal) are kept for the next ask
-QUEUED_PER_READER = 4  # a reader's large requests waiting for the job at once (more: DerivedLimit, ask again later)
 
 
 def _alike(p: Planned) -> tuple:
     """What decides a gather's inflated index, its checks and its strided form: the index as sent, its length, the
     source block and whether it reads several sources."""
     return *p.gather.index_key(), bool(p.more)
+
+
+def _named(p: Planned, first: Planned) -> None:
+    """An item whose index another (`first`) sends alike takes its digest and strided form, and names itself."""
+    p.gather.digest = first.gather.digest
+    p.key = p.gather.key([p.entry, *p.more])
+    p.gather.form = first.gather.form if not p.more else None
 
 
 def request_digest(kind: str, planned: list[Planned], items: list) -> str:
@@ -69,52 +73,31 @@ def request_digest(kind: str, planned: list[Planned], items: list) -> str:
     return digest.hexdigest()
 
 
-@dataclass
-class Work:
-    """A derivation job: check `planned` (thread), count (loop), make `todo` (thread), list what it made (loop)."""
-
-    number: int
-    rid: str
-    gen: object
-    planned: list
-    reader: str
-    phase: str = "checking"  # "checking" | "making"
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-    todo: list = field(default_factory=list)  # (planned, placed bytes) to make
-    made: list = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-    started: float = field(default_factory=time.monotonic)
-    checked_s: float = 0.0  # how long its check took
-
-    def status(self) -> dict:
-        return {"job": self.number, "generation": self.gen.number, "phase": self.phase, "reader": self.reader,
-                "tensors": len(self.planned), "made": len(self.made), "to_make": len(self.todo)}
-
-
 class DerivedRequests:
     def __init__(self, cfg, gens):
         self.cfg, self.gens = cfg, gens
-        self.quota = Quota(cfg, gens)
+        self.holds = Holds(gens.leases)  # which leases hold each derived tensor
+        self.quota = Quota(cfg, gens, self.holds)
+        self.quota.warn_unshared(log)
         self.known: OrderedDict[str, list[str]] = OrderedDict()  # request digest -> its derivations' names
         # (reader, request digest) -> a job's refusal, as (type, words): told to that reader's next ask
         self.refused: OrderedDict[tuple[str, str], tuple[type, str]] = OrderedDict()
-        self.queue: OrderedDict[tuple[str, str], tuple] = OrderedDict()  # (reader, digest) -> (gen, planned)
-        self.job: Work | None = None
+        self.jobs = Scheduler(cfg.load_threads)  # large requests, made a slice at a time off the loop
         self._numbers = itertools.count(1)
 
     @property
     def busy(self) -> bool:
         """A derivation job is under way (its next step waits for a `tick`)."""
-        return self.job is not None
+        return self.jobs.current is not None
 
-    def ask(self, kind: str, gen, items: list, peer) -> replies.DerivedReply:
-        """The reply to a `cast` or `gather` of generation `gen`: its derived tensors, or `building` (ask again)."""
-        served = {t.name: t for t in gen.index.tensors}
+    def ask(self, kind: str, gen, items: list, peer, lease: str | None = None) -> replies.DerivedReply:
+        """The reply to a `cast` or `gather` of generation `gen` on lease `lease` (which then holds what it names):
+        its derived tensors, or `building` (ask again)."""
+        served = gen.served()
         if kind == "cast":
             planned = plan_casts(items, served, gen.number)
         else:
-            planned = plan_gathers(items, served, gen.number, self.quota.limits()["max_bytes"])
+            planned = plan_gathers(items, served, gen.number, self.quota.limits()["max_bytes_per_reader"])
         rid, reader = request_digest(kind, planned, items), reader_of(peer)
         if (reader, rid) in self.refused:
             cls, words = self.refused.pop((reader, rid))
@@ -125,40 +108,30 @@ class DerivedRequests:
                 p.key = name
             found = self._resolve(gen, planned)
             if all(v is not None for v in found):
-                return self._reply(gen, self._list(gen, found))
+                return self._reply(gen, self._list(gen, found), lease)
         if len(planned) <= INLINE_ITEMS and sum(p.entries for p in planned) <= INLINE_ENTRIES \
                 and sum(p.nbytes for p in planned) <= INLINE_BYTES:
             for p in planned:
                 check(p)
-            return self._reply(gen, self._make_now(gen, planned, reader, rid))
-        self._wait(reader, rid, gen, planned)
+            return self._reply(gen, self._make_now(gen, planned, reader, rid), lease)
+        self._wait(Work(0, rid, gen, planned, reader, lease, kept_bytes(items)))
         return replies.DerivedReply(generation=gen.number, tensors=[], building=True)
 
-    def _wait(self, reader: str, rid: str, gen, planned: list[Planned]) -> None:
-        """Start the job for a large request, or queue it behind the one running (once; at most QUEUED_PER_READER
-        of one reader's)."""
-        job = self.job
-        if (job is not None and (job.reader, job.rid) == (reader, rid)) or (reader, rid) in self.queue:
+    def _wait(self, work: Work) -> None:
+        """Queue a large request (once; DerivedLimit past the queue's bounds) and start a slice if none runs."""
+        if (work.reader, work.rid) in self.jobs.works:
             return
-        if sum(1 for r, _ in self.queue if r == reader) >= QUEUED_PER_READER:
-            raise DerivedLimit(f"{reader} has {QUEUED_PER_READER} large cast or gather requests waiting for the "
-                               "daemon's derivation job: ask again once one is made")
-        self.queue[(reader, rid)] = (gen, planned)
-        if job is None:
-            self._next()
+        work.number = next(self._numbers)
+        evicted = self.jobs.admit(work)
+        if evicted is not None:
+            self._refuse(evicted, DerivedLimit(
+                f"{evicted.reader}'s request waited in a full derivation queue behind more of its own than another "
+                "reader had: it gave its place to that reader's; ask again"))
+        if self.jobs.current is None:
+            self._advance()
 
-    def _next(self, after: str | None = None) -> None:
-        """Start the next queued request whose generation is live: the first of a reader other than `after` (the
-        reader served last) when there is one, so readers take turns."""
-        while self.queue:
-            key = next((k for k in self.queue if k[0] != after), next(iter(self.queue)))
-            gen, planned = self.queue.pop(key)
-            if gen.number in self.gens.live:
-                self.job = Work(next(self._numbers), key[1], gen, planned, key[0])
-                self._run(self.job, self._check_all)
-                return
-
-    def _reply(self, gen, derived: list[DerivedTensor]) -> replies.DerivedReply:
+    def _reply(self, gen, derived: list[DerivedTensor], lease: str | None) -> replies.DerivedReply:
+        self.holds.hold(lease, derived)
         return replies.DerivedReply(generation=gen.number, tensors=[v.to_wire() for v in derived])
 
     def _resolve(self, gen, planned: list[Planned]) -> list[DerivedTensor | None]:
@@ -192,8 +165,33 @@ class DerivedRequests:
                 todo[p.key] = (p, self.quota.placed(p.nbytes if keep is None else placed_bytes(p, keep[1])), keep)
         names = [p.entry.name for p, _, _ in todo.values()]
         what = f"{names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") if names else ""
-        self.quota.check(reader, [placed for _, placed, _ in todo.values()], gen.number, what)
+        sizes = [placed for _, placed, _ in todo.values()]
+        try:
+            self.quota.check(reader, sizes, gen.number, what)
+        except DerivedLimit as exc:
+            if not getattr(exc, "daemon_wide", False) or not self.reclaim():
+                raise
+            self.quota.check(reader, sizes, gen.number, what)  # the room the unheld took: enough now, or refused
         return list(todo.values())
+
+    def reclaim(self) -> bool:
+        """Unlist the derived tensors no live lease holds, and unlink their segments no live generation uses any more
+        (a process that mapped one keeps its pages): a daemon-wide limit is met by what nobody holds first. Whether
+        any went."""
+        unheld = set(self.quota.usage().unheld)
+        if not unheld:
+            return False
+        nbytes = 0
+        for gen in self.gens.live.values():
+            nbytes += sum(v.placed for v in gen.remove_derived(unheld))
+        in_use = set().union(*(g.segments() for g in self.gens.live.values()))
+        shm_dir = self.cfg.shm_dir
+        freed = [name for name in unheld if name not in in_use and unlink_segment(name, shm_dir)]
+        for name in unheld:
+            self.holds.forget(name)
+        log.info("reclaimed %d derived tensor(s) no lease holds (%.1f MiB) to make room: %d segment(s) freed",
+                 len(unheld), nbytes / 2**20, len(freed))
+        return True
 
     def _make(self, gen, p: Planned, reader: str, placed: int, keep: tuple | None, should_stop=None) -> DerivedTensor:
         if keep is None:
@@ -239,107 +237,108 @@ class DerivedRequests:
                 gen.add_derived(v.key, v)
         return found
 
-    # --- derivation jobs: off the request loop ---------------------------------------------------------
+    # --- derivation jobs: off the request loop, a slice at a time ---------------------------------------
 
-    def _run(self, job: Work, step) -> None:
-        def run() -> None:
-            name_this_thread("expertd-derive")  # the kernel keeps 15 bytes: no number
-            try:
-                step(job)
-            except BaseException as exc:  # told to the next ask of the same request
-                job.error = exc
+    def _advance(self) -> None:
+        """Run the next slice: of the least lately served reader's work, starting it when it waits."""
+        while True:
+            work = self.jobs.pick()
+            if work is None:
+                return
+            if work.phase == "waiting":
+                if work.gen.number not in self.gens.live:  # retired while it waited: asked again, it is planned anew
+                    self.jobs.finish(work)
+                    continue
+                work.started = time.monotonic()
+                self._checking(work)
+            work.slice_started = time.monotonic()
+            self.jobs.run_slice(work)
+            return
 
-        job.thread = threading.Thread(target=run, name=f"expertd-derive-{job.number}", daemon=True)
-        job.thread.start()
-
-    def _check_all(self, job: Work) -> None:
-        """Check every item: an index several items send alike (a model's layers of one kind) is checked, digested
-        and its strided form found by the first of them; the others take those and only name themselves."""
-        def one(p: Planned, first: Planned | None) -> None:
-            if job.stop.is_set():
-                raise InterruptedError("the daemon is stopping")
-            if first is None:
-                check(p)
-            else:
-                p.gather.digest = first.gather.digest
-                p.key = p.gather.key([p.entry, *p.more])
-                p.gather.form = first.gather.form if not p.more else None
-
+    def _checking(self, work: Work) -> None:
+        """Its steps: check every item, but of the items that send an index alike (a model's layers of one kind)
+        only the first; the others take its digest and strided form then (`naming`)."""
         firsts: dict[tuple, Planned] = {}
-        for p in job.planned:
+        for p in work.planned:
             if p.gather is not None:
                 firsts.setdefault(_alike(p), p)
         leads = {id(p) for p in firsts.values()}
-        self._on_threads(job, one, [(p, None) for p in job.planned if p.gather is None or id(p) in leads])
-        self._on_threads(job, one, [(p, firsts[_alike(p)]) for p in job.planned
-                                    if p.gather is not None and id(p) not in leads])
-        job.checked_s = time.monotonic() - job.started
-
-    def _make_all(self, job: Work) -> None:
-        def one(p: Planned, placed: int, keep: tuple | None) -> None:
-            job.made.append(self._make(job.gen, p, job.reader, placed, keep, job.stop.is_set))
-
-        self._on_threads(job, one, job.todo)
-
-    def _on_threads(self, job: Work, step, items: list[tuple]) -> None:
-        """`step(*item)` for each of `items` on as many threads as the load uses (each item on its own: inflating,
-        hashing and torch's copies release the GIL): every one done or failed before this returns, the first error
-        raised."""
-        import torch
-
-        workers = max(1, min(len(items), self.cfg.load_threads or default_threads()))
-        threads = torch.get_num_threads()  # the pool is the parallelism (as the load's): each thread runs torch's
-        torch.set_num_threads(1)  # ops on itself, taking this count at its first op
-        try:
-            with ThreadPoolExecutor(workers, thread_name_prefix=f"expertd-derive-{job.number}") as pool:
-                done = [pool.submit(step, *item) for item in items]
-        finally:
-            torch.set_num_threads(threads)
-        for future in done:
-            future.result()
+        work.phase, work.at = "checking", 0
+        work.steps = [(check, (p,)) for p in work.planned if p.gather is None or id(p) in leads]
+        work.naming = [(_named, (p, firsts[_alike(p)])) for p in work.planned
+                       if p.gather is not None and id(p) not in leads]
 
     def tick(self) -> None:
-        """Between requests: move the job on once its thread has ended (count, then list what it made)."""
-        job = self.job
-        if job is None or job.thread.is_alive():
+        """Between requests: once a slice has ended, count it to its reader, move its work to its next phase (count
+        a checked one; list what a made one made) and run the next slice, whosever it is."""
+        work = self.jobs.current
+        if work is None or work.thread is None or work.thread.is_alive():
             return
-        if job.error is None and job.phase == "checking":  # checked: count, then make
+        self.jobs.charge(work.reader, time.monotonic() - work.slice_started)
+        work.thread = None
+        if work.error is not None:
+            self._end(work)
+        elif work.done:
+            self._next_phase(work)
+        self._advance()
+
+    def _next_phase(self, work: Work) -> None:
+        if work.phase == "checking" and work.naming:
+            work.phase, work.steps, work.at = "naming", work.naming, 0
+            return
+        if work.phase in ("checking", "naming"):
+            work.checked_s = time.monotonic() - work.started
             try:
-                job.todo = self._todo(job.gen, job.planned, job.reader)
+                work.todo = self._todo(work.gen, work.planned, work.reader)
             except Exception as exc:
-                job.error = exc
-            else:
-                self.quota.reserve(job.number, job.reader, sum(n for _, n, _ in job.todo), len(job.todo))
-                job.phase = "making"
-                self._run(job, self._make_all)
+                work.error = exc
+                self._end(work)
                 return
-        self.quota.release(job.number)
-        self.job = None
-        if job.error is None and job.gen.number not in self.gens.live:
-            job.error = GenerationGone(f"generation {job.gen.number} retired while its derived tensors were made: "
-                                       f"refresh() and ask again")
-        if job.error is not None:
-            for v in job.made:
-                unlink_segment(v.created, job.gen.index.shm_dir)
-            forget_frames(job.error)  # what the failed job held (its request, its chunks) goes with it
-            self.refused[(job.reader, job.rid)] = (type(job.error), str(job.error))
-            while len(self.refused) > REMEMBERED:
-                self.refused.popitem(last=False)
+            if work.todo:
+                self.quota.reserve(work.number, work.reader, sum(n for _, n, _ in work.todo), len(work.todo))
+                work.phase, work.at = "making", 0
+                work.steps = [(self._make_one, (work, *item)) for item in work.todo]
+                return
+        self._end(work)
+
+    def _make_one(self, work: Work, p: Planned, placed: int, keep: tuple | None) -> None:
+        work.made.append(self._make(work.gen, p, work.reader, placed, keep, work.stop.is_set))
+
+    def _end(self, work: Work) -> None:
+        """A work is finished: list what it made (its lease holds it), or unlink it and keep its refusal's words."""
+        self.quota.release(work.number)
+        self.jobs.finish(work)
+        if work.error is None and work.gen.number not in self.gens.live:
+            work.error = GenerationGone(f"generation {work.gen.number} retired while its derived tensors were made: "
+                                        f"refresh() and ask again")
+        if work.error is not None:
+            for v in work.made:
+                unlink_segment(v.created, work.gen.index.shm_dir)
+            forget_frames(work.error)  # what the failed job held (its request, its chunks) goes with it
+            self._refuse(work, work.error)
         else:
-            self._register(job.gen, job.made, job.planned, job.rid, job)
-        self._next(after=job.reader)
+            self.holds.hold(work.lease, self._register(work.gen, work.made, work.planned, work.rid, work))
+
+    def _refuse(self, work: Work, exc: BaseException) -> None:
+        """Tell `exc` (its type and words) to the next ask of `work`'s reader for the same request."""
+        self.refused[(work.reader, work.rid)] = (type(exc), str(exc))
+        while len(self.refused) > REMEMBERED:
+            self.refused.popitem(last=False)
 
     def close(self) -> None:
-        """Stop a derivation job (it stops between index chunks) and unlink what it made but never listed."""
-        job, self.job = self.job, None
-        self.queue.clear()
-        if job is None:
-            return
-        job.stop.set()
-        job.thread.join(self.cfg.stop_timeout_s)
-        for v in job.made:
-            unlink_segment(v.created, job.gen.index.shm_dir)
-        self.quota.release(job.number)
+        """Stop the derivation jobs (a slice stops between index chunks) and unlink what they made but never listed."""
+        works, current = list(self.jobs.works.values()), self.jobs.current
+        for work in works:
+            work.stop.set()
+        if current is not None and current.thread is not None:
+            current.thread.join(self.cfg.stop_timeout_s)
+        for work in works:
+            for v in work.made:
+                unlink_segment(v.created, work.gen.index.shm_dir)
+            self.quota.release(work.number)
+            self.jobs.finish(work)
 
     def status(self) -> dict:
-        return {**self.quota.status(), "job": self.job.status() if self.job is not None else None}
+        waiting = self.jobs.waiting()
+        return {**self.quota.status(), "job": self.jobs.current.status() if self.jobs.current is not None else None,
+                "queued": len(waiting), "queued_bytes": sum(w.kept for w in waiting)}

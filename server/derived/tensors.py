@@ -143,8 +143,9 @@ def plan_gathers(items: list[GatherItem], served: dict[str, TensorEntry], genera
         planned = Planned(entry, entry.dtype, list(gather.shape), gather, tuple(more))
         if planned.nbytes > limit:
             raise DerivedRejected(f"generation {generation}: deriving {item.name!r} in shape {list(gather.shape)} "
-                                  f"takes {planned.nbytes} bytes, more than max_derived_bytes={limit} (the served "
-                                  f"bytes unless the config says otherwise)")
+                                  f"takes {planned.nbytes} bytes, more than one reader's "
+                                  f"max_derived_bytes_per_reader={limit} (the served bytes of the live generations "
+                                  "unless the config says otherwise)")
         out.append(planned)
     return out
 

@@ -45,13 +45,18 @@ class Curve:
                  "any" if clients is None else len(clients), len(curve.pushers), len(admins))
         if clients is None:
             log.warning("CURVE without curve_client_keys: anyone with this daemon's public key can connect and take "
-                        "leases (each client key at most max_leases_per_client=%d, all together max_leases=%d); set "
-                        "curve_client_keys to name who may", cfg.max_leases_per_client, cfg.max_leases)
+                        "leases; every key not named in curve_push_keys or curve_admin_keys counts as one reader, "
+                        "'anonymous', for leases (max_leases_per_client=%d), derived tensors and the derivation "
+                        "queue; set curve_client_keys to name who may connect", cfg.max_leases_per_client)
         return curve
 
     def callback(self, domain: str, key: bytes) -> bool:
         """ZAP: may this client key connect at all?"""
         return self.clients is None or key.decode("ascii") in self.clients
+
+    def listed(self, key: str) -> bool:
+        """Whether the config names `key` (a client, pusher or admin key): an unlisted one is "anonymous"."""
+        return (self.clients is not None and key in self.clients) or key in self.pushers or key in self.admins
 
     def may_push(self, key: str | None) -> bool:
         return key is not None and key in self.pushers

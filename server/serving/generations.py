@@ -16,7 +16,7 @@ import logging
 import time
 
 from expertd import index_segment
-from expertd.errors import GenerationGone, GenerationLimit, NotReady
+from expertd.errors import GenerationGone, GenerationLimit, LeaseLimit, NotReady
 from expertd.extents import Extent, overlap, extents_of
 from expertd.index import TensorIndex
 
@@ -49,6 +49,7 @@ class Generation:
         self.number = built.index.generation
         self.index_place = index_place  # the index segment's descriptor, as lease replies carry it
         self._index_map: dict | None = None
+        self._served: dict | None = None
         self.derived: dict[str, object] = {}  # derivation name (`expertd.derived.key`) -> tensors.DerivedTensor
         self._derived_numbers = itertools.count()
 
@@ -75,9 +76,21 @@ class Generation:
         self.derived[key] = derived_tensor
         return True
 
+    def remove_derived(self, segments: set[str]) -> list:
+        """Unlist the derived tensors made in `segments` (reclaimed: no lease holds them); those unlisted. Their
+        segments are the caller's to unlink once no live generation uses them."""
+        gone = [key for key, v in self.derived.items() if v.key and v.created in segments]
+        return [self.derived.pop(key) for key in gone]
+
     def drop_derived(self, derived_tensor) -> None:
         """Unlink a derived tensor's segment that no request got (its request failed after it was cast)."""
         unlink_segment(derived_tensor.created, self.index.shm_dir)
+
+    def served(self) -> dict:
+        """Its tensors by name, made once (every cast and gather looks its items up here)."""
+        if self._served is None:
+            self._served = {t.name: t for t in self.index.tensors}
+        return self._served
 
     def index_map(self) -> dict:
         """The index as the `index` op sends it inline (for tools that ask over the socket), made once: a DeepSeek-V3
@@ -110,9 +123,10 @@ class Generations:
     """The live generations: published, held after a restart, pinned by the lease table's leases, retired."""
 
     def __init__(self, leases: LeaseTable, max_generations: int = 3, on_retire=None, revoke_after_s: float = 30.0,
-                 hold_s: float = 30.0):
+                 hold_s: float = 30.0, max_old_per_holder: int = 1):
         self.leases = leases
         self.max_generations = max_generations
+        self.max_old_per_holder = max_old_per_holder  # generations older than the latest one holder may pin
         self.revoke_after_s = revoke_after_s  # a push refused for room: the oldest generation's leases go this later
         self.hold_s = hold_s  # how long an adopted generation is held (one lease timeout: `end_holds`)
         self.revoking: dict[int, float] = {}  # generation -> when its leases are revoked (a push waits for room)
@@ -128,6 +142,28 @@ class Generations:
             raise GenerationGone(f"generation {generation} is not served any more (live: "
                                  f"{sorted(self.live) or 'none'}); reconnect() or refresh() to read the latest")
         return generation if generation is not None else self.latest.number if self.latest else None
+
+    def check_pin(self, holder: str, generation: int | None) -> None:
+        """Refuse (LeaseLimit) a lease that would make `holder` pin more than `max_old_per_holder` generations older
+        than the latest: one reader cannot keep old generations live for everyone's pushes to revoke others."""
+        latest = self.latest.number if self.latest else None
+        if generation is None or generation == latest:
+            return
+        old = self._old_pins(latest).get(holder, set())
+        if generation not in old and len(old) >= self.max_old_per_holder:
+            raise LeaseLimit(f"{holder or 'this client'} already pins {len(old)} generation(s) older than the latest "
+                             f"({', '.join(map(str, sorted(old)))}), the daemon's max_old_generations_per_holder="
+                             f"{self.max_old_per_holder}: refresh() those workers onto generation {latest}, or lease "
+                             "the latest")
+
+    def _old_pins(self, latest: int | None) -> dict[str, set[int]]:
+        """Each holder's pinned generations older than the latest."""
+        out: dict[str, set[int]] = {}
+        for number, leases in self.leases.pinned().items():
+            if number != latest:
+                for lease in leases:
+                    out.setdefault(lease.counted, set()).add(number)
+        return out
 
     def serving(self) -> Generation:
         """The latest generation; NotReady while the first one is still loading."""
@@ -158,8 +194,9 @@ class Generations:
 
     def check_room(self) -> None:
         """Refuse a new generation that would make more than `max_generations` live, naming the pinning leases. Readers
-        never block a push for good: the oldest pinned generation's leases are revoked `revoke_after_s` after the
-        first refusal (at once when 0); until then GenerationLimit says when a retry proceeds (`retry_after_s`)."""
+        never block a push for good: an old generation's leases are revoked `revoke_after_s` after the first refusal
+        (at once when 0; which one: `_victim`); until then GenerationLimit says when a retry proceeds
+        (`retry_after_s`)."""
         while True:
             pinned = self.leases.pinned()
             after = {g for g in self.live if g in pinned or g in self.holds} | {0}  # 0 stands for the new one
@@ -168,15 +205,28 @@ class Generations:
             latest = self.latest.number if self.latest else None
             old = sorted(g for g in after if g not in (0, latest))
             now = time.monotonic()
-            if old and old[0] not in self.holds:
-                due = self.revoking.setdefault(old[0], now + self.revoke_after_s)
+            victim = self._victim([g for g in old if g not in self.holds], pinned, latest)
+            if victim is not None:
+                due = self.revoking.setdefault(victim, now + self.revoke_after_s)
                 if now >= due:
-                    self.revoke(old[0])
+                    self.revoke(victim)
                     continue
                 wait = due - now
             else:  # an adopted generation's hold ends by itself (the latest one's pins nothing a push can take)
                 wait = self.holds[old[0]] + self.hold_s - now if old else None
             raise self._limit(len(after), pinned, latest, wait)
+
+    def _victim(self, old: list[int], pinned: dict, latest: int | None) -> int | None:
+        """The old generation a push revokes the leases of: one already being revoked, else the one pinned by the
+        fewest leases of holders within `max_old_per_holder` (a holder pinning more old generations than that is
+        revoked first, never a neighbour for it), the oldest of equals."""
+        if not old:
+            return None
+        due = [g for g in old if g in self.revoking]
+        if due:
+            return due[0]
+        over = {h for h, numbers in self._old_pins(latest).items() if len(numbers) > self.max_old_per_holder}
+        return min(old, key=lambda g: (sum(lease.counted not in over for lease in pinned.get(g, [])), g))
 
     def _limit(self, count: int, pinned: dict, latest: int | None, wait: float | None) -> GenerationLimit:
         holders = ", ".join([f"{lease.where()} (lease {lease_tag(lease.client)}) on generation {g}"

@@ -61,6 +61,12 @@ class Lease:
     # the process that took it as the daemon's /proc shows it (ipc://: SO_PEERCRED pid, its start time): what may
     # still map the generation once the lease ends without a release
     process: tuple[int, int] | None = None
+    account: str = ""  # whom it counts against when not its holder: "anonymous" for every unlisted CURVE key
+
+    @property
+    def counted(self) -> str:
+        """Whom `max_leases_per_client` counts it against: its account, else its holder."""
+        return self.account or self.owner
 
     @property
     def watched(self) -> bool:
@@ -83,6 +89,7 @@ class Retained:
     until: float
     revoked: bool  # ended by `revoke` (its holder is told LeaseRevoked), else silent too long
     ids: set = field(default_factory=set)  # the ended leases' ids: a release by the holder ends the record
+    counted: str = ""  # whom it counts against (the lease's `counted`)
 
 
 def watchable(pid: int, pid_ns: int | None, start_time: int | None) -> int | None:
@@ -117,19 +124,21 @@ class LeaseTable:
         self.leases: dict[str, Lease] = {}
         self.retained: dict[tuple, Retained] = {}  # (owner, generation, process) -> record
         self._ended: dict[str, tuple] = {}  # an ended lease's id -> its record's key
-        self._held: Counter = Counter()  # owner -> live leases
-        self._mapped: Counter = Counter()  # owner -> retained records (a generation one of its processes may map)
+        self._held: Counter = Counter()  # whom leases count against (`Lease.counted`) -> live leases
+        self._mapped: Counter = Counter()  # the same -> retained records (a generation one of its processes may map)
         self.clock = clock
         self._swept = float("-inf")  # when `expire` last swept the retained records: never yet
 
     def take(self, pid: int, generation: int | None, start_time: int | None = None, owner: str = "",
-             process: tuple[int, int] | None = None) -> Lease:
+             process: tuple[int, int] | None = None, account: str = "") -> Lease:
         """A new lease on `generation` (None while the first one loads); with `start_time` (see `watchable`) its
-        process is watched by `expire`. LeaseLimit when `owner` holds `max_leases_per_client` leases (MappedLimit
-        when generations it may still map count towards them), or the daemon `max_leases`."""
-        held, mapped = self._held[owner], self._mapped[owner]
+        process is watched by `expire`. LeaseLimit when `owner` (or `account`, which it counts against when given:
+        every unlisted CURVE key is "anonymous") holds `max_leases_per_client` leases (MappedLimit when generations it
+        may still map count towards them), or the daemon `max_leases`."""
+        counted = account or owner
+        held, mapped = self._held[counted], self._mapped[counted]
         if held + mapped >= self.max_leases_per_client:
-            who = owner or "an unknown client"
+            who = counted or "an unknown client"
             if mapped:
                 raise MappedLimit(
                     f"{who} holds {held} lease(s) and {mapped} generation(s) its processes may still map (leases that "
@@ -146,9 +155,10 @@ class LeaseTable:
             raise LeaseLimit(f"the daemon holds {len(self.leases)} leases and {len(self.retained)} ended ones still "
                              f"mapped: its max_leases={self.max_leases}, for every client together; retry later")
         now = self.clock()
-        lease = Lease(secrets.token_hex(16), pid, now, now, generation, start_time, now, owner, process)
+        lease = Lease(secrets.token_hex(16), pid, now, now, generation, start_time, now, owner, process,
+                      account if account != owner else "")
         self.leases[lease.client] = lease
-        self._held[owner] += 1
+        self._held[counted] += 1
         if process is not None:
             self._per_process[process] += 1
         return lease
@@ -166,9 +176,11 @@ class LeaseTable:
                 if not isinstance(start_time, int) or procfs.process_start_time(pid) != start_time:
                     start_time = None
                 owner = holder_of(item["owner"]) if isinstance(item.get("owner"), str) else ""
+                account = item["account"] if isinstance(item.get("account"), str) else ""
                 process = (pid, start_time) if start_time is not None else None
-                self.leases[client] = Lease(client, pid, now, now, generation, start_time, now, owner, process)
-                self._held[owner] += 1
+                lease = Lease(client, pid, now, now, generation, start_time, now, owner, process, account)
+                self.leases[client] = lease
+                self._held[lease.counted] += 1
                 if process is not None:
                     self._per_process[process] += 1
 
@@ -178,7 +190,8 @@ class LeaseTable:
         for lease in self.leases.values():
             if lease.generation is not None and lease.pid > 0:
                 out.append({"client": lease.client, "pid": lease.pid, "generation": lease.generation,
-                            "start_time": lease.start_time, "owner": lease.owner})
+                            "start_time": lease.start_time, "owner": lease.owner,
+                            **({"account": lease.account} if lease.account else {})})
                 if len(out) == RECORDED_LEASES:
                     break
         return out
@@ -190,9 +203,9 @@ class LeaseTable:
         lease = self.leases.get(client)
         if lease is not None and (owner is None or lease.owner == owner or not lease.owner):
             if owner and not lease.owner:
-                self._held[lease.owner] -= 1
+                self._held[lease.counted] -= 1
                 lease.owner = owner
-                self._held[owner] += 1
+                self._held[lease.counted] += 1
             return lease
         record = self.retained.get(self._ended.get(client, ()))
         if lease is None and record is not None and record.revoked and owner in (None, record.owner):
@@ -234,9 +247,9 @@ class LeaseTable:
 
     def _drop(self, lease: Lease) -> None:
         del self.leases[lease.client]
-        self._held[lease.owner] -= 1
-        if self._held[lease.owner] <= 0:
-            del self._held[lease.owner]
+        self._held[lease.counted] -= 1
+        if self._held[lease.counted] <= 0:
+            del self._held[lease.counted]
         if lease.process is not None:
             self._per_process[lease.process] -= 1
             if self._per_process[lease.process] <= 0:
@@ -250,8 +263,8 @@ class LeaseTable:
         record = self.retained.get(key)
         if record is None:
             record = self.retained[key] = Retained(lease.owner, lease.generation, lease.process,
-                                                   self.clock() + self.timeout_s, revoked)
-            self._mapped[lease.owner] += 1
+                                                   self.clock() + self.timeout_s, revoked, counted=lease.counted)
+            self._mapped[lease.counted] += 1
         record.revoked = record.revoked or revoked
         record.ids.add(lease.client)
         self._ended[lease.client] = key
@@ -260,9 +273,9 @@ class LeaseTable:
 
     def _forget(self, key: tuple) -> None:
         record = self.retained.pop(key)
-        self._mapped[record.owner] -= 1
-        if self._mapped[record.owner] <= 0:
-            del self._mapped[record.owner]
+        self._mapped[record.counted] -= 1
+        if self._mapped[record.counted] <= 0:
+            del self._mapped[record.counted]
         for client in record.ids:
             self._ended.pop(client, None)
 

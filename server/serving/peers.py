@@ -50,6 +50,7 @@ class Peer:
     pid: int | None = None
     address: str = ""  # its address otherwise
     frames: tuple = ()  # a `stage` request's pushed bytes, as memoryviews
+    anonymous: bool = False  # a CURVE key the config does not list (no curve_client_keys): counted as "anonymous"
 
     @property
     def holder(self) -> str:
@@ -61,13 +62,21 @@ class Peer:
             return f"uid {self.uid}"
         return f"address {self.address}" if self.address else ""
 
+    @property
+    def account(self) -> str:
+        """Whom every cap counts this request against (leases, derived tensors, the derivation queue): its holder,
+        but "anonymous" for every CURVE key the config does not list, together: throwaway keys cost nothing to make,
+        so they never multiply a per-reader cap. A lease still belongs to its key alone."""
+        return "anonymous" if self.anonymous else self.holder
 
-def peer_of(frame, client_key: str | None, frames=()) -> Peer:
-    """The Peer of a request whose last frame is `frame`: its CURVE key when given; on ipc:// the sending
-    process (SO_PEERCRED uid and pid, which libzmq appends to the peer address); else its address."""
+
+def peer_of(frame, client_key: str | None, frames=(), listed=None) -> Peer:
+    """The Peer of a request whose last frame is `frame`: its CURVE key when given (anonymous unless `listed(key)`);
+    on ipc:// the sending process (SO_PEERCRED uid and pid, which libzmq appends to the peer address); else its
+    address."""
     data = tuple(memoryview(f) for f in frames)
     if client_key:
-        return Peer(key=client_key, frames=data)
+        return Peer(key=client_key, frames=data, anonymous=listed is not None and not listed(client_key))
     try:
         address = frame.get("Peer-Address") or ""
     except zmq.ZMQError:

@@ -2,11 +2,14 @@
 against the job that makes large casts and gathers off the request loop.
 
 A job's refusal is told only to the reader who asked (it may be that reader's quota), kept as its words alone (not
-the request's frames and indexes); large requests wait in a queue served reader by reader in turn, at most
-QUEUED_PER_READER of one reader's at once, so a reader flooding the job cannot starve another's.
+the request's frames and indexes); large requests wait in a queue bounded per reader and for the daemon, and are made
+a slice at a time, the reader served least lately first, so readers flooding the job cannot starve another's.
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import pytest
 import torch
@@ -15,8 +18,11 @@ from expertd import derived
 from expertd.client import ExpertClient
 from expertd.connection import Connection
 from expertd.errors import DerivedLimit
+from expertd.protocol import PROTOCOL_VERSION
+from expertd.security import Credentials, create_keys
+from helpers.curve import curve_daemon
 from helpers.polling import wait_until
-from test_lease_holders import MEMBER, finish, needs_root, spawn
+from helpers.takers import MEMBER, finish, needs_root, spawn
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,6 +47,7 @@ import os, sys, threading, torch
 from expertd import derived, messages
 from expertd.connection import Connection
 from expertd.errors import DerivedLimit
+from expertd.protocol import PROTOCOL_VERSION
 from expertd.errors import DaemonError
 from expertd.protocol import PROTOCOL_VERSION
 from expertd.replies import LeaseReply, DerivedReply
@@ -167,3 +174,79 @@ def test_a_readers_queue_is_bounded(tiny_checkpoint, start_daemon):
             wait_until(lambda: not job_running(daemon), "the queued jobs end")
     finally:
         conn.close()
+
+
+# each key in argv[3:] (a NAME.key_secret the daemon lists) keeps 4 large gathers asked, refused late, again and again
+KEYS_FLOODER = """
+import os, sys, threading, torch
+from expertd import derived
+from expertd.connection import Connection
+from expertd.errors import DaemonError
+from expertd.protocol import PROTOCOL_VERSION
+from expertd.security import Credentials
+conns = [Connection(sys.argv[1], timeout=60, credentials=Credentials.resolve(server_key=sys.argv[2], client_key=k))
+         for k in sys.argv[3:]]
+leases = [c.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"] for c in conns]
+requests = []
+for k in range(4):
+    index = torch.arange(1_500_000) % 1_024_000
+    index[-1] = 10_000_000 + k
+    requests.append([derived.request("model.layers.1.mlp.experts.gate_up_proj", derived.encode(index),
+                                     index.numel(), (index.numel(),), whole=True).wire()])
+done, refusals = threading.Event(), set()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+print("flooding", flush=True)
+while not done.is_set():
+    for conn, lease in zip(conns, leases):
+        for request in requests:
+            try:
+                conn.request("gather", client=lease, tensors=request)
+            except DaemonError as exc:
+                refusals.add(str(exc).split(":")[0][:60])
+print(len(refusals), flush=True)
+"""
+
+
+def test_twenty_listed_keys_flooding_the_queue_neither_starve_a_victim_nor_grow_the_daemon(tiny_checkpoint,
+                                                                                           start_daemon, tmp_path):
+    """Issue 49, finding 3: a victim's 65-item cast waited behind every flooding key's parked requests (28.5 s with 10
+    keys), and 60 keys x 4 parked requests grew the daemon without bound. With 20 listed keys (each a reader of its
+    own) keeping 4 large requests each asked: the queue holds at most 64 requests and 32 MiB of indexes, and the
+    victim's cast is made while the flood goes on (its figures: benchmarks/bench_fair_readers.py F2)."""
+    listed = tmp_path / "clients"
+    secrets = []
+    for k in range(21):
+        secret = create_keys(str(listed), f"reader{k}")[1]
+        secrets.append(str(tmp_path / os.path.basename(secret)))
+        os.rename(secret, secrets[-1])
+    daemon, public = curve_daemon(start_daemon, tiny_checkpoint, tmp_path, probe_key=secrets[0],
+                                  curve_client_keys=str(listed))
+    before = rss(daemon.proc.pid)
+    flooder = spawn(KEYS_FLOODER, daemon.endpoint, public, *secrets[1:])
+    victim = Connection(daemon.endpoint, timeout=60, credentials=Credentials.resolve(server_key=public,
+                                                                                    client_key=secrets[0]))
+    try:
+        assert flooder.stdout.readline().strip() == "flooding", flooder.stderr.read()
+        wait_until(lambda: victim.request("status")["derived"]["queued"] >= 32, "the flood fills the queue")
+        lease = victim.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"]
+        served = [t for t in victim.request("index", client=lease)["index"]["tensors"]
+                  if t["dtype"] in ("torch.bfloat16", "torch.float32")]
+        items = [{"name": t["name"], "dtype": d} for d in ("torch.float16", "torch.float64") for t in served][:65]
+        seen = []
+        while True:
+            reply = victim.request("cast", client=lease, tensors=items)
+            seen.append(victim.request("status")["derived"])
+            if not reply.get("building"):
+                break
+            time.sleep(0.05)
+        assert len(reply["tensors"]) == 65
+        assert flooder.poll() is None  # made while the flood went on
+        assert max(s["queued"] for s in seen) <= 64 and max(s["queued_bytes"] for s in seen) <= 32 << 20
+        grown = rss(daemon.proc.pid) - before
+        assert grown < 64 << 20, f"the daemon grew by {grown / 2**20:.1f} MiB under 20 flooding keys"
+    finally:
+        victim.close()
+        flooder.stdin.close()
+        said = flooder.stdout.readline().strip()
+        finish([flooder])
+    assert int(said) >= 1  # the flood was refused (queue full, or its own requests' late refusals)

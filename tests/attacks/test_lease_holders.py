@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -27,40 +23,15 @@ from expertd.client import ExpertClient
 from expertd.connection import Connection
 from expertd.errors import LeaseExpired, LeaseLimit, LeaseRevoked, MappedLimit
 from expertd.protocol import PROTOCOL_VERSION
-from expertd.security import Credentials, create_keys
+from expertd.security import Credentials
 from expertd.server.serving.leases import lease_tag
 from helpers.polling import wait_until
+from helpers.curve import curve_daemon
+from helpers.takers import MEMBER, NOBODY, TAKER, ask, finish, needs_root, spawn
 
 pytestmark = pytest.mark.timeout(600)
 
 NORM = "model.layers.2.post_attention_layernorm.weight"
-NOBODY = 65534
-# another uid in the daemon's group (root's, for the socket), able to read root's venv
-MEMBER = ["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY), "--groups", "0", "--inh-caps", "+dac_read_search",
-          "--ambient-caps", "+dac_read_search"]
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
-                                reason="needs root and setpriv to act as another uid")
-
-# a process that takes leases on every line it reads ("N": N attempts), answers how many it got, exits on EOF
-TAKER = """
-import os, sys
-from expertd import procfs
-from expertd.connection import Connection
-from expertd.errors import LeaseLimit
-from expertd.protocol import PROTOCOL_VERSION
-conn = Connection(sys.argv[1], timeout=30)
-me = {"pid": os.getpid(), "protocol": PROTOCOL_VERSION, "pid_ns": procfs.pid_namespace(),
-      "start_time": procfs.process_start_time(os.getpid())}  # watched: its leases end with it
-for line in sys.stdin:
-    got, why = [], ""
-    for _ in range(int(line)):
-        try:
-            got.append(conn.request("lease", **me)["client"])
-        except LeaseLimit as exc:
-            why = type(exc).__name__
-    print(len(got), why, *got, flush=True)
-"""
-
 # beats a lease id it was given (a victim's, leaked) until stdin closes; prints what each beat was answered
 BEATER = """
 import collections, sys, threading
@@ -78,37 +49,6 @@ while not done.wait(0.05):
 conn.request("release", client=sys.argv[2])
 print(dict(seen), flush=True)
 """
-
-
-def env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-
-
-def spawn(script: str, *args: str, prefix=()) -> subprocess.Popen:
-    return subprocess.Popen([*prefix, sys.executable, "-c", script, *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
-
-
-def ask(proc: subprocess.Popen, attempts: int) -> tuple[int, str, list[str]]:
-    proc.stdin.write(f"{attempts}\n")
-    proc.stdin.flush()
-    line = proc.stdout.readline().split()
-    assert line, proc.stderr.read()
-    count, rest = int(line[0]), line[1:]
-    why = rest.pop(0) if rest and not all(c in "0123456789abcdef" for c in rest[0]) else ""
-    return count, why, rest
-
-
-def finish(procs) -> None:
-    for proc in procs:
-        if proc.stdin and not proc.stdin.closed:
-            proc.stdin.close()
-    for proc in procs:
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def manifest(daemon, folder) -> tuple[dict, int]:
@@ -177,27 +117,6 @@ def test_heartbeats_from_another_uid_neither_renew_nor_reveal_a_lease(tiny_check
             victim.request("heartbeat", client=lease)
     finally:
         victim.close()
-
-
-def curve_daemon(start_daemon, checkpoint: str, folder, **extra):
-    """A daemon on tcp:// with CURVE and no curve_client_keys (any key with its public one connects), serving;
-    and its public key."""
-    public, secret = create_keys(str(folder / "keys"), "daemon")
-    daemon = start_daemon(checkpoint, wait=False, endpoint=f"tcp://127.0.0.1:{free_port()}", curve_secret_key=secret,
-                          **extra)
-    conn = Connection(daemon.endpoint, timeout=2, credentials=Credentials.resolve(server_key=public))
-    try:
-        wait_until(lambda: daemon.proc.poll() is None and _state(conn) == "serving", "the CURVE daemon serves", 120)
-    finally:
-        conn.close()
-    return daemon, public
-
-
-def _state(conn) -> str | None:
-    try:
-        return conn.request("status")["state"]
-    except Exception:
-        return None
 
 
 def test_a_live_lease_is_answered_to_another_holder_as_unknown(tiny_checkpoint, start_daemon, tmp_path):
@@ -300,19 +219,18 @@ def _try_lease(conn) -> str | None:
         return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_throwaway_curve_keys_stop_at_the_daemon_wide_cap(tiny_checkpoint, start_daemon, tmp_path):
+def test_throwaway_curve_keys_are_one_anonymous_reader(tiny_checkpoint, start_daemon, tmp_path):
+    """Issue 49, finding 3: 20 throwaway keys from one process held 1,280 leases. Every key the config does not list
+    is one reader, "anonymous": together they stop at one holder's cap, and a listed key (here the daemon's own,
+    always admin) is not held back by them."""
     log_path = tmp_path / "daemon.log"
     with open(log_path, "w") as log:
-        daemon, public = curve_daemon(start_daemon, tiny_checkpoint, tmp_path, stderr=log, max_leases=100,
+        daemon, public = curve_daemon(start_daemon, tiny_checkpoint, tmp_path, stderr=log, max_leases_per_client=50,
                                       lease_timeout_s=60)
     conns = [Connection(daemon.endpoint, timeout=30, credentials=Credentials.resolve(server_key=public))
              for _ in range(20)]  # 20 throwaway keys: no curve_client_keys, so any key with ours connects
+    listed = Connection(daemon.endpoint, timeout=30, credentials=Credentials.resolve(
+        server_key=public, client_key=str(tmp_path / "keys" / "daemon.key_secret")))
     try:
         got, refused = [], []
         for conn in conns:
@@ -321,18 +239,20 @@ def test_throwaway_curve_keys_stop_at_the_daemon_wide_cap(tiny_checkpoint, start
                     got.append(conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"])
                 except LeaseLimit as exc:
                     refused.append(str(exc))
-        assert len(got) == 100 and len(refused) == 20 * 64 - 100
-        assert all("max_leases=100" in why for why in refused)
-        print(f"\n20 throwaway CURVE keys: {len(got)} leases (max_leases=100), {len(refused)} refused")
+        assert len(got) == 50 and len(refused) == 20 * 64 - 50
+        assert all(why.startswith("anonymous already holds 50 leases") for why in refused), refused[0]
+        print(f"\n20 throwaway CURVE keys: {len(got)} leases (max_leases_per_client=50), {len(refused)} refused")
+        mine = [listed.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"] for _ in range(10)]
+        assert len(set(mine)) == 10  # a listed key counts on its own
         stranger = Connection(daemon.endpoint, timeout=30, credentials=Credentials.resolve(server_key=public))
         try:
             for lease in got:
-                stranger.request("release", client=lease)  # a release from another key releases nothing
-            assert len(stranger.request("status")["leases"]) == 100
+                stranger.request("release", client=lease)  # a lease still belongs to its key: nothing released
+            assert len(stranger.request("status")["leases"]) == 60
         finally:
             stranger.close()
     finally:
-        for conn in conns:
+        for conn in (*conns, listed):
             conn.close()
     warned = [line for line in log_path.read_text().splitlines() if "without curve_client_keys" in line]
-    assert len(warned) == 1 and "anyone with this daemon's public key" in warned[0], warned
+    assert len(warned) == 1 and "one reader, 'anonymous'" in warned[0], warned

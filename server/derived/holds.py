@@ -1,0 +1,60 @@
+"""Who holds each derived tensor: the leases that asked for it, while they read a generation that lists it.
+
+A derived tensor lives while a lease holds it, not as long as its generation: each cast or gather reply holds what it
+names for the asking lease. It counts against every reader (`Lease.counted`: a uid, a listed CURVE key, "anonymous")
+holding it through a live lease on a generation that lists it; a reader whose leases end (released, expired, its
+process gone, moved to a generation that does not list it) stops paying for it at once. A derived tensor nobody holds
+stays listed (a worker restarting asks again and finds it) until room is needed: then the unheld go first
+(`derived/requests` reclaims them before refusing for a daemon-wide limit).
+"""
+
+from __future__ import annotations
+
+
+class Holds:
+    def __init__(self, leases):
+        self.leases = leases  # the lease table: which lease ids live, on which generation, counted against whom
+        self._by_segment: dict[str, set[str]] = {}  # a derived tensor's segment (`created`) -> lease ids that asked
+
+    def hold(self, lease_id: str | None, derived) -> None:
+        """Lease `lease_id` holds `derived` (derived tensors a reply names; a served tensor itself holds nothing)."""
+        if lease_id is None:
+            return
+        for v in derived:
+            if v is not None and v.key:
+                self._by_segment.setdefault(v.created, set()).add(lease_id)
+
+    def adopt(self, gens) -> None:
+        """After a restart: each adopted derived tensor is held by the re-granted leases on its generation of the
+        reader that made it (the predecessor did not record who else asked; they hold it again when they ask)."""
+        for gen in gens.live.values():
+            for v in gen.derived.values():
+                if v.key:
+                    ids = [c for c, lease in self.leases.leases.items()
+                           if lease.generation == gen.number and lease.counted == v.owner]
+                    self._by_segment.setdefault(v.created, set()).update(ids)
+
+    def accounts(self, segment: str, generations: set[int]) -> set[str]:
+        """The readers holding derived segment `segment` through a live lease on one of `generations` (those listing
+        it); lease ids that ended are forgotten here."""
+        ids = self._by_segment.get(segment)
+        if not ids:
+            return set()
+        live = {c for c in ids if c in self.leases.leases}
+        if len(live) != len(ids):
+            if live:
+                self._by_segment[segment] = live
+            else:
+                del self._by_segment[segment]
+        return {lease.counted for c in live if (lease := self.leases.leases[c]).generation in generations}
+
+    def forget(self, segment: str) -> None:
+        """`segment` was reclaimed or retired: nobody holds it any more."""
+        self._by_segment.pop(segment, None)
+
+    def prune(self, listed) -> None:
+        """Forget the segments no live generation lists any more (their generations retired)."""
+        if len(self._by_segment) <= len(listed):
+            return
+        for segment in [s for s in self._by_segment if s not in listed]:
+            del self._by_segment[segment]
