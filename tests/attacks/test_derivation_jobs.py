@@ -220,7 +220,8 @@ def test_twenty_listed_keys_flooding_the_queue_neither_starve_a_victim_nor_grow_
         secrets.append(str(tmp_path / os.path.basename(secret)))
         os.rename(secret, secrets[-1])
     daemon, public = curve_daemon(start_daemon, tiny_checkpoint, tmp_path, probe_key=secrets[0],
-                                  curve_client_keys=str(listed))
+                                  curve_client_keys=str(listed), max_derived_bytes=1 << 30,
+                                  max_derived_bytes_per_reader=1 << 28)
     before = rss(daemon.proc.pid)
     flooder = spawn(KEYS_FLOODER, daemon.endpoint, public, *secrets[1:])
     victim = Connection(daemon.endpoint, timeout=60, credentials=Credentials.resolve(server_key=public,

@@ -114,7 +114,7 @@ def test_what_an_exited_hoarder_held_is_reclaimed_for_a_neighbour(tiny_checkpoin
         names = float_names(neighbour)
         hoarder, why = hoard(daemon, names)
         try:
-            assert "max_derived_bytes=" in why, why
+            assert "max_derived_bytes" in why, why  # its own cap or the daemon's: the same number here
             assert readers(daemon)[f"uid {NOBODY}"] > cap - (1 << 20)
             with pytest.raises(DerivedLimit, match="max_derived_bytes="):
                 cast_once(daemon, NORM)  # held by a live lease: nothing to reclaim

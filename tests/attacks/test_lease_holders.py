@@ -240,7 +240,7 @@ def test_throwaway_curve_keys_are_one_anonymous_reader(tiny_checkpoint, start_da
                 except LeaseLimit as exc:
                     refused.append(str(exc))
         assert len(got) == 50 and len(refused) == 20 * 64 - 50
-        assert all(why.startswith("anonymous already holds 50 leases") for why in refused), refused[0]
+        assert all("anonymous already holds 50 leases" in why for why in refused), refused[0]
         print(f"\n20 throwaway CURVE keys: {len(got)} leases (max_leases_per_client=50), {len(refused)} refused")
         mine = [listed.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"] for _ in range(10)]
         assert len(set(mine)) == 10  # a listed key counts on its own
