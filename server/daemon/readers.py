@@ -56,7 +56,7 @@ class Readers:
         """Move the lease to the latest generation (the one it leaves may retire); the reply names its index."""
         latest = self.gens.serving()
         lease = self.leases.beat(req.client, peer.holder)
-        lease.generation = latest.number
+        self.leases.move(lease, latest.number)
         self.gens.retire()
         return replies.IndexSegmentReply(generation=lease.generation, index_segment=latest.index_place)
 

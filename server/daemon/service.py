@@ -58,7 +58,7 @@ class WeightService:
         self.leases = LeaseTable(cfg.max_leases_per_client, cfg.max_leases, cfg.lease_timeout_s,
                                  max_leases_per_process=cfg.max_leases_per_process)
         self.gens = Generations(self.leases, cfg.max_generations,
-                                on_retire=lambda n: ledger.remove(self.run_dir, cfg.namespace, n),
+                                on_retire=lambda n: self.derived_records.remove(n),
                                 revoke_after_s=cfg.revoke_after_s, hold_s=cfg.lease_timeout_s,
                                 max_old_per_holder=cfg.max_old_generations_per_holder)
         self.run_dir = cfg.resolved_run_dir
@@ -338,6 +338,7 @@ class WeightService:
                      ", ".join(str(n) for n in sorted(segments)))
             self.gens.leave()
             return
+        self.derived_records.wait()
         ledger.remove_all(self.run_dir, self.cfg.namespace)
         if self.gens.latest is not None:
             self.gens.close()

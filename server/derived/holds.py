@@ -15,6 +15,7 @@ class Holds:
     def __init__(self, leases):
         self.leases = leases  # the lease table: which lease ids live, on which generation, counted against whom
         self._by_segment: dict[str, set[str]] = {}  # a derived tensor's segment (`created`) -> lease ids that asked
+        self.changes = 0  # counts every hold added or forgotten (what `Quota.usage` caches by)
 
     def hold(self, lease_id: str | None, derived) -> None:
         """Lease `lease_id` holds `derived` (derived tensors a reply names; a served tensor itself holds nothing)."""
@@ -22,7 +23,10 @@ class Holds:
             return
         for v in derived:
             if v is not None and v.key:
-                self._by_segment.setdefault(v.created, set()).add(lease_id)
+                held = self._by_segment.setdefault(v.created, set())
+                if lease_id not in held:
+                    held.add(lease_id)
+                    self.changes += 1
 
     def adopt(self, gens) -> None:
         """After a restart: each adopted derived tensor is held by the re-granted leases on its generation of the
@@ -33,6 +37,7 @@ class Holds:
                     ids = [c for c, lease in self.leases.leases.items()
                            if lease.generation == gen.number and lease.counted == v.owner]
                     self._by_segment.setdefault(v.created, set()).update(ids)
+        self.changes += 1
 
     def accounts(self, segment: str, generations: set[int]) -> set[str]:
         """The readers holding derived segment `segment` through a live lease on one of `generations` (those listing
@@ -50,7 +55,8 @@ class Holds:
 
     def forget(self, segment: str) -> None:
         """`segment` was reclaimed or retired: nobody holds it any more."""
-        self._by_segment.pop(segment, None)
+        if self._by_segment.pop(segment, None) is not None:
+            self.changes += 1
 
     def prune(self, listed) -> None:
         """Forget the segments no live generation lists any more (their generations retired)."""

@@ -55,6 +55,7 @@ class Quota:
         self.unit = shmdir.inspect(cfg.shm_dir, strict=False).unit
         self._reserved: dict[int, tuple[str, int, int]] = {}  # job -> (reader, bytes, files) being made
         self._pages_of: dict[int, int] = {}  # generation -> its served bytes in pages (live ones and the latest)
+        self._usage: tuple | None = None  # (what it was computed from, Usage)
 
     def warn_unshared(self, log) -> None:
         """Say at start when one reader may take every derived byte or file while several can read (group mode, or
@@ -111,6 +112,16 @@ class Quota:
                 "shm_reserve": served}
 
     def usage(self) -> Usage:
+        """What derived tensors take now (see `_usage`), computed again only when a live generation's derived tensors,
+        the leases, the holds or the reservations changed: it is read on every cast and gather, and a host's daemon
+        lists thousands of derived tensors."""
+        key = (tuple((n, g.derived_changes) for n, g in self.gens.live.items()), self.holds.leases.changes,
+               self.holds.changes, tuple(self._reserved.items()))
+        if self._usage is None or self._usage[0] != key:
+            self._usage = (key, self._usage_now())
+        return self._usage[1]
+
+    def _usage_now(self) -> Usage:
         """What derived tensors take now: those of the live generations, each segment once (for the readers whose
         live leases hold it: `holds`), and those being made. A derived layout of ranges (`derived/extents`) also keeps
         alive the older layouts' segments its ranges lie in: one whose own derived tensor has gone counts against the

@@ -41,9 +41,9 @@ from .tensors import Planned, DerivedTensor, check, make, plan_casts, plan_gathe
 
 log = logging.getLogger("expertd.derived")
 
-INLINE_ITEMS = 16  # a request is made on the request loop when it names at most this many tensors,
-INLINE_ENTRIES = 1 << 16  # inflates at most this many index entries (256 KiB),
-INLINE_BYTES = 2 << 20  # and makes at most this many bytes; else it is a derivation job
+INLINE_ITEMS = 4  # a request is made on the request loop when it names at most this many tensors,
+INLINE_ENTRIES = 1 << 12  # inflates at most this many index entries (16 KiB),
+INLINE_BYTES = 256 << 10  # and makes at most this many bytes; else it is a derivation job
 REMEMBERED = 256  # requests whose names (or refusal) are kept for the next ask
 
 

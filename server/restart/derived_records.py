@@ -8,8 +8,8 @@ keeps an older layout's blocks (`derived/extents`) has its entry's `extents`, th
 segments' size, and a gather of one source its form
 (`Planned.form`: a successor's next push keeps its unchanged blocks too). It is small beside the
 generation's own record (a few hundred bytes a derived tensor) and kept apart from it, so that the multi-MB index record
-is written once, at publish. `Recorder.flush` rewrites it between requests, never inside one: at most every
-RECORD_EVERY_S, for the generations whose derived tensors changed (a generation's derived tensors only ever grow). It is
+is written once, at publish. `Recorder.flush` rewrites it between requests, on a thread of its own: at most every
+RECORD_EVERY_S, for the generations whose derived tensors changed (grown, or reclaimed). It is
 sealed like the ledger (`sealed`, a purpose of its own: it passes for no other record); one that fails is never read,
 and its segments are reaped as after any crash. It goes with its generation's record (`ledger.remove`,
 `ledger.remove_all`); `adopt` verifies what it names before anything of it is served.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import expertd
@@ -59,10 +60,14 @@ def to_record(derived_tensor: DerivedTensor, sizes: dict[str, int]) -> dict:
 def write(run_dir: str, namespace: str, number: int, derived, shm_dir: str) -> None:
     """Record generation `number`'s derived tensors, sealed under the run folder's key (atomically: whole or not
     at all)."""
-    sizes = {}
+    sizes, gone = {}, set()
     for x in (x for v in derived if v.entry.extents for x in v.entry.extents):
-        if x.segment not in sizes:
-            sizes[x.segment] = os.stat(segment_path(x.segment, shm_dir)).st_size
+        if x.segment not in sizes and x.segment not in gone:
+            try:
+                sizes[x.segment] = os.stat(segment_path(x.segment, shm_dir)).st_size
+            except FileNotFoundError:  # reclaimed since the list was taken: the next write leaves it out
+                gone.add(x.segment)
+    derived = [v for v in derived if not any(x.segment in gone for x in v.entry.extents or ())]
     sealed.write(ledger.derived_path(run_dir, namespace, number), {
         "derived": RECORD_VERSION, "expertd": expertd.__version__, "generation": number, "namespace": namespace,
         "tensors": [to_record(v, sizes) for v in derived],
@@ -137,46 +142,72 @@ def form_of(item: dict, entry: TensorEntry) -> tuple:
 
 
 class Recorder:
-    """Keeps each live generation's derived tensors record current: rewritten between requests when its derived tensors
-    changed,
-    at most every RECORD_EVERY_S (a request never waits on it)."""
+    """Keeps each live generation's derived tensors record current: rewritten when its derived tensors changed, at most
+    every RECORD_EVERY_S, on a thread of its own (a record of thousands of derived tensors takes a while to seal and
+    write: the request loop only takes the list)."""
 
     def __init__(self, run_dir: str, namespace: str):
         self.run_dir, self.namespace = run_dir, namespace
         self.recorded: dict[int, int] = {}  # generation -> how many derived tensors its record lists (-1: to rewrite)
         self._written = 0.0
         self._failing = False  # a write failed: said once, until one succeeds again
+        self._lock = threading.Lock()  # a write and a retired generation's removal never interleave
+        self._retired: set[int] = set()  # generations whose records went: a write in flight skips them
+        self._writer: threading.Thread | None = None
 
     def adopted(self, number: int, count: int) -> None:
         """Generation `number`'s record, as a predecessor left it, lists `count` derived tensors (-1: rewrite it)."""
         self.recorded[number] = count
 
+    def remove(self, number: int) -> None:
+        """Generation `number` retired: its records go (`ledger.remove`), and no write in flight brings them back."""
+        with self._lock:
+            self._retired.add(number)
+            ledger.remove(self.run_dir, self.namespace, number)
+
+    def wait(self) -> None:
+        """Until the write in flight, if any, is done."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
     def flush(self, gens, force: bool = False) -> None:
-        """Rewrite the records of live generations `gens` whose derived tensors changed since last recorded."""
+        """Rewrite the records of live generations `gens` whose derived tensors changed since last recorded: on the
+        writer thread, or here and now with `force` (the daemon hands over)."""
+        if self._writer is not None and self._writer.is_alive() and not force:
+            return
+        self.wait()
         if not force and time.monotonic() - self._written < RECORD_EVERY_S:
             return
         live = {g.number: g for g in gens}
         for number in [n for n in self.recorded if n not in live]:  # retired: its record went with it
             del self.recorded[number]
-        todo = [g for n, g in live.items() if len(g.derived) != self.recorded.get(n, 0)]
+        todo = [(n, list(g.derived.values()), g.index.shm_dir) for n, g in live.items()
+                if len(g.derived) != self.recorded.get(n, 0)]
         if not todo:
             return
         self._written = time.monotonic()
+        if force:
+            self._write(todo)
+        else:
+            self._writer = threading.Thread(target=self._write, args=(todo,), name="expertd-records", daemon=True)
+            self._writer.start()
+
+    def _write(self, todo: list[tuple[int, list, str]]) -> None:
+        numbers = ", ".join(str(n) for n, _, _ in todo)
         try:
-            hostpaths.check_folder(self.run_dir, "run folder")  # still the daemon's own, reached through no new link
-            for gen in todo:
-                derived = list(gen.derived.values())
-                write(self.run_dir, self.namespace, gen.number, derived, gen.index.shm_dir)
-                self.recorded[gen.number] = len(gen.derived)
+            with self._lock:
+                hostpaths.check_folder(self.run_dir, "run folder")  # still the daemon's own, through no new link
+                for number, derived, shm_dir in todo:
+                    if number not in self._retired:
+                        write(self.run_dir, self.namespace, number, derived, shm_dir)
+                        self.recorded[number] = len(derived)
         except OSError as exc:
             if not self._failing:
                 log.error("cannot record the derived tensors of generation(s) %s in %s (%s): serving on; a successor "
-                          "makes them again rather than adopts them", ", ".join(str(g.number) for g in todo),
-                          self.run_dir, exc)
+                          "makes them again rather than adopts them", numbers, self.run_dir, exc)
             self._failing = True
             return
         if self._failing:
-            log.info("the derived tensors of generation(s) %s are recorded again",
-                     ", ".join(str(g.number) for g in todo))
+            log.info("the derived tensors of generation(s) %s are recorded again", numbers)
         self._failing = False
-

@@ -52,6 +52,7 @@ class Generation:
         self._served: dict | None = None
         self.derived: dict[str, object] = {}  # derivation name (`expertd.derived.key`) -> tensors.DerivedTensor
         self._derived_numbers = itertools.count()
+        self.derived_changes = 0  # counts every derived tensor listed or unlisted (what `Quota.usage` caches by)
 
     def next_derived(self) -> int:
         """The number of this generation's next derived tensor segment (`/{namespace}.{pid}.v{N}.{k}`)."""
@@ -63,6 +64,7 @@ class Generation:
         adopted generations, a newer one's record may name one of this generation's that its own record had not listed
         yet)."""
         self.derived.update(derived)
+        self.derived_changes += 1
         pattern, tag = segment_pattern(self.index.namespace), f"v{self.number}"
         taken = [int(m.group(3)) for m in (pattern.match(name.lstrip("/")) for name in segments)
                  if m is not None and m.group(2) == tag]
@@ -74,12 +76,14 @@ class Generation:
         if key in self.derived:
             return False
         self.derived[key] = derived_tensor
+        self.derived_changes += 1
         return True
 
     def remove_derived(self, segments: set[str]) -> list:
         """Unlist the derived tensors made in `segments` (reclaimed: no lease holds them); those unlisted. Their
         segments are the caller's to unlink once no live generation uses them."""
         gone = [key for key, v in self.derived.items() if v.key and v.created in segments]
+        self.derived_changes += 1
         return [self.derived.pop(key) for key in gone]
 
     def drop_derived(self, derived_tensor) -> None:
@@ -189,7 +193,7 @@ class Generations:
         if lease is None:
             return self.latest
         if lease.generation is None and self.latest is not None:
-            lease.generation = self.latest.number
+            self.leases.move(lease, self.latest.number)
         return self.live.get(lease.generation) if lease.generation is not None else None
 
     def check_room(self) -> None:

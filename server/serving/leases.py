@@ -128,6 +128,7 @@ class LeaseTable:
         self._mapped: Counter = Counter()  # the same -> retained records (a generation one of its processes may map)
         self.clock = clock
         self._swept = float("-inf")  # when `expire` last swept the retained records: never yet
+        self.changes = 0  # counts every lease taken, ended, claimed or moved: what reads the table may cache by it
 
     def take(self, pid: int, generation: int | None, start_time: int | None = None, owner: str = "",
              process: tuple[int, int] | None = None, account: str = "") -> Lease:
@@ -158,6 +159,7 @@ class LeaseTable:
         lease = Lease(secrets.token_hex(16), pid, now, now, generation, start_time, now, owner, process,
                       account if account != owner else "")
         self.leases[lease.client] = lease
+        self.changes += 1
         self._held[counted] += 1
         if process is not None:
             self._per_process[process] += 1
@@ -180,6 +182,7 @@ class LeaseTable:
                 process = (pid, start_time) if start_time is not None else None
                 lease = Lease(client, pid, now, now, generation, start_time, now, owner, process, account)
                 self.leases[client] = lease
+                self.changes += 1
                 self._held[lease.counted] += 1
                 if process is not None:
                     self._per_process[process] += 1
@@ -203,6 +206,7 @@ class LeaseTable:
         lease = self.leases.get(client)
         if lease is not None and (owner is None or lease.owner == owner or not lease.owner):
             if owner and not lease.owner:
+                self.changes += 1
                 self._held[lease.counted] -= 1
                 lease.owner = owner
                 self._held[lease.counted] += 1
@@ -245,8 +249,14 @@ class LeaseTable:
             self._retain(lease, revoked=True)
         return gone
 
+    def move(self, lease: Lease, generation: int) -> None:
+        """`lease` reads `generation` now (a refresh; a lease taken while loading, at the first publish)."""
+        lease.generation = generation
+        self.changes += 1
+
     def _drop(self, lease: Lease) -> None:
         del self.leases[lease.client]
+        self.changes += 1
         self._held[lease.counted] -= 1
         if self._held[lease.counted] <= 0:
             del self._held[lease.counted]

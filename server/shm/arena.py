@@ -123,7 +123,7 @@ class Arena:
                  shm_dir: str = SHM_DIR):
         self.namespace = namespace
         self.tag = tag
-        self.shm = shmdir.inspect(shm_dir, strict=False)  # the config checked it; here only its unit matters
+        self.shm = shmdir.unit_of(shm_dir)  # the config checked it; here only its unit matters
         self.shm_dir = shm_dir
         self.gid = grp.getgrnam(group).gr_gid if group else None
         self.segment_bytes = segment_bytes  # 0: every tensor in a segment of its own

@@ -11,6 +11,7 @@ map every segment with huge pages to its end.
 from __future__ import annotations
 
 import os
+import time
 import re
 from dataclasses import dataclass
 
@@ -119,6 +120,20 @@ def inspect(path: str, where: str = "shm_dir", strict: bool = True) -> ShmDir:
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{where}: {path} is not writable by this user (uid {os.getuid()})")
     return ShmDir(path, fstype, point, options, _unit(path, fstype, options))
+
+
+_UNITS: dict[str, tuple[float, ShmDir]] = {}  # folder -> (when read, what `inspect(strict=False)` found)
+UNIT_TTL_S = 5.0
+
+
+def unit_of(path: str) -> ShmDir:
+    """`inspect(path, strict=False)`, read again at most every UNIT_TTL_S: every derived tensor makes an arena, and
+    reading /proc/self/mounts each time cost the request loop a tenth of its time under a flood of casts."""
+    now = time.monotonic()
+    seen = _UNITS.get(path)
+    if seen is None or now - seen[0] > UNIT_TTL_S:
+        seen = _UNITS[path] = (now, inspect(path, strict=False))
+    return seen[1]
 
 
 def _unit(path: str, fstype: str, options: tuple[str, ...]) -> int:
