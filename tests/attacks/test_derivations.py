@@ -93,7 +93,8 @@ def test_also_x64_and_a_100m_entry_index_stay_within_the_output_and_a_few_mib(ti
         flat = client.served_tensors()[BIG].reshape(-1)
         want = torch.where(index >= 0, flat[index.clamp(min=0) % n], torch.zeros((), dtype=flat.dtype))
         assert torch.equal(out, want)
-        assert grew < out.numel() * 2 + n * 2 + (8 << 20), grew  # output + the source, once + a few MiB
+        # output + the source, once + a constant (a derivation job: its threads' heap and index chunks, as below)
+        assert grew < out.numel() * 2 + n * 2 + (24 << 20), grew
 
         # 100M entries, 0..65n-1 cycling: 400 MB inflated from a deflated index under 512 KiB
         length, total = 100_000_000, 65 * n
@@ -129,9 +130,10 @@ def test_casts_of_everything_stop_at_the_quota_and_a_push_on_a_small_shm_dir_sti
             try:
                 for dtype in ("torch.float64", "torch.float32", "torch.float16"):
                     for name in names:
-                        try:
-                            conn.send(messages.Cast(client=attacker.lease, tensors=[messages.CastItem(name, dtype)]),
-                                      DerivedReply)
+                        try:  # a large cast is a derivation job: asked again until made
+                            request = messages.Cast(client=attacker.lease, tensors=[messages.CastItem(name, dtype)])
+                            while conn.send(request, DerivedReply).building:
+                                time.sleep(0.01)
                             made += 1
                         except DerivedLimit as exc:
                             assert "a reload or a push needs" in str(exc)
