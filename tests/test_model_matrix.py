@@ -7,10 +7,16 @@ must be bitwise those of `from_pretrained` on a bf16 checkpoint of the reference
 
 from __future__ import annotations
 
+import glob
+import os
+import subprocess
+import uuid
+
 import pytest
 import torch
 
 from expertd.tools.generate import FP8_SCALE_DTYPES, MOE_MODEL_TYPES, generate_model_type
+from helpers.daemon import DaemonProcess
 from helpers.forward import forward_logits
 from helpers.inputs import INPUT_IDS
 from helpers.reference import write_reference_bf16
@@ -20,7 +26,8 @@ from helpers.workers import worker_logits
 
 @pytest.fixture(scope="module", params=MOE_MODEL_TYPES)
 def model_checkpoint(request, tmp_path_factory) -> tuple[str, str, torch.Tensor]:
-    """(model type, checkpoint folder, reference logits), generated once per model type."""
+    """(model type, checkpoint folder, reference logits), generated once per model type: its config names the
+    experts as the family's releases do (`with_released_keys`, what 4.57 reads; the newest release reads both)."""
     from transformers import AutoModelForCausalLM
 
     model_type = request.param
@@ -28,26 +35,41 @@ def model_checkpoint(request, tmp_path_factory) -> tuple[str, str, torch.Tensor]
     folder = str(root / "checkpoint")
     config = generate_model_type(folder, model_type)
     assert config["vocab_size"] > max(max(row) for row in INPUT_IDS)
+    with_released_keys(folder)
     reference = AutoModelForCausalLM.from_pretrained(write_reference_bf16(folder, str(root / "reference")),
                                                      dtype=torch.bfloat16)
     return model_type, folder, forward_logits(reference, INPUT_IDS)
 
 
-def test_worker_logits_equal_transformers(model_checkpoint, start_daemon, workers, namespace, tmp_path):
+@pytest.fixture(scope="module")
+def served(model_checkpoint, tmp_path_factory):
+    """One daemon serving the family's checkpoint for every test of it (they only read: workers attach, each of
+    its own release); afterwards it must have exited 0 and left nothing of its namespace in /dev/shm."""
+    folder = model_checkpoint[1]
+    namespace = f"edt{uuid.uuid4().hex[:10]}"
+    daemon = DaemonProcess.launch(tmp_path_factory.mktemp("run"), folder, namespace)
+    try:
+        daemon.wait_serving()
+        yield daemon
+    finally:
+        code = daemon.stop()
+        left = glob.glob(f"/dev/shm/{namespace}*")
+        for path in left:
+            os.unlink(path)
+        assert code == 0 and not left, (code, left)
+
+
+def test_worker_logits_equal_transformers(model_checkpoint, served, workers, tmp_path):
     model_type, folder, expected = model_checkpoint
-    daemon = start_daemon(folder)
-    logits = worker_logits(workers, daemon.endpoint, namespace, str(tmp_path / "worker"))
+    logits = worker_logits(workers, served.endpoint, served.namespace, str(tmp_path / "worker"))
     assert logits.shape == expected.shape
     assert torch.equal(logits, expected), f"{model_type}: max |diff| {(logits.float() - expected.float()).abs().max()}"
 
 
-def test_transformers4_worker_maps_every_tensor(model_checkpoint, tf4_python, start_daemon, tmp_path):
+def test_transformers4_worker_maps_every_tensor(model_checkpoint, tf4_python, served, tmp_path):
     """The same family's checkpoint, served by this release's daemon, to a worker on transformers 4.57: every
     parameter and loaded buffer in read-only shared memory (derived tensors where 4.57 loads another dtype), logits
     equal to 4.57's own from_pretrained of the bf16 reference."""
-    import os
-    import subprocess
-
     model_type, folder, _ = model_checkpoint
     known = subprocess.run([tf4_python, "-c",
                             f"from transformers import AutoConfig; AutoConfig.for_model({model_type!r})"],
@@ -56,12 +78,10 @@ def test_transformers4_worker_maps_every_tensor(model_checkpoint, tf4_python, st
         pytest.skip(f"transformers 4.57 has no model type {model_type!r}")
     if model_type in CANNOT_RUN_4_57:
         pytest.skip(CANNOT_RUN_4_57[model_type])
-    with_released_keys(folder)
     reference = str(tmp_path.parent / f"{model_type}-bf16")
     if not os.path.exists(reference):
         write_reference_bf16(folder, reference)
-    daemon = start_daemon(folder)
-    (report,) = run_workers([tf4_python], daemon.endpoint, reference, tmp_path)
+    (report,) = run_workers([tf4_python], served.endpoint, reference, tmp_path)
     check_report(report, "4.57")
 
 
