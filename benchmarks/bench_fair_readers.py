@@ -31,6 +31,7 @@ from expertd.protocol import PROTOCOL_VERSION  # noqa: E402
 from expertd.security import Credentials, create_keys  # noqa: E402
 from expertd.server.derived.requests import INLINE_ENTRIES, INLINE_ITEMS  # noqa: E402
 from helpers.daemon import DaemonProcess  # noqa: E402
+from helpers.floods import FLOODER  # noqa: E402
 from run_all import machine  # noqa: E402
 
 BIG = "model.layers.1.mlp.experts.gate_up_proj"  # [8, 400, 320] bf16: one block of 1,024,000 elements
@@ -63,37 +64,6 @@ while not done.is_set() and sent < len(made):
     sent += 1
 print(sent, flush=True)
 """.replace("BIG", repr(BIG))
-
-# argv[3] throwaway keys each keep 4 large gathers parked, asked again and again, until stdin closes
-FLOODER = """
-import os, sys, threading, torch
-from expertd import derived, messages
-from expertd.connection import Connection
-from expertd.errors import DaemonError
-from expertd.protocol import PROTOCOL_VERSION
-from expertd.security import Credentials
-endpoint, server_key = sys.argv[1], sys.argv[2]
-conns = [Connection(endpoint, timeout=60, credentials=Credentials.resolve(server_key=server_key))
-         for _ in range(int(sys.argv[3]))]
-leases = [c.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"] for c in conns]
-requests = []
-for k in range(4):
-    index = torch.arange(1_500_000) % 1_024_000
-    index[-1] = 10_000_000 + k  # out of range: refused once the whole index is inflated
-    requests.append([derived.request(BIG, derived.encode(index), index.numel(), (index.numel(),),
-                                     whole=True).wire()])
-done = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-print("flooding", flush=True)
-while not done.is_set():
-    for conn, lease in zip(conns, leases):
-        for request in requests:
-            try:
-                conn.request("gather", client=lease, tensors=request)
-            except DaemonError:
-                pass
-""".replace("BIG", repr(BIG))
-
 
 def latencies(endpoint: str, count: int, while_=None) -> list[float]:
     """`count` status round trips, 10 ms apart (with `while_`: only as long as it says)."""

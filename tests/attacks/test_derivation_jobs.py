@@ -21,6 +21,7 @@ from expertd.errors import DerivedLimit
 from expertd.protocol import PROTOCOL_VERSION
 from expertd.security import Credentials, create_keys
 from helpers.curve import curve_daemon
+from helpers.floods import FLOODER
 from helpers.polling import wait_until
 from helpers.takers import MEMBER, finish, needs_root, spawn
 
@@ -176,37 +177,6 @@ def test_a_readers_queue_is_bounded(tiny_checkpoint, start_daemon):
         conn.close()
 
 
-# each key in argv[3:] (a NAME.key_secret the daemon lists) keeps 4 large gathers asked, refused late, again and again
-KEYS_FLOODER = """
-import os, sys, threading, torch
-from expertd import derived
-from expertd.connection import Connection
-from expertd.errors import DaemonError
-from expertd.protocol import PROTOCOL_VERSION
-from expertd.security import Credentials
-conns = [Connection(sys.argv[1], timeout=60, credentials=Credentials.resolve(server_key=sys.argv[2], client_key=k))
-         for k in sys.argv[3:]]
-leases = [c.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"] for c in conns]
-requests = []
-for k in range(4):
-    index = torch.arange(1_500_000) % 1_024_000
-    index[-1] = 10_000_000 + k
-    requests.append([derived.request("model.layers.1.mlp.experts.gate_up_proj", derived.encode(index),
-                                     index.numel(), (index.numel(),), whole=True).wire()])
-done, refusals = threading.Event(), set()
-threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-print("flooding", flush=True)
-while not done.is_set():
-    for conn, lease in zip(conns, leases):
-        for request in requests:
-            try:
-                conn.request("gather", client=lease, tensors=request)
-            except DaemonError as exc:
-                refusals.add(str(exc).split(":")[0][:60])
-print(len(refusals), flush=True)
-"""
-
-
 def test_twenty_listed_keys_flooding_the_queue_neither_starve_a_victim_nor_grow_the_daemon(tiny_checkpoint,
                                                                                            start_daemon, tmp_path):
     """Issue 49, finding 3: a victim's 65-item cast waited behind every flooding key's parked requests (28.5 s with 10
@@ -223,7 +193,7 @@ def test_twenty_listed_keys_flooding_the_queue_neither_starve_a_victim_nor_grow_
                                   curve_client_keys=str(listed), max_derived_bytes=1 << 30,
                                   max_derived_bytes_per_reader=1 << 28)
     before = rss(daemon.proc.pid)
-    flooder = spawn(KEYS_FLOODER, daemon.endpoint, public, *secrets[1:])
+    flooder = spawn(FLOODER, daemon.endpoint, public, *secrets[1:])
     victim = Connection(daemon.endpoint, timeout=60, credentials=Credentials.resolve(server_key=public,
                                                                                     client_key=secrets[0]))
     try:
