@@ -1,9 +1,10 @@
-"""Who holds each derived tensor: the leases that asked for it, while they read a generation that lists it.
+"""Who holds each derived tensor: the leases that asked for it, while they live.
 
 A derived tensor lives while a lease holds it, not as long as its generation: each cast or gather reply holds what it
 names for the asking lease. It counts against every reader (`Lease.counted`: a uid, a listed CURVE key, "anonymous")
-holding it through a live lease on a generation that lists it; a reader whose leases end (released, expired, its
-process gone, moved to a generation that does not list it) stops paying for it at once. A derived tensor nobody holds
+holding it through a live lease, whichever generation that lease reads now (a worker that refreshed still maps what
+it asked for, until the generations listing it retire); a reader whose leases end (released, expired, its process
+gone) stops paying for it at once. A derived tensor nobody holds
 stays listed (a worker restarting asks again and finds it) until room is needed: then the unheld go first
 (`derived/requests` reclaims them before refusing for a daemon-wide limit).
 """
@@ -39,9 +40,10 @@ class Holds:
                     self._by_segment.setdefault(v.created, set()).update(ids)
         self.changes += 1
 
-    def accounts(self, segment: str, generations: set[int]) -> set[str]:
-        """The readers holding derived segment `segment` through a live lease on one of `generations` (those listing
-        it); lease ids that ended are forgotten here."""
+    def accounts(self, segment: str) -> set[str]:
+        """The readers holding derived segment `segment` through a live lease (on whichever generation it reads now: a
+        worker that refreshed still maps what it asked for until its old generation retires); lease ids that ended
+        are forgotten here."""
         ids = self._by_segment.get(segment)
         if not ids:
             return set()
@@ -51,7 +53,7 @@ class Holds:
                 self._by_segment[segment] = live
             else:
                 del self._by_segment[segment]
-        return {lease.counted for c in live if (lease := self.leases.leases[c]).generation in generations}
+        return {self.leases.leases[c].counted for c in live}
 
     def forget(self, segment: str) -> None:
         """`segment` was reclaimed or retired: nobody holds it any more."""

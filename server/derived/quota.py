@@ -38,8 +38,9 @@ class Usage:
     files: int = 0
     readers: dict = field(default_factory=dict)  # reader -> [bytes, files]
     unheld: list = field(default_factory=list)  # derived segments no live lease holds, oldest listed first
+    held: dict = field(default_factory=dict)  # reader -> the segments counted against it
 
-    def add(self, readers, placed: int, files: int = 1) -> None:
+    def add(self, readers, placed: int, files: int = 1, segment: str = "") -> None:
         """`placed` bytes in `files` listed (counted for the daemon once), held by each of `readers`."""
         self.bytes += placed
         self.files += files
@@ -47,6 +48,8 @@ class Usage:
             mine = self.readers.setdefault(reader, [0, 0])
             mine[0] += placed
             mine[1] += files
+            if segment:
+                self.held.setdefault(reader, set()).add(segment)
 
 
 class Quota:
@@ -124,37 +127,46 @@ class Quota:
     def _usage_now(self) -> Usage:
         """What derived tensors take now: those of the live generations, each segment once (for the readers whose
         live leases hold it: `holds`), and those being made. A derived layout of ranges (`derived/extents`) also keeps
-        alive the older layouts' segments its ranges lie in: one whose own derived tensor has gone counts against the
-        readers holding the derived tensor that keeps it."""
+        alive the older layouts' segments its ranges lie in: those count against the readers holding the derived tensor
+        that keeps them too (and are not reclaimable while it is held)."""
         usage, listed = Usage(), {}
         for gen in self.gens.live.values():
             for v in gen.derived.values():
                 if v.key:
                     listed.setdefault(v.created, (v, set()))[1].add(gen.number)
         self.holds.prune(listed)
-        held = {}
-        for segment, (v, numbers) in listed.items():
-            held[segment] = self.holds.accounts(segment, numbers)
-            usage.add(held[segment], v.placed)
-            if not held[segment]:
-                usage.unheld.append(segment)
-        seen = set(listed)
+        held = {segment: self.holds.accounts(segment) for segment in listed}
+        keeps: dict[str, set] = {}  # a segment a derived tensor keeps blocks in -> the readers holding that tensor
+        sizes: dict[str, int] = {}
         for segment, (v, _) in listed.items():
             for kept, size in (v.sizes or {}).items():
-                if kept not in seen:
-                    seen.add(kept)
-                    usage.add(held[segment], size)
+                if kept != segment:
+                    keeps.setdefault(kept, set()).update(held[segment])
+                    sizes[kept] = size
+        for segment, (v, _) in listed.items():
+            who = held[segment] | keeps.get(segment, set())
+            usage.add(who, v.placed, segment=segment)
+            if not who:
+                usage.unheld.append(segment)
+        for kept, who in keeps.items():
+            if kept not in listed:
+                usage.add(who, sizes[kept], segment=kept)
         for reader, nbytes, files in self._reserved.values():
             usage.add([reader], nbytes, files)
         return usage
 
-    def check(self, reader: str, sizes: list[int], generation: int, what: str = "") -> None:
+    def check(self, reader: str, sizes: list[int], generation: int, what: str = "", reused=()) -> None:
         """Refuse (DerivedLimit, naming the limit) a request of derived tensors of `sizes` placed bytes that would
-        take `reader` or the daemon past a limit, or the shm_dir's free space into what pushes and reloads need."""
-        if not sizes:
-            return
+        take `reader` or the daemon past a limit, or the shm_dir's free space into what pushes and reloads need.
+        `reused`: the existing derived tensors the request will hold too (they count against `reader` once it does)."""
         limits, usage = self.limits(), self.usage()
-        mine = usage.readers.get(reader, [0, 0])
+        mine = list(usage.readers.get(reader, [0, 0]))
+        theirs = usage.held.get(reader, set())
+        more = {v.created: v.placed for v in reused if v.created not in theirs}
+        if not sizes and not more:
+            return
+        mine[0] += sum(more.values())
+        mine[1] += len(more)
         need, files = sum(sizes), len(sizes)
         over = [(f"max_derived_bytes_per_reader={limits['max_bytes_per_reader']}", mine[0] + need,
                  limits["max_bytes_per_reader"]),
@@ -170,7 +182,7 @@ class Quota:
                                    f"in {mine[1]} file(s); the daemon {usage.bytes} in {usage.files}): nothing made")
         pending = sum(nbytes for _, nbytes, _ in self._reserved.values())
         free = _free(self.cfg.shm_dir) - pending
-        if free - need < limits["shm_reserve"]:
+        if need and free - need < limits["shm_reserve"]:
             raise _limit(True, f"generation {generation}: {need} bytes of derived tensors ({what}) would leave "
                                f"{self.cfg.shm_dir} {max(0, free - need)} bytes free, less than the "
                                f"{limits['shm_reserve']} a reload or a push needs "

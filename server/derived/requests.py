@@ -158,8 +158,10 @@ class DerivedRequests:
         """What is to be made (each name once; a derivation an older generation's derived tensor of the same form keeps
         blocks of: its changed blocks only, `derived/extents`), counted against the quotas at once: DerivedLimit makes
         nothing."""
-        todo, forms = {}, older_forms(self.gens, gen)
+        todo, forms, reused = {}, older_forms(self.gens, gen), []
         for p, v in zip(planned, self._resolve(gen, planned)):
+            if v is not None and v.key:
+                reused.append(v)
             if v is None and p.key not in todo:
                 keep = prior(p, forms, self.quota.unit)
                 todo[p.key] = (p, self.quota.placed(p.nbytes if keep is None else placed_bytes(p, keep[1])), keep)
@@ -167,11 +169,11 @@ class DerivedRequests:
         what = f"{names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") if names else ""
         sizes = [placed for _, placed, _ in todo.values()]
         try:
-            self.quota.check(reader, sizes, gen.number, what)
+            self.quota.check(reader, sizes, gen.number, what, reused)
         except DerivedLimit as exc:
             if not getattr(exc, "daemon_wide", False) or not self.reclaim():
                 raise
-            self.quota.check(reader, sizes, gen.number, what)  # the room the unheld took: enough now, or refused
+            self.quota.check(reader, sizes, gen.number, what, reused)  # the room the unheld took: enough now?
         return list(todo.values())
 
     def reclaim(self) -> bool:

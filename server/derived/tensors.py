@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from expertd.derived import Gather, cast_key
-from expertd.errors import DerivedRejected
+from expertd.errors import DerivedLimit, DerivedRejected
 from expertd.extents import extents_of
 from expertd.index import TensorEntry, tensor_checksum
 from expertd.messages import DERIVED_DTYPES, CastItem, GatherItem
@@ -141,11 +141,11 @@ def plan_gathers(items: list[GatherItem], served: dict[str, TensorEntry], genera
         more = _also(item, served, entry, generation)
         gather = Gather(item, list(entry.shape), f"tensors[{i}]", [list(e.shape) for e in more])
         planned = Planned(entry, entry.dtype, list(gather.shape), gather, tuple(more))
-        if planned.nbytes > limit:
-            raise DerivedRejected(f"generation {generation}: deriving {item.name!r} in shape {list(gather.shape)} "
-                                  f"takes {planned.nbytes} bytes, more than one reader's "
-                                  f"max_derived_bytes_per_reader={limit} (the served bytes of the live generations "
-                                  "unless the config says otherwise)")
+        if planned.nbytes > limit:  # never made for this reader: DerivedLimit, as the quota check would say
+            raise DerivedLimit(f"generation {generation}: deriving {item.name!r} in shape {list(gather.shape)} "
+                               f"takes {planned.nbytes} bytes, more than one reader's max_derived_bytes_per_reader="
+                               f"{limit} (a quarter of max_derived_bytes, four times the served bytes of the live "
+                               "generations, unless the config says otherwise): nothing made")
         out.append(planned)
     return out
 

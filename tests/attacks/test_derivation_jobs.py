@@ -20,6 +20,7 @@ from expertd.connection import Connection
 from expertd.errors import DerivedLimit
 from expertd.protocol import PROTOCOL_VERSION
 from expertd.security import Credentials, create_keys
+from expertd.server.derived.requests import INLINE_ENTRIES, INLINE_ITEMS
 from helpers.curve import curve_daemon
 from helpers.floods import FLOODER
 from helpers.polling import wait_until
@@ -221,3 +222,26 @@ def test_twenty_listed_keys_flooding_the_queue_neither_starve_a_victim_nor_grow_
         said = flooder.stdout.readline().strip()
         finish([flooder])
     assert int(said) >= 1  # the flood was refused (queue full, or its own requests' late refusals)
+
+
+def test_a_request_past_the_loops_small_bound_is_made_off_it(tiny_checkpoint, start_daemon):
+    """Issue 49, finding 4: requests at the old inline bound (64 items, 2^20 entries, 8 MiB) ran on the request loop
+    and stalled every other client. What runs there now is at most INLINE_ITEMS items, INLINE_ENTRIES index entries
+    and INLINE_BYTES to make: one more item, or one more entry, and the reply says `building` (a derivation job)."""
+    daemon = start_daemon(tiny_checkpoint)
+    conn = Connection(daemon.endpoint, timeout=60)
+    try:
+        lease = conn.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"]
+        m = INLINE_ENTRIES // INLINE_ITEMS
+
+        def request(items: int, entries: int, seed: int) -> list:
+            g = torch.Generator().manual_seed(seed)
+            return [item_of(torch.randint(0, 1_024_000, (entries,), generator=g)).wire() for _ in range(items)]
+
+        at_bound = conn.request("gather", client=lease, tensors=request(INLINE_ITEMS, m, 1))
+        assert not at_bound.get("building") and len(at_bound["tensors"]) == INLINE_ITEMS
+        for items, entries, seed in ((INLINE_ITEMS + 1, 1, 2), (1, INLINE_ENTRIES + 1, 3)):
+            assert conn.request("gather", client=lease, tensors=request(items, entries, seed))["building"]
+        wait_until(lambda: not job_running(daemon), "the jobs end")
+    finally:
+        conn.close()

@@ -244,6 +244,13 @@ def test_throwaway_curve_keys_are_one_anonymous_reader(tiny_checkpoint, start_da
         print(f"\n20 throwaway CURVE keys: {len(got)} leases (max_leases_per_client=50), {len(refused)} refused")
         mine = [listed.request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"] for _ in range(10)]
         assert len(set(mine)) == 10  # a listed key counts on its own
+        # derived tensors too: two throwaway keys' casts count against one reader, "anonymous"
+        conns[0].request("release", client=got.pop())  # room for another throwaway key's lease
+        got.append(conns[1].request("lease", pid=os.getpid(), protocol=PROTOCOL_VERSION)["client"])
+        for conn, lease, dtype in ((conns[0], got[0], "torch.float32"), (conns[1], got[-1], "torch.float16")):
+            conn.request("cast", client=lease, tensors=[{"name": NORM, "dtype": dtype}])
+        readers = {row["reader"]: row["files"] for row in listed.request("status")["derived"]["readers"]}
+        assert readers == {"anonymous": 2}, readers
         stranger = Connection(daemon.endpoint, timeout=30, credentials=Credentials.resolve(server_key=public))
         try:
             for lease in got:
