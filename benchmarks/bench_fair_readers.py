@@ -191,6 +191,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000, help="F1: distinct requests each reader makes ahead")
     parser.add_argument("--only", choices=["f1", "f2"])
     args = parser.parse_args()
+    made = not os.path.exists(args.workdir)  # a folder this run makes goes with it
     workdir = os.path.join(args.workdir, "fair")
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
@@ -201,7 +202,7 @@ def main() -> None:
         if args.only in (None, "f2"):
             f2(workdir, [int(k) for k in args.keys.split(",")])
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(args.workdir if made else workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,13 @@ class Holds:
     def adopt(self, gens) -> None:
         """After a restart: each adopted derived tensor is held by the re-granted leases on its generation of the
         reader that made it (the predecessor did not record who else asked; they hold it again when they ask)."""
+        ids: dict[tuple, list[str]] = {}  # (generation, reader) -> its re-granted lease ids, grouped once
+        for client, lease in self.leases.leases.items():
+            ids.setdefault((lease.generation, lease.counted), []).append(client)
         for gen in gens.live.values():
             for v in gen.derived.values():
                 if v.key:
-                    ids = [c for c, lease in self.leases.leases.items()
-                           if lease.generation == gen.number and lease.counted == v.owner]
-                    self._by_segment.setdefault(v.created, set()).update(ids)
+                    self._by_segment.setdefault(v.created, set()).update(ids.get((gen.number, v.owner), ()))
         self.changes += 1
 
     def accounts(self, segment: str) -> set[str]:

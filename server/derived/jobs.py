@@ -84,11 +84,11 @@ class Scheduler:
 
     def admit(self, work: Work) -> Work | None:
         """Queue `work`, or refuse it (DerivedLimit); the waiting work it took the place of, if any."""
-        mine = len(self.waiting(work.reader))
+        waiting = self.waiting()
+        mine = sum(w.reader == work.reader for w in waiting)
         if mine >= QUEUED_PER_READER:
             raise DerivedLimit(f"{work.reader} has {QUEUED_PER_READER} large cast or gather requests waiting for the "
                                "daemon's derivation job: ask again once one is made")
-        waiting = self.waiting()
         evicted = None
         if len(waiting) >= MAX_QUEUED or sum(w.kept for w in waiting) + work.kept > MAX_QUEUED_BYTES:
             counts: dict[str, int] = {}

@@ -133,17 +133,17 @@ class Quota:
         for gen in self.gens.live.values():
             for v in gen.derived.values():
                 if v.key:
-                    listed.setdefault(v.created, (v, set()))[1].add(gen.number)
+                    listed.setdefault(v.created, v)
         self.holds.prune(listed)
         held = {segment: self.holds.accounts(segment) for segment in listed}
         keeps: dict[str, set] = {}  # a segment a derived tensor keeps blocks in -> the readers holding that tensor
         sizes: dict[str, int] = {}
-        for segment, (v, _) in listed.items():
+        for segment, v in listed.items():
             for kept, size in (v.sizes or {}).items():
                 if kept != segment:
                     keeps.setdefault(kept, set()).update(held[segment])
                     sizes[kept] = size
-        for segment, (v, _) in listed.items():
+        for segment, v in listed.items():
             who = held[segment] | keeps.get(segment, set())
             usage.add(who, v.placed, segment=segment)
             if not who:
