@@ -16,6 +16,7 @@ from expertd.partition import ExpertParallel, PartitionError
 from expertd.protocol import check_endpoint, default_endpoint, ipc_path, tcp_host
 from expertd.units import parse_duration
 
+from ..load.layout_cache import default_folder as default_layout_cache
 from ..restart.adopt import VERIFY_MODES
 from ..shm.hostpaths import runtime_base
 from ..shm.shmdir import inspect as inspect_shm_dir
@@ -65,6 +66,8 @@ class DaemonConfig:
     # a push or reload that changes some experts of a stack writes those experts only; the others stay in the older
     # generation's segment (the index then lists the stack's ranges: schema 3, which every client maps as one view)
     expert_ranges: bool = True
+    # transformers' layout answer kept between starts (server/load/layout_cache.py); false: asked at every start
+    layout_cache: str | None = field(default_factory=default_layout_cache)
 
     @property
     def index_path(self) -> str:
@@ -117,6 +120,17 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
         if not isinstance(values["shm_dir"], str) or not values["shm_dir"]:
             raise ConfigError(f"config {source}: shm_dir must be a folder path (a tmpfs or hugetlbfs mount)")
         values["shm_dir"] = _resolve(values["shm_dir"], base_dir)
+    if "layout_cache" in values:
+        folder = values["layout_cache"]
+        if folder is True:
+            values["layout_cache"] = default_layout_cache()
+        elif folder is False or folder is None:
+            values["layout_cache"] = None
+        elif isinstance(folder, str) and folder:
+            values["layout_cache"] = _resolve(folder, base_dir)
+        else:
+            raise ConfigError(f"config {source}: layout_cache must be a folder path, true (the default folder, "
+                              f"{default_layout_cache()}) or false (ask transformers at every start)")
     if values.get("run_dir"):
         values["run_dir"] = _resolve(str(values["run_dir"]), base_dir)
     if "endpoint" in values:

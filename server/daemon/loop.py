@@ -80,9 +80,11 @@ class Daemon:
             from ..load.loader import prepare
 
             self.weights.device  # noqa: B018  (resolved now: a device this host lacks is a ConfigError, exit 2)
-            ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel)  # raises before anything is created
-            log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout)",
-                     self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout)
+            # raises before anything is created
+            ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel, self.cfg.layout_cache)
+            log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout, %s)",
+                     self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout,
+                     "read from the layout cache" if plan.layout_cached else "asked of transformers")
         self.runstate.reap(self.cfg.shm_dir, keep=adopted.segments if adopted is not None else frozenset())
         if adopted is None:  # what a first build needs, said before the socket, the progress bar and any work
             from ..load.building import first_build_bytes

@@ -121,7 +121,7 @@ class WeightService:
         from ..load.loader import prepare, rebuild_tensors
 
         try:
-            ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel)
+            ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel, self.cfg.layout_cache)
         except ExpertdError as exc:
             log.error("cannot rebuild from %s: %s", self.cfg.checkpoint, exc)
             return {}
@@ -191,7 +191,7 @@ class WeightService:
         try:
             from ..load.loader import prepare
 
-            return prepare(checkpoint, self.cfg.expert_parallel)
+            return prepare(checkpoint, self.cfg.expert_parallel, self.cfg.layout_cache)
         finally:
             self._preparing = False
 

@@ -31,6 +31,7 @@ from expertd.quantization import quantization_format
 
 from ..shm.heap import collection_paused
 from .checkpoint import Checkpoint, TensorInfo
+from .layout_cache import LayoutCache
 
 
 def is_fp8_weight(name: str, shape: tuple[int, ...]) -> bool:
@@ -115,6 +116,7 @@ class Plan:
     codec: Codec  # the checkpoint's quantization format
     tensors: list[PlannedTensor]
     expert_parallel: ExpertParallel | None = None  # None: every expert is served
+    layout_cached: bool = False  # transformers' answer read from the layout cache (transformers not imported)
 
     @property
     def nbytes(self) -> int:
@@ -197,20 +199,23 @@ def check_scales(ckpt: Checkpoint, scales: list[TensorInfo]) -> None:
 
 
 @collection_paused()
-def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: ExpertParallel | None = None) -> Plan:
+def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: ExpertParallel | None = None,
+                    layouts: LayoutCache | None = None) -> Plan:
     """Check the checkpoint against the model its config describes and plan every served tensor.
 
     Which checkpoint tensors make which parameter is read from transformers' own loading rules for the
     model (renames, expert stacks, other ops): each served tensor is exactly what transformers would put
     in the parameter; for renames and stacks each of its checkpoint sources is a contiguous part of it.
     With `partition`, an expert stack holds only the experts of the partition's ranks (their blocks back
-    to back) and only their checkpoint tensors are sources: the others are never read.
+    to back) and only their checkpoint tensors are sources: the others are never read. With `layouts`, transformers'
+    answer is read from that cache where an earlier start left it (`layout_cache`).
     """
     config = ckpt.config
     codec = quantization_format(config, os.path.join(ckpt.folder, "config.json"))  # refuses formats it cannot serve
     codec.check_aux(ckpt.tensors)  # aux tensors the format cannot have: named, not the tensor they would hide
     sources = _Sources(ckpt, codec)
-    assembly, unused, expected = checkpoint_assembly(config, list(sources.served))
+    ask = layouts.assembly if layouts is not None else checkpoint_assembly
+    assembly, unused, expected = ask(config, list(sources.served))
     sharded = expert_sharded(config) if partition is not None else None
     planned: list[PlannedTensor] = []
     for param, (shape, dtype) in expected.items():
@@ -239,7 +244,8 @@ def plan_checkpoint(ckpt: Checkpoint, check_values: bool = True, partition: Expe
     if check_values:
         check_scales(ckpt, [s.scale for t in planned for s in t.sources if s.scale is not None])
     layout = "transformers-fused" if any(len(t.source_names) > 1 or t.computed for t in planned) else "checkpoint"
-    return Plan(config.get("model_type", ""), layout, codec, planned, partition)
+    return Plan(config.get("model_type", ""), layout, codec, planned, partition,
+                layouts is not None and layouts.hit)
 
 
 class _Sources:

@@ -33,6 +33,7 @@ from .checkpoint import Checkpoint
 from .compute import build_whole
 from .filling import OrderedPool, dequantized
 from .layout import Plan, plan_checkpoint
+from .layout_cache import LayoutCache
 
 log = logging.getLogger("expertd.loader")
 
@@ -56,11 +57,13 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def prepare(checkpoint: str, partition: ExpertParallel | None = None) -> tuple[Checkpoint, Plan]:
-    """Open and fully validate a checkpoint (planning only `partition`'s experts when given); nothing is written."""
+def prepare(checkpoint: str, partition: ExpertParallel | None = None,
+            layouts: str | None = None) -> tuple[Checkpoint, Plan]:
+    """Open and fully validate a checkpoint (planning only `partition`'s experts when given, transformers' answer
+    read from the layout cache folder `layouts` where it holds it); nothing is written but that cache."""
     ckpt = Checkpoint.open(checkpoint)
     try:
-        plan = plan_checkpoint(ckpt, partition=partition)
+        plan = plan_checkpoint(ckpt, partition=partition, layouts=LayoutCache(layouts) if layouts else None)
         if partition is not None and not any(t.experts is not None for t in plan.tensors):
             raise PartitionError(f"expert_parallel (EP size {partition.size}) is set, but {checkpoint} "
                                  f"({plan.model_type or 'no model_type'}) has no expert stacks to split over EP ranks: "

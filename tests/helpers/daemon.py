@@ -82,11 +82,11 @@ class DaemonProcess:
 
     @classmethod
     def launch(cls, folder, checkpoint: str, namespace: str, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-               python: str = sys.executable, **extra) -> DaemonProcess:
+               python: str = sys.executable, env: dict | None = None, **extra) -> DaemonProcess:
         """Write folder/expertd.yaml (see `daemon_settings`) and start a daemon on it (with `python`'s expertd)."""
         settings = daemon_settings(folder, checkpoint, namespace, **extra)
         return cls(save_config(folder, settings), settings["endpoint"], settings.get("auth_token"), namespace,
-                   stdout=stdout, stderr=stderr, python=python)
+                   stdout=stdout, stderr=stderr, python=python, env=env)
 
     def status(self, timeout: float = 2.0) -> dict | None:
         """The daemon's status reply, or None when it does not answer."""
