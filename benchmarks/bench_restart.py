@@ -2,8 +2,10 @@
 
     python benchmarks/bench_restart.py [--workdir /tmp/expertd-bench] [--checkpoint DIR] [--reps 3] [--restarts 20]
 
-R1  restart-to-serving ÷ fresh start-to-serving (`expertd start` on an empty namespace until it serves) of the same
-    checkpoint (default: the ~1 GB `bench-1g`), page cache warm, runs alternated, medians of --reps. Restarts:
+R1  restart-to-serving ÷ fresh start-to-serving (`expertd start` on an empty namespace until it serves, asking
+    transformers for the layout: `layout_cache: false`) of the same checkpoint (default: the ~1 GB `bench-1g`), page
+    cache warm, runs alternated, medians of --reps. `cached`: a fresh start whose layout cache holds the checkpoint's
+    layout (it never imports transformers). Restarts:
     SIGKILL of a serving daemon → `expertd start` on the same config until it serves (process start, imports,
     manifest and ledger, segment checks, xxh3 of every tensor with `adopt_verify: full`, socket), with `full` and
     `sizes`; and a planned one, `stop --keep` → `start` (`full`), from the stop request until the successor
@@ -80,12 +82,17 @@ def handover(d: DaemonProcess, folder: str, checkpoint: str, namespace: str, **e
 
 
 def r1(workdir: str, checkpoint: str, reps: int) -> dict:
-    times: dict[str, list[float]] = {"fresh": [], "full": [], "sizes": [], "handover": []}
+    times: dict[str, list[float]] = {"fresh": [], "cached": [], "full": [], "sizes": [], "handover": []}
+    layouts = os.path.join(workdir, f"layouts-{os.getpid()}")  # the `cached` starts' layout cache, made warm first
+    d, _ = launch(os.path.join(workdir, f"rs-wa-{os.getpid()}"), checkpoint, f"benchrswa{os.getpid()}",
+                  layout_cache=layouts)
+    d.stop()
     for rep in range(reps):
         for mode in times:  # alternated: a neighbour's load hits each alike
             folder = os.path.join(workdir, f"rs-{mode[:2]}-{os.getpid()}-{rep}")  # ipc paths are short
             namespace = f"benchrs{mode[:2]}{os.getpid()}r{rep}"
             extra = {"adopt_verify": mode} if mode in ("full", "sizes") else {}
+            extra["layout_cache"] = layouts if mode == "cached" else False
             d, seconds = launch(folder, checkpoint, namespace, **extra)
             if mode in ("full", "sizes"):
                 kill9(d)
@@ -97,6 +104,8 @@ def r1(workdir: str, checkpoint: str, reps: int) -> dict:
             times[mode].append(seconds)
             d.stop()
             shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(layouts, ignore_errors=True)
+    shutil.rmtree(os.path.join(workdir, f"rs-wa-{os.getpid()}"), ignore_errors=True)
     fresh = statistics.median(times["fresh"])
     return {mode: {"seconds": round(statistics.median(ts), 3), "runs": [round(t, 3) for t in ts],
                    "ratio": round(statistics.median(ts) / fresh, 3)} for mode, ts in times.items()}

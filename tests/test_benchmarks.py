@@ -148,7 +148,8 @@ def test_bench_restart_on_a_given_checkpoint(tmp_path):
     text = run("bench_restart.py", "--workdir", str(tmp_path / "work"), "--checkpoint", TINY, "--reps", "1",
                "--restarts", "2")
     result = json.loads(text.strip().splitlines()[-1])
-    assert set(result["R1"]) == {"fresh", "full", "sizes", "handover"} and result["R1"]["fresh"]["ratio"] == 1.0
+    assert set(result["R1"]) == {"fresh", "cached", "full", "sizes", "handover"}
+    assert result["R1"]["fresh"]["ratio"] == 1.0
     assert all(row["seconds"] > 0 for row in result["R1"].values())
     assert all(result["R3"][k] > 0 for k in ("stop", "status", "version")) and "stop_after_exit" in result["R3"]
     r2 = result["R2"]

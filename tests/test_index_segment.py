@@ -69,6 +69,7 @@ def test_workers_attach_through_the_segment_and_it_lives_as_long_as_its_generati
     successor = DaemonProcess.launch(tmp_path, tiny_checkpoint, namespace, lease_timeout_s=2)
     try:
         status = successor.wait_serving()  # ... the next start adopts generation 1 and places its index anew,
+        held_until = time.monotonic() + 2.0  # and holds it one lease timeout (2 s, from before it served) for workers
         assert status["generation"] == 1  # reaping the dead daemon's index segment
         assert [is_index("/" + n, namespace, successor.proc.pid, 1) for n in index_files(namespace)] == [True]
         assert not glob.glob(f"/dev/shm/{namespace}.{dead}.i*")
@@ -78,6 +79,7 @@ def test_workers_attach_through_the_segment_and_it_lives_as_long_as_its_generati
         while conn.request("status")["job"]["state"] == "building":  # the check of the checkpoint, after adopting
             time.sleep(0.1)
         conn.close()
+        time.sleep(max(0.0, held_until - time.monotonic()))  # re-taking leases: the hold has ended
         reload = subprocess.run(expertd_cmd("reload", "--config", successor.config), capture_output=True,
                                 text=True, timeout=120)
         assert reload.returncode == 0, reload.stderr

@@ -8,6 +8,7 @@ must be bitwise those of `from_pretrained` on a bf16 checkpoint of the reference
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import uuid
@@ -25,9 +26,10 @@ from helpers.workers import worker_logits
 
 
 @pytest.fixture(scope="module", params=MOE_MODEL_TYPES)
-def model_checkpoint(request, tmp_path_factory) -> tuple[str, str, torch.Tensor]:
-    """(model type, checkpoint folder, reference logits), generated once per model type: its config names the
-    experts as the family's releases do (`with_released_keys`, what 4.57 reads; the newest release reads both)."""
+def model_checkpoint(request, tmp_path_factory) -> tuple[str, str, torch.Tensor, str]:
+    """(model type, checkpoint folder, reference logits, the bf16 reference's folder), generated once per model type:
+    its config names the experts as the family's releases do (`with_released_keys`, what 4.57 reads; the newest
+    release reads both)."""
     from transformers import AutoModelForCausalLM
 
     model_type = request.param
@@ -36,9 +38,18 @@ def model_checkpoint(request, tmp_path_factory) -> tuple[str, str, torch.Tensor]
     config = generate_model_type(folder, model_type)
     assert config["vocab_size"] > max(max(row) for row in INPUT_IDS)
     with_released_keys(folder)
-    reference = AutoModelForCausalLM.from_pretrained(write_reference_bf16(folder, str(root / "reference")),
-                                                     dtype=torch.bfloat16)
-    return model_type, folder, forward_logits(reference, INPUT_IDS)
+    bf16 = write_reference_bf16(folder, str(root / "reference"))
+    reference = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16)
+    return model_type, folder, forward_logits(reference, INPUT_IDS), bf16
+
+
+@pytest.fixture(scope="module")
+def tf4_model_types(tf4_python) -> set[str]:
+    """The model types transformers 4.57 has a config class for (what `AutoConfig.for_model` accepts), asked once."""
+    listed = subprocess.run([tf4_python, "-c", "import json; from transformers.models.auto.configuration_auto "
+                             "import CONFIG_MAPPING_NAMES as m; print(json.dumps(sorted(m)))"],
+                            capture_output=True, text=True, timeout=300, check=True)
+    return set(json.loads(listed.stdout))
 
 
 @pytest.fixture(scope="module")
@@ -60,27 +71,21 @@ def served(model_checkpoint, tmp_path_factory):
 
 
 def test_worker_logits_equal_transformers(model_checkpoint, served, workers, tmp_path):
-    model_type, folder, expected = model_checkpoint
+    model_type, folder, expected, _ = model_checkpoint
     logits = worker_logits(workers, served.endpoint, served.namespace, str(tmp_path / "worker"))
     assert logits.shape == expected.shape
     assert torch.equal(logits, expected), f"{model_type}: max |diff| {(logits.float() - expected.float()).abs().max()}"
 
 
-def test_transformers4_worker_maps_every_tensor(model_checkpoint, tf4_python, served, tmp_path):
+def test_transformers4_worker_maps_every_tensor(model_checkpoint, tf4_python, tf4_model_types, served, tmp_path):
     """The same family's checkpoint, served by this release's daemon, to a worker on transformers 4.57: every
     parameter and loaded buffer in read-only shared memory (derived tensors where 4.57 loads another dtype), logits
     equal to 4.57's own from_pretrained of the bf16 reference."""
-    model_type, folder, _ = model_checkpoint
-    known = subprocess.run([tf4_python, "-c",
-                            f"from transformers import AutoConfig; AutoConfig.for_model({model_type!r})"],
-                           capture_output=True, text=True, timeout=300)
-    if known.returncode != 0:
+    model_type, _, _, reference = model_checkpoint
+    if model_type not in tf4_model_types:
         pytest.skip(f"transformers 4.57 has no model type {model_type!r}")
     if model_type in CANNOT_RUN_4_57:
         pytest.skip(CANNOT_RUN_4_57[model_type])
-    reference = str(tmp_path.parent / f"{model_type}-bf16")
-    if not os.path.exists(reference):
-        write_reference_bf16(folder, reference)
     (report,) = run_workers([tf4_python], served.endpoint, reference, tmp_path)
     check_report(report, "4.57")
 
@@ -89,7 +94,7 @@ def test_fp8_families_are_quantized_with_their_scale_dtype(model_checkpoint):
     """The checkpoint of an FP8 family holds FP8 weights with partial blocks and scales in the family's dtype."""
     from expertd.server.load.checkpoint import Checkpoint
 
-    model_type, folder, _ = model_checkpoint
+    model_type, folder, _, _ = model_checkpoint
     ckpt = Checkpoint.open(folder)
     scales = {n: i for n, i in ckpt.tensors.items() if n.endswith("_scale_inv")}
     if model_type not in FP8_SCALE_DTYPES:

@@ -106,6 +106,18 @@ def _guessed(key: str, known: set[str]) -> str:
     return f"{key} (did you mean `{close[0]}`?)" if close else key
 
 
+def _layout_cache(folder, base_dir: str, source: str) -> str | None:
+    """`layout_cache:` as a folder (true: the default one), or None (false or null: ask transformers every start)."""
+    if folder is True:
+        return default_layout_cache()
+    if folder is False or folder is None:
+        return None
+    if isinstance(folder, str) and folder:
+        return _resolve(folder, base_dir)
+    raise ConfigError(f"config {source}: layout_cache must be a folder path, true (the default folder, "
+                      f"{default_layout_cache()}) or false (ask transformers at every start)")
+
+
 def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -> DaemonConfig:
     known = {f.name for f in fields(DaemonConfig)}
     unknown = sorted(map(str, set(raw) - known))
@@ -121,16 +133,7 @@ def config_from_dict(raw: dict, base_dir: str = ".", source: str = "<config>") -
             raise ConfigError(f"config {source}: shm_dir must be a folder path (a tmpfs or hugetlbfs mount)")
         values["shm_dir"] = _resolve(values["shm_dir"], base_dir)
     if "layout_cache" in values:
-        folder = values["layout_cache"]
-        if folder is True:
-            values["layout_cache"] = default_layout_cache()
-        elif folder is False or folder is None:
-            values["layout_cache"] = None
-        elif isinstance(folder, str) and folder:
-            values["layout_cache"] = _resolve(folder, base_dir)
-        else:
-            raise ConfigError(f"config {source}: layout_cache must be a folder path, true (the default folder, "
-                              f"{default_layout_cache()}) or false (ask transformers at every start)")
+        values["layout_cache"] = _layout_cache(values["layout_cache"], base_dir, source)
     if values.get("run_dir"):
         values["run_dir"] = _resolve(str(values["run_dir"]), base_dir)
     if "endpoint" in values:

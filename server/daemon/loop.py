@@ -72,19 +72,23 @@ class Daemon:
                 logging.shutdown()
                 os._exit(1 if failed else 0)
 
+    def _prepare_first(self):
+        """The checkpoint opened and planned for the first build; raises before anything is created."""
+        from ..load.loader import prepare
+
+        self.weights.device  # noqa: B018  (resolved now: a device this host lacks is a ConfigError, exit 2)
+        ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel, self.cfg.layout_cache)
+        log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout, %s)",
+                 self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout,
+                 "read from the layout cache" if plan.layout_cached else "asked of transformers")
+        return ckpt, plan
+
     def _run(self) -> int:
         self._check_endpoint_free()
         # a predecessor's generations, verified, are served again without reading the checkpoint; else load it
         adopted = self.weights.adopt(self.runstate.predecessor())
-        if adopted is None:  # a first build: torch and transformers are needed before anything is served
-            from ..load.loader import prepare
-
-            self.weights.device  # noqa: B018  (resolved now: a device this host lacks is a ConfigError, exit 2)
-            # raises before anything is created
-            ckpt, plan = prepare(self.cfg.checkpoint, self.cfg.expert_parallel, self.cfg.layout_cache)
-            log.info("checkpoint %s: %d tensors to serve, %.1f MiB (%s layout, %s)",
-                     self.cfg.checkpoint, len(plan.tensors), plan.nbytes / 2**20, plan.layout,
-                     "read from the layout cache" if plan.layout_cached else "asked of transformers")
+        if adopted is None:  # a first build: torch (and transformers, unless the layout is cached) before serving
+            ckpt, plan = self._prepare_first()
         self.runstate.reap(self.cfg.shm_dir, keep=adopted.segments if adopted is not None else frozenset())
         if adopted is None:  # what a first build needs, said before the socket, the progress bar and any work
             from ..load.building import first_build_bytes
