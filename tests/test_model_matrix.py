@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import subprocess
+import sys
 import uuid
 
 import pytest
@@ -18,38 +19,22 @@ import torch
 
 from expertd.tools.generate import FP8_SCALE_DTYPES, MOE_MODEL_TYPES, generate_model_type
 from helpers.daemon import DaemonProcess
-from helpers.forward import forward_logits
 from helpers.inputs import INPUT_IDS
 from helpers.reference import write_reference_bf16
-from helpers.releases import CANNOT_RUN_4_57, check_report, run_workers, with_released_keys
-from helpers.workers import worker_logits
+from helpers.releases import CANNOT_RUN_4_57, ReleaseWorker, check_report, with_released_keys
 
 
 @pytest.fixture(scope="module", params=MOE_MODEL_TYPES)
-def model_checkpoint(request, tmp_path_factory) -> tuple[str, str, torch.Tensor, str]:
-    """(model type, checkpoint folder, reference logits, the bf16 reference's folder), generated once per model type:
-    its config names the experts as the family's releases do (`with_released_keys`, what 4.57 reads; the newest
-    release reads both)."""
-    from transformers import AutoModelForCausalLM
-
+def model_checkpoint(request, tmp_path_factory) -> tuple[str, str, str]:
+    """(model type, checkpoint folder, its bf16 reference's folder), generated once per model type: its config names
+    the experts as the family's releases do (`with_released_keys`, what 4.57 reads; the newest release reads both)."""
     model_type = request.param
     root = tmp_path_factory.mktemp(model_type)
     folder = str(root / "checkpoint")
     config = generate_model_type(folder, model_type)
     assert config["vocab_size"] > max(max(row) for row in INPUT_IDS)
     with_released_keys(folder)
-    bf16 = write_reference_bf16(folder, str(root / "reference"))
-    reference = AutoModelForCausalLM.from_pretrained(bf16, dtype=torch.bfloat16)
-    return model_type, folder, forward_logits(reference, INPUT_IDS), bf16
-
-
-@pytest.fixture(scope="module")
-def tf4_model_types(tf4_python) -> set[str]:
-    """The model types transformers 4.57 has a config class for (what `AutoConfig.for_model` accepts), asked once."""
-    listed = subprocess.run([tf4_python, "-c", "import json; from transformers.models.auto.configuration_auto "
-                             "import CONFIG_MAPPING_NAMES as m; print(json.dumps(sorted(m)))"],
-                            capture_output=True, text=True, timeout=300, check=True)
-    return set(json.loads(listed.stdout))
+    return model_type, folder, write_reference_bf16(folder, str(root / "reference"))
 
 
 @pytest.fixture(scope="module")
@@ -70,31 +55,52 @@ def served(model_checkpoint, tmp_path_factory):
         assert code == 0 and not left, (code, left)
 
 
-def test_worker_logits_equal_transformers(model_checkpoint, served, workers, tmp_path):
-    model_type, folder, expected, _ = model_checkpoint
-    logits = worker_logits(workers, served.endpoint, served.namespace, str(tmp_path / "worker"))
-    assert logits.shape == expected.shape
-    assert torch.equal(logits, expected), f"{model_type}: max |diff| {(logits.float() - expected.float()).abs().max()}"
+@pytest.fixture(scope="module")
+def newest_worker(tmp_path_factory):
+    """A worker process on this environment's transformers that attaches to each family's daemon in turn."""
+    worker = ReleaseWorker(sys.executable, tmp_path_factory.mktemp("newest-worker"))
+    yield worker
+    worker.close()
 
 
-def test_transformers4_worker_maps_every_tensor(model_checkpoint, tf4_python, tf4_model_types, served, tmp_path):
+@pytest.fixture(scope="module")
+def tf4_worker(tf4_python, tmp_path_factory):
+    """The same on transformers 4.57, and the model types 4.57 has a config class for (`AutoConfig.for_model`)."""
+    listed = subprocess.run([tf4_python, "-c", "import json; from transformers.models.auto.configuration_auto "
+                             "import CONFIG_MAPPING_NAMES as m; print(json.dumps(sorted(m)))"],
+                            capture_output=True, text=True, timeout=300, check=True)
+    worker = ReleaseWorker(tf4_python, tmp_path_factory.mktemp("tf4-worker"))
+    yield worker, set(json.loads(listed.stdout))
+    worker.close()
+
+
+def test_worker_logits_equal_transformers(model_checkpoint, served, newest_worker):
+    """A worker's model from the daemon: logits bitwise those of its own from_pretrained of the bf16 reference, its
+    dtypes, every parameter and loaded buffer in read-only shared memory."""
+    import transformers
+
+    model_type, _, reference = model_checkpoint
+    check_report(newest_worker.run(served.endpoint, reference, use_cache=True), transformers.__version__)
+
+
+def test_transformers4_worker_maps_every_tensor(model_checkpoint, tf4_worker, served):
     """The same family's checkpoint, served by this release's daemon, to a worker on transformers 4.57: every
     parameter and loaded buffer in read-only shared memory (derived tensors where 4.57 loads another dtype), logits
     equal to 4.57's own from_pretrained of the bf16 reference."""
-    model_type, _, _, reference = model_checkpoint
-    if model_type not in tf4_model_types:
+    model_type, _, reference = model_checkpoint
+    worker, known = tf4_worker
+    if model_type not in known:
         pytest.skip(f"transformers 4.57 has no model type {model_type!r}")
     if model_type in CANNOT_RUN_4_57:
         pytest.skip(CANNOT_RUN_4_57[model_type])
-    (report,) = run_workers([tf4_python], served.endpoint, reference, tmp_path)
-    check_report(report, "4.57")
+    check_report(worker.run(served.endpoint, reference), "4.57")
 
 
 def test_fp8_families_are_quantized_with_their_scale_dtype(model_checkpoint):
     """The checkpoint of an FP8 family holds FP8 weights with partial blocks and scales in the family's dtype."""
     from expertd.server.load.checkpoint import Checkpoint
 
-    model_type, folder, _, _ = model_checkpoint
+    model_type, folder, _ = model_checkpoint
     ckpt = Checkpoint.open(folder)
     scales = {n: i for n, i in ckpt.tensors.items() if n.endswith("_scale_inv")}
     if model_type not in FP8_SCALE_DTYPES:

@@ -22,7 +22,7 @@ from expertd.protocol import PROTOCOL_VERSION
 from expertd.connection import Connection
 from expertd.errors import GenerationGone, DerivedRejected
 from expertd.tools.generate import generate, generate_model_type
-from helpers.releases import check_report, run_workers, with_released_keys
+from helpers.releases import ReleaseWorker, check_report, with_released_keys
 from helpers.reference import write_reference_bf16
 
 def released_qwen3_moe(folder: str) -> None:
@@ -48,18 +48,37 @@ def family(request, tmp_path_factory):
     return request.param, checkpoint, write_reference_bf16(checkpoint, str(root / "bf16"))
 
 
+@pytest.fixture(scope="module")
+def release_workers(tf4_python, tf_previous_python, tmp_path_factory) -> dict[str, ReleaseWorker]:
+    """Worker processes that attach to each family's daemon in turn: this environment's release (the newest), 4.57,
+    and the release before twice."""
+    pythons = {"newest": sys.executable, "4.57": tf4_python, "previous": tf_previous_python,
+               "previous2": tf_previous_python}
+    workers = {name: ReleaseWorker(python, tmp_path_factory.mktemp(f"worker-{name}"))
+               for name, python in pythons.items()}
+    yield workers
+    for worker in workers.values():
+        worker.close()
+
+
+def run_together(workers: list[ReleaseWorker], endpoint: str, reference: str) -> list[dict]:
+    """Each worker's report, their jobs started before any is waited for (they attach together)."""
+    for worker in workers:
+        worker.send(endpoint, reference)
+    return [worker.receive() for worker in workers]
+
+
 def cast_lines(report: dict) -> list[str]:
     return [line for line in report["log"] if "dtype casts" in line or "private copies" in line]
 
 
-def test_newest_daemon_serves_every_release(family, tf4_python, tf_previous_python, start_daemon, tmp_path):
+def test_newest_daemon_serves_every_release(family, release_workers, start_daemon):
     name, checkpoint, reference = family
     import transformers
 
     daemon = start_daemon(checkpoint)
     # four workers at once: this environment's release (the newest), 4.57, and the release before twice
-    pythons = [sys.executable, tf4_python, tf_previous_python, tf_previous_python]
-    newest, old4, previous, previous2 = run_workers(pythons, daemon.endpoint, reference, tmp_path)
+    newest, old4, previous, previous2 = run_together(list(release_workers.values()), daemon.endpoint, reference)
     check_report(newest, transformers.__version__)
     check_report(old4, "4.57")
     check_report(previous, "5.23")
@@ -78,12 +97,12 @@ def test_newest_daemon_serves_every_release(family, tf4_python, tf_previous_pyth
         assert len({v["name"] for v in derived}) == len(derived)  # once per host, whichever worker asked first
 
 
-def test_previous_daemon_serves_the_newest_worker(family, tf_previous_python, start_daemon, tmp_path, namespace):
+def test_previous_daemon_serves_the_newest_worker(family, tf_previous_python, release_workers, start_daemon):
     name, checkpoint, reference = family
     import transformers
 
     daemon = start_daemon(checkpoint, python=tf_previous_python)
-    (report,) = run_workers([sys.executable], daemon.endpoint, reference, tmp_path)
+    report = release_workers["newest"].run(daemon.endpoint, reference)
     check_report(report, transformers.__version__)
     if name in ROUTERS:  # 5.23 serves routers in bf16; this release wants float32: derived tensors, not copies
         (line,) = cast_lines(report)

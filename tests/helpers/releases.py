@@ -26,16 +26,51 @@ def with_released_keys(folder: str) -> None:
             json.dump(config, f, indent=2)
 
 
-def run_workers(pythons: list[str], endpoint: str, reference: str, cwd) -> list[dict]:
-    """Run release_worker.py under each python at once (all attached together); their JSON reports."""
-    procs = [subprocess.Popen([python, WORKER, endpoint, reference, json.dumps(INPUT_IDS)], cwd=str(cwd),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for python in pythons]
-    reports = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, err[-3000:]
-        reports.append(json.loads(out.strip().splitlines()[-1]))
-    return reports
+class ReleaseWorker:
+    """One `release_worker.py --serve` process under `python` that runs job after job (the torch and transformers
+    imports paid once for a module's families); its stderr goes to a file in `folder`. A job the worker fails raises
+    here with its traceback and the next one still runs; a worker that died is started again at the next job."""
+
+    def __init__(self, python: str, folder):
+        self.python, self.folder, self.proc, self.started = python, str(folder), None, 0
+
+    def run(self, endpoint: str, reference: str, use_cache: bool = False) -> dict:
+        self.send(endpoint, reference, use_cache)
+        return self.receive()
+
+    def send(self, endpoint: str, reference: str, use_cache: bool = False) -> None:
+        """Start a job (`receive` waits for its report): workers sent jobs one after another attach together."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.close()
+            self.started += 1
+            self.stderr = open(os.path.join(self.folder, f"worker{self.started}.stderr"), "w")
+            self.proc = subprocess.Popen([self.python, WORKER, "--serve"], cwd=self.folder, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        job = {"endpoint": endpoint, "reference": reference, "ids": INPUT_IDS, "use_cache": use_cache}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+
+    def receive(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(60)
+            with open(self.stderr.name) as f:
+                raise RuntimeError(f"the release worker exited {self.proc.returncode}: {f.read()[-3000:]}")
+        report = json.loads(line)
+        assert "error" not in report, report.get("error")
+        return report
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()
+            self.stderr.close()
+            self.proc = None
 
 
 def check_report(report: dict, release: str) -> None:
@@ -44,4 +79,5 @@ def check_report(report: dict, release: str) -> None:
     assert report["equal"], f"logits differ from transformers {release}'s own from_pretrained"
     assert report["dtypes"] == report["ref_dtypes"]
     assert report["private"] == []  # every parameter and loaded buffer: the daemon's read-only shared memory
+    assert report["writable_maps"] == 0
     assert report["tensors"] > 0
