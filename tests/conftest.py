@@ -19,9 +19,9 @@ pytest_plugins = ["helpers.ep"]
 
 # The longest files first (minutes each on two cores; the vLLM one also makes its virtualenv on a new machine), so
 # that `pytest -n 2 --dist loadfile` does not end on one of them while the other process has nothing left
-LONGEST_FIRST = ("test_model_matrix.py", "test_vllm.py", "test_transformers_releases.py", "test_benchmarks.py",
-                 "test_adoption.py", "test_generations.py", "test_expert_parallel.py", "test_shm_dir.py",
-                 "test_install.py", "test_vllm_serve.py")
+LONGEST_FIRST = ("test_vllm.py", "test_model_matrix.py", "test_benchmarks.py", "test_transformers_releases.py",
+                 "test_expert_parallel.py", "test_examples_vllm.py", "test_shm_dir.py", "test_generations.py",
+                 "test_vllm_serve.py", "test_install.py")
 
 
 @pytest.hookimpl(tryfirst=True)
