@@ -27,7 +27,7 @@ import stat
 import tempfile
 
 SCHEMA = 1
-MAX_ENTRIES = 64
+MAX_ENTRIES = 256  # a few KB each for most checkpoints; the test suite alone makes about 60
 MAX_ENTRY_BYTES = 256 << 20  # DeepSeek-V3's ~92k tensor names make a few MB
 # expertd's modules whose code decides the answer (and this one, which writes it): a change to any is another key
 _CODE = ("expertd.hf", "expertd.hf_dtypes", "expertd.fusion", __name__)
