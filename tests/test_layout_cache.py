@@ -56,14 +56,19 @@ def test_second_start_reads_the_layout_and_never_imports_transformers(tiny_check
     assert second == first  # the same names, shapes, dtypes and bytes
 
 
-def test_layout_cache_off_asks_transformers_every_time(tiny_checkpoint, tmp_path, namespace):
+def test_the_config_key_names_a_folder_or_turns_the_cache_off(tiny_checkpoint, tmp_path, namespace, monkeypatch):
     from helpers.daemon import write_config
+    from expertd.errors import ConfigError
     from expertd.server.daemon.config import load_config
 
     assert load_config(write_config(tmp_path, tiny_checkpoint, namespace, layout_cache=False)).layout_cache is None
-    default = load_config(write_config(tmp_path, tiny_checkpoint, namespace)).layout_cache
-    assert default.endswith(os.path.join(".cache", "expertd", "layouts")) or "XDG_CACHE_HOME" in os.environ
-    from expertd.errors import ConfigError
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert load_config(write_config(tmp_path, tiny_checkpoint, namespace)).layout_cache == \
+        str(tmp_path / "home" / ".cache" / "expertd" / "layouts")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert load_config(write_config(tmp_path, tiny_checkpoint, namespace, layout_cache=True)).layout_cache == \
+        str(tmp_path / "xdg" / "expertd" / "layouts")
 
     with pytest.raises(ConfigError, match="layout_cache must be a folder path, true .* or false"):
         load_config(write_config(tmp_path, tiny_checkpoint, namespace, layout_cache=3))

@@ -8,23 +8,25 @@ finds its key reads the answer and never imports transformers; one that does not
 A parameter transformers converts with more than a rename or a stack (`Assembly.computed`) needs transformers at
 load anyway: such an answer is not kept. Every check that follows the answer (shapes, formats, scales) still runs.
 
-The folder is the daemon's own: made 0700; a folder that is a symlink, is another uid's or that others may write
-is not used (one warning, planning asks transformers). An entry is read only when it is a regular file of this uid
-that nobody else may write, holding its own key; any other is ignored (one warning) and replaced. At most
+The folder is the daemon's own, by the rules of its run folder (`server/shm/hostpaths.py`): made 0700; a folder
+that is a symlink, is another uid's, or that others may write (it or a folder above it) is not used (one warning,
+planning asks transformers). An entry is read only when it is a regular file of this uid that nobody else may write
+(`hostpaths.check_file`), holding its own key; any other is ignored (one warning) and replaced. At most
 `MAX_ENTRIES` entries are kept, the least lately used removed first.
 """
 
 from __future__ import annotations
 
-import errno
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
-import stat
 import tempfile
+
+from ..shm.hostpaths import UnsafePath, check_file, ensure_private_dir
 
 SCHEMA = 1
 MAX_ENTRIES = 256  # a few KB each for most checkpoints; the test suite alone makes about 60
@@ -71,18 +73,15 @@ class LayoutCache:
 
     def _read(self, path: str, key: str):
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:  # ELOOP: a symlink planted under the entry's name
-            why = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
-            log.warning("layout cache: ignored %s (%s); asking transformers", path, why)
+            if check_file(path, "layout cache entry") is None:  # the daemon's regular file nobody else may write
+                return None
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # never a link put there meanwhile
+        except (UnsafePath, OSError) as exc:
+            log.warning("layout cache: ignored %s (%s); asking transformers", path, exc)
             return None
         try:
-            st = os.fstat(fd)
-            why = _unsafe(st, "file")
-            if why is None and st.st_size > MAX_ENTRY_BYTES:
-                why = f"{st.st_size} bytes, more than {MAX_ENTRY_BYTES}"
+            size = os.fstat(fd).st_size
+            why = f"{size} bytes, more than {MAX_ENTRY_BYTES}" if size > MAX_ENTRY_BYTES else None
             if why is None:
                 with os.fdopen(fd, "rb", closefd=False) as f:
                     try:
@@ -129,29 +128,18 @@ class LayoutCache:
                 pass
 
 
-def _unsafe(st: os.stat_result, what: str) -> str | None:
-    """Why a file or folder may not be trusted as this uid's own, or None."""
-    kind = stat.S_ISDIR if what == "folder" else stat.S_ISREG
-    if not kind(st.st_mode):
-        return f"not a regular {what}"
-    if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}, not this daemon's {os.geteuid()}"
-    if st.st_mode & 0o022:
-        return f"mode {oct(st.st_mode & 0o777)}: others may write it"
-    return None
-
-
 def _own_folder(folder: str) -> bool:
-    """Make the folder (0700) where it is missing; whether it is this uid's own and nobody else may write it."""
+    """Make the folder (0700, `hostpaths.ensure_private_dir`) where it is missing; whether it is this uid's own, nobody
+    else may write it or a folder above it, and it is no link (the cache folder is never one)."""
     try:
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        why = "a symlink" if os.path.islink(folder) else _unsafe(os.lstat(folder), "folder")
-    except OSError as exc:
-        why = exc.strerror or str(exc)
-    if why is not None:
-        log.warning("layout cache %s not used (%s): every start asks transformers; set `layout_cache:` to a "
-                    "folder of this uid's own, or false", folder, why)
-    return why is None
+        if os.path.islink(folder):
+            raise UnsafePath(f"layout cache {folder} is a symlink")
+        ensure_private_dir(folder, "layout cache")
+    except (UnsafePath, OSError) as exc:
+        log.warning("%s: not used, every start asks transformers; set `layout_cache:` to a folder of this uid's own, "
+                    "or false", exc)
+        return False
+    return True
 
 
 def _transformers() -> str:
@@ -164,7 +152,9 @@ def _transformers() -> str:
     return f"{version} {spec.origin if spec else None}"
 
 
+@functools.cache
 def _code() -> str:
+    """The digest of `_CODE` as this process loaded it (read once)."""
     h = hashlib.sha256()
     for name in _CODE:
         with open(importlib.util.find_spec(name).origin, "rb") as f:

@@ -273,16 +273,13 @@ def larger_checkpoint(tmp_path_factory) -> str:
     return folder
 
 
-def _freeze_answering(d, tid: int, job: int, said: list, tries: int = 20) -> None:
+def _freeze_answering(d, tid: int, job: int, said: list, tries: int = 10) -> None:
     """Freeze the build thread `tid` where the daemon still answers and the thread holds none of the locks a stop
     needs, as a read hung in the kernel holds neither the GIL nor a lock of the program: a place where the daemon
     does not answer, or where the thread's Python stack (the daemon's faulthandler dump on SIGQUIT) is inside logging
     (its handler's lock: the stop logs) or an import, is thawed and another one tried. What the daemon wrote to
-    stderr meanwhile is appended to `said`. A thawed thread is let run 5 ms before the next place is tried: frozen
-    again at once, it would be caught where it was (an import that holds the GIL)."""
-    for attempt in range(tries):
-        if attempt:
-            time.sleep(0.005)
+    stderr meanwhile is appended to `said`."""
+    for _ in range(tries):
         freeze.freeze(d.proc.pid, tid)
         probe = Connection(d.endpoint, timeout=3, credentials=Credentials(admin_token=ADMIN_TOKEN))
         try:

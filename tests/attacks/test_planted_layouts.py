@@ -124,6 +124,7 @@ def test_a_folder_another_uid_made_is_not_used_by_a_real_daemon(tiny_checkpoint,
                 assert daemon.stop() == 0
         served[name + " log"] = log.read_text()
     assert served["planted"] == served["true"]
-    assert f"layout cache {theirs} not used (owned by uid {NOBODY}" in served["planted log"]
+    assert f"layout cache {theirs} is owned by uid {NOBODY}" in served["planted log"]
+    assert "not used, every start asks transformers" in served["planted log"]
     assert "asked of transformers" in served["planted log"]
     assert os.listdir(theirs) == [os.path.basename(entry)]  # nothing written into it
