@@ -4,9 +4,10 @@
     python release_worker.py --serve     (a job a line on stdin: {"endpoint", "reference", "ids", "use_cache"})
 
 Run by tests/test_transformers_releases.py in other virtualenvs too, so it imports nothing but expertd's
-client, torch and transformers. Prints one JSON line: the logits' equality with the worker's own
-`from_pretrained(dtype=bfloat16)` of the bf16 reference, the dtypes of both, and which parameters and loaded
-buffers lie outside the daemon's read-only shared memory, and how many of the served segments it maps writable.
+client, torch, transformers and helpers.worker (which imports no more). Prints one JSON line: the logits'
+equality with the worker's own `from_pretrained(dtype=bfloat16)` of the bf16 reference, the dtypes of both,
+which parameters and loaded buffers lie outside the daemon's read-only shared memory, and how many of the served
+segments it maps writable.
 With --serve, one process runs job after job (a model of another daemon each time, the one before let go): the
 imports are paid once; a job that raises answers {"error": its traceback} and the next one runs.
 """
@@ -14,6 +15,7 @@ imports are paid once; a job that raises answers {"error": its traceback} and th
 import gc
 import json
 import logging
+import os
 import sys
 import traceback
 
@@ -22,6 +24,9 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from expertd.client import ExpertClient
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers.worker import shm_ranges  # noqa: E402
 
 
 class Lines(logging.Handler):
@@ -35,10 +40,7 @@ class Lines(logging.Handler):
 
 def writable_maps(shm_dir: str, namespace: str) -> int:
     """Mappings of the daemon's segments this process may write (0: every one read-only)."""
-    prefix = f"{shm_dir.rstrip('/')}/{namespace}."
-    with open("/proc/self/maps") as f:
-        rows = [line.split() for line in f]
-    return sum(1 for row in rows if len(row) >= 6 and row[5].startswith(prefix) and "w" in row[1])
+    return sum("w" in perms for _, _, perms in shm_ranges(namespace, shm_dir))
 
 
 def report(endpoint: str, reference: str, ids: torch.Tensor, use_cache: bool = False) -> dict:
